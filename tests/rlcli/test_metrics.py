@@ -1,0 +1,159 @@
+import io
+import json
+import math
+import sys
+
+import pytest
+from rich.console import Console
+
+from rlcli import metrics as metrics_module
+from rlcli.errors import UserError
+from rlcli.metrics import (
+    MetricsLogger,
+    Timer,
+    format_metrics_table,
+    read_metrics_jsonl,
+    reduce_metrics,
+)
+
+
+def test_timer_sums_repeated_phases_and_times_failing_blocks(monkeypatch):
+    clock = iter([10.0, 10.5, 20.0, 21.25, 30.0, 30.125])
+    monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: next(clock))
+    timer = Timer()
+    with timer("gen"):
+        pass
+    with timer("gen"):
+        pass
+    with pytest.raises(ValueError), timer("update"):
+        raise ValueError("boom")
+    assert timer.pop_metrics() == {"timing/gen": 1.75, "timing/update": 0.125}
+    assert timer.pop_metrics() == {}
+
+
+def test_reduce_metrics_means_each_key_over_the_dicts_that_have_it():
+    reduced = reduce_metrics([{"loss": 1.0, "kl": 0.5}, {"loss": 2.0}, {"loss": 6.0, "kl": 1.5}])
+    assert reduced == {"loss": 3.0, "kl": 1.0}
+
+
+def test_jsonl_records_every_step_and_counts_non_finite_values(tmp_path):
+    with pytest.warns(RuntimeWarning, match="actor/pg_loss"):
+        with MetricsLogger(tmp_path, backends=("jsonl",)) as logger:
+            logger.log(1, {"reward/mean": 0.25, "actor/pg_loss": -0.5})
+            logger.log(2, {"reward/mean": 0.5, "actor/pg_loss": float("nan")})
+            logger.log(3, {"reward/mean": 0.75, "actor/pg_loss": float("inf")})
+    records = read_metrics_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["reward/mean"] for r in records] == [0.25, 0.5, 0.75]
+    assert math.isnan(records[1]["actor/pg_loss"]) and records[2]["actor/pg_loss"] == math.inf
+    assert logger.non_finite_counts == {"actor/pg_loss": 2}
+
+
+def test_only_rank_zero_writes(tmp_path):
+    run_dir = tmp_path / "run"
+    logger = MetricsLogger(run_dir, backends=("jsonl", "tensorboard", "console"), rank=1)
+    logger.log(1, {"reward/mean": 1.0})
+    logger.close()
+    assert not run_dir.exists()
+
+
+def test_resumed_run_continues_the_file_without_duplicate_steps(tmp_path):
+    with MetricsLogger(tmp_path, backends=("jsonl",)) as logger:
+        for step in range(1, 6):
+            logger.log(step, {"reward/mean": float(step)})
+    # The interrupted run also left half a line behind.
+    with open(tmp_path / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 6, "rew')
+    # Its last checkpoint was step 3: steps 4-6 are redone by the resumed run.
+    with MetricsLogger(tmp_path, backends=("jsonl",), resumed_from_step=3) as logger:
+        for step in range(4, 7):
+            logger.log(step, {"reward/mean": 10.0 * step})
+    records = read_metrics_jsonl(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["reward/mean"]) for r in records] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 3.0),
+        (4, 40.0),
+        (5, 50.0),
+        (6, 60.0),
+    ]
+
+
+def test_appending_after_a_cut_line_starts_a_new_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "x": 1.0}\n{"step": 2, "x"')
+    with MetricsLogger(tmp_path, backends=("jsonl",)) as logger:
+        logger.log(3, {"x": 3.0})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1]) == {"step": 3, "x": 3.0}
+
+
+def _tensorboard_scalars(log_dir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(log_dir))
+    accumulator.Reload()
+    return [(event.step, event.value) for event in accumulator.Scalars(tag)]
+
+
+def test_tensorboard_scalars_read_back_and_resume_purges_later_steps(tmp_path):
+    config = {"trainer": {"lr": 1e-5}}
+    with MetricsLogger(tmp_path, backends=("tensorboard",), config_dict=config) as logger:
+        for step in range(1, 5):
+            logger.log(step, {"actor/grad_norm": 0.5 * step})
+    with MetricsLogger(tmp_path, backends=("tensorboard",), resumed_from_step=2) as logger:
+        logger.log(3, {"actor/grad_norm": 30.0})
+    scalars = _tensorboard_scalars(tmp_path / "tensorboard", "actor/grad_norm")
+    assert scalars == [(1, 0.5), (2, 1.0), (3, 30.0)]
+
+
+def test_console_prints_one_plain_line_per_step_when_not_a_terminal(tmp_path, capsys):
+    with MetricsLogger(tmp_path, backends=("console",), total_steps=10) as logger:
+        logger.log(
+            7,
+            {
+                "reward/mean": 0.375,
+                "reward/accuracy": 0.4,
+                "response_length/mean": 12.0,
+                "actor/pg_loss": -0.0123,
+                "actor/grad_norm": 1.5,
+                "timing/step": 0.21,
+                "throughput/tokens_per_s": 2345.0,
+                "not/shown": 99.0,
+            },
+        )
+    line = capsys.readouterr().out.strip()
+    assert line == (
+        "step 7/10 | reward 0.375 | acc 0.4 | resp_len 12 | pg_loss -0.0123 | grad_norm 1.5 "
+        "| step_s 0.21 | tok/s 2345"
+    )
+
+
+def test_console_shows_a_progress_bar_on_a_terminal(tmp_path):
+    buffer = io.StringIO()
+    terminal = Console(file=buffer, force_terminal=True, width=160, color_system=None)
+    with MetricsLogger(tmp_path, backends=("console",), total_steps=4, console=terminal) as logger:
+        for step in range(1, 5):
+            logger.log(step, {"reward/mean": step / 4})
+    output = buffer.getvalue()
+    assert "4/4" in output and "reward 1" in output
+
+
+def test_wandb_chosen_but_missing_names_the_config_key(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
+    with pytest.raises(UserError, match=r"logging\.backends.*pip install wandb"):
+        MetricsLogger(tmp_path, backends=("console", "wandb"))
+
+
+def test_unknown_backend_lists_the_valid_ones(tmp_path):
+    with pytest.raises(UserError, match="logging.backends.*'mlflow'.*console, tensorboard"):
+        MetricsLogger(tmp_path, backends=("mlflow",))
+
+
+def test_format_metrics_table_lists_every_metric():
+    table = format_metrics_table({"reward/mean": 0.5, "timing/step": 0.0001, "x": float("nan")})
+    rows = {
+        line.split("│")[1].strip(): line.split("│")[2].strip()
+        for line in table.splitlines()
+        if line.count("│") == 3 and "metric" not in line
+    }
+    assert rows == {"reward/mean": "0.5", "timing/step": "1.000e-04", "x": "nan"}
