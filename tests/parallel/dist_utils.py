@@ -1,0 +1,82 @@
+"""Shared helpers for tests/parallel: tiny HF checkpoints and torchrun launches.
+
+    make_tiny_hf_model(out_dir, family="qwen2", tie_word_embeddings=False, seed=0, **config_overrides)
+        -> Path   (random transformers model saved as safetensors + config.json, fp32)
+    run_torchrun(script, nproc, *args, timeout_s=600) -> str   (combined output; raises on failure)
+
+The tiny models are deliberately awkward: vocab 251 (odd, so TP padding is exercised), 4 layers
+(2 per stage at PP2, 1 per virtual stage at PP2 x VPP2), GQA (4 heads, 2 KV groups), and a
+non-default rope_theta.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+TINY_CONFIG = dict(
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    vocab_size=251,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    rope_theta=50000.0,
+)
+
+
+def make_tiny_hf_model(
+    out_dir: str | os.PathLike,
+    family: str = "qwen2",
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    **config_overrides,
+) -> Path:
+    """Save a randomly initialised fp32 `family` ("qwen2" or "llama") model to `out_dir`."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    classes = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+    config_cls, model_cls = classes[family]
+    options = {**TINY_CONFIG, "tie_word_embeddings": tie_word_embeddings, **config_overrides}
+    rope_theta = options.pop("rope_theta")
+    config = config_cls(
+        **options, rope_parameters={"rope_type": "default", "rope_theta": rope_theta}
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    # HF initialises norms to 1 and biases to 0; randomise them so a mapping mistake shows up.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                param.normal_(mean=1.0 if "norm" in name else 0.0, std=0.1)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def run_torchrun(script: str | os.PathLike, nproc: int, *args: str, timeout_s: int = 600) -> str:
+    """Run `script` under `torch.distributed.run --standalone --nproc_per_node nproc` with gloo-
+    friendly settings (OMP_NUM_THREADS=1, repo on PYTHONPATH). Returns stdout+stderr; raises
+    AssertionError with the output tail when any rank fails."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONWARNINGS": "ignore",
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc_per_node={nproc}", str(script), *map(str, args)]
+    proc = subprocess.run(
+        cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-6000:]}"
+    return output
