@@ -1,0 +1,166 @@
+"""The ``rlcli`` command line: train, sft, config, convert, data, export, launch, benchmark.
+
+Heavy imports (torch, megatron-core, vLLM) happen inside the commands, so ``rlcli --help`` and
+``rlcli config show`` answer in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from rlcli.errors import USER_ERROR_EXIT_CODE, UserError
+
+app = typer.Typer(
+    help="rlcli: Megatron-centric RL post-training for LLMs with colocated vLLM rollouts.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+config_app = typer.Typer(help="Show or validate a recipe's resolved config.", no_args_is_help=True)
+data_app = typer.Typer(
+    help="Prepare datasets in the prompt schema rlcli trains on.", no_args_is_help=True
+)
+app.add_typer(config_app, name="config")
+app.add_typer(data_app, name="data")
+
+RECIPE = typer.Argument(..., help="Recipe YAML, e.g. recipes/quickstart.yaml")
+OVERRIDES = typer.Argument(None, help="Dot-list overrides, e.g. actor.lr=1e-5 parallel.tp=2")
+NPROC = typer.Option(
+    1, "--nproc", help="Processes to start on this machine with torchrun (ignored under torchrun)."
+)
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def _relaunch_with_torchrun(nproc: int) -> None:
+    """Re-execute this very command under torchrun on ``nproc`` local processes."""
+    if nproc < 1:
+        raise UserError(f"--nproc must be >= 1, got {nproc}")
+    argv = [a for a in sys.argv[1:]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "rlcli.cli",
+        *argv,
+    ]
+    os.execv(sys.executable, cmd)
+
+
+@app.command()
+def train(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES, nproc: int = NPROC):
+    """Run RL post-training (GRPO, DAPO, PPO, ...) as the recipe says."""
+    from rlcli.config import load_config
+
+    cfg = load_config(recipe, overrides or [])
+    if nproc > 1 and not _under_torchrun():
+        _relaunch_with_torchrun(nproc)
+    from rlcli.trainer import run_training
+
+    run_training(cfg)
+
+
+@app.command()
+def sft(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES, nproc: int = NPROC):
+    """Supervised warm start: cross-entropy on the responses of the recipe's SFT data."""
+    from rlcli.config import load_config
+
+    cfg = load_config(recipe, overrides or [])
+    if nproc > 1 and not _under_torchrun():
+        _relaunch_with_torchrun(nproc)
+    from rlcli.trainer import run_sft_only
+
+    run_sft_only(cfg)
+
+
+@config_app.command("show")
+def config_show(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES):
+    """Print the fully resolved config (defaults <- recipe <- overrides)."""
+    from rlcli.config import load_config, to_yaml
+
+    typer.echo(to_yaml(load_config(recipe, overrides or [])), nl=False)
+
+
+@config_app.command("validate")
+def config_validate(
+    recipe: Path = RECIPE,
+    overrides: Optional[list[str]] = OVERRIDES,
+    world_size: Optional[int] = typer.Option(
+        None, "--world-size", help="Also check the parallel layout for this many ranks."
+    ),
+):
+    """Check a recipe without running it; exit code 2 and a message naming the key if it is wrong."""
+    from rlcli.config import derive_dp, load_config, validate
+
+    cfg = load_config(recipe, overrides or [])
+    if world_size is not None:
+        validate(cfg, world_size=world_size)
+        dp = derive_dp(cfg.parallel, world_size)
+        typer.echo(
+            f"ok: {recipe} (world size {world_size}: tp={cfg.parallel.tp} "
+            f"pp={cfg.parallel.pp} dp={dp}, rollout.tp={cfg.rollout.tp})"
+        )
+    else:
+        typer.echo(f"ok: {recipe}")
+
+
+@data_app.command("gsm8k")
+def data_gsm8k(
+    input: Path = typer.Option(..., "--input", help="GSM8K raw JSONL (question / answer rows)."),
+    output: Path = typer.Option(..., "--output", help="Output directory."),
+):
+    """Turn GSM8K's raw rows into rlcli's (verl's) prompt schema."""
+    from rlcli.data.gsm8k import convert_gsm8k
+
+    counts = convert_gsm8k(str(input), str(output))
+    typer.echo(f"wrote {output}: {counts}")
+
+
+@data_app.command("arith")
+def data_arith(
+    output: Path = typer.Option(..., "--output", help="Output directory."),
+    num_max: int = typer.Option(50, help="Operands are drawn from 0..num_max-1."),
+    num_val: int = typer.Option(200, help="Held-out pairs."),
+):
+    """Write the quickstart's synthetic addition task (train and held-out JSONL)."""
+    from rlcli.data.synthetic import write_arith_dataset
+
+    paths = write_arith_dataset(str(output), num_max=num_max, num_val=num_val)
+    typer.echo(f"wrote {paths}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: user mistakes print one clear line and exit 2, never a traceback."""
+    try:
+        app(args=argv, standalone_mode=False)
+    except UserError as err:
+        typer.secho(f"error: {err}", err=True, fg=typer.colors.RED)
+        sys.exit(USER_ERROR_EXIT_CODE)
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        sys.exit(130)
+    except typer.Exit as err:
+        sys.exit(err.exit_code)
+    except typer.Abort:
+        sys.exit(1)
+    except Exception as err:  # click usage errors carry their own exit code (2)
+        import click
+
+        if isinstance(err, click.ClickException):
+            err.show()
+            sys.exit(err.exit_code)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Config loading and the CLI's handling of bad input: exit code 2, a message naming the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlcli.config import RLConfig, derive_dp, load_config, valid_keys
+from rlcli.errors import UserError
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "recipes" / "quickstart.yaml"
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rlcli.cli", *args], cwd=REPO, capture_output=True, text=True
+    )
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_recipe_and_override_merge_over_defaults():
+    cfg = load_config(QUICKSTART, ["actor.lr=1e-5", "rollout.n=4"])
+    assert isinstance(cfg, RLConfig)
+    assert cfg.actor.lr == 1e-5
+    assert cfg.rollout.n == 4
+    assert cfg.data.synthetic == "arith"  # from the recipe
+    assert cfg.actor.clip_ratio_low == 0.2  # default kept
+    assert cfg.model.path == "outputs/quickstart/model"  # interpolation resolved
+
+
+def test_config_show_prints_resolved_override():
+    proc = run_cli("config", "show", str(QUICKSTART), "actor.lr=1e-5")
+    assert proc.returncode == 0, proc.stderr
+    actor = proc.stdout.split("actor:", 1)[1]
+    assert "lr: 1.0e-05" in actor.split("\n\n")[0] or "lr: 1e-05" in actor
+    assert "experiment_name: quickstart" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["actor.lrr=1e-5"], ["unknown config key 'actor.lrr'", "did you mean 'actor.lr'"]),
+        (["rollout.temprature=0.5"], ["rollout.temprature", "did you mean 'rollout.temperature'"]),
+        (["actor.lr=abc"], ["actor.lr", "abc"]),
+        (["rollout.n=two"], ["rollout.n", "two"]),
+        (["actor.lr"], ["override 'actor.lr' must look like key=value"]),
+        (["rollout.engine=sglang"], ["rollout.engine='sglang' is not valid", "'vllm', 'hf'"]),
+        (["algorithm.adv_estimator=nope"], ["algorithm.adv_estimator", "grpo"]),
+        (["actor.ppo_mini_batch_size=3"], ["actor.ppo_mini_batch_size=3 must divide"]),
+    ],
+)
+def test_bad_overrides_exit_2_and_name_the_key(args, needles):
+    proc = run_cli("config", "show", str(QUICKSTART), *args)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, proc.stderr
+
+
+def test_missing_recipe_file():
+    proc = run_cli("config", "show", "recipes/does_not_exist.yaml")
+    assert proc.returncode == 2
+    assert "recipe file not found: recipes/does_not_exist.yaml" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_invalid_yaml_names_file_and_line(tmp_path):
+    recipe = write(tmp_path, "actor:\n  lr: 1e-5\n  clip: [1, 2\nrollout:\n  n: 2\n")
+    proc = run_cli("config", "validate", str(recipe))
+    assert proc.returncode == 2
+    assert f"invalid YAML in {recipe} line" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_unknown_key_in_recipe_names_the_file(tmp_path):
+    recipe = write(tmp_path, "model:\n  path: /tmp/m\ntrainer:\n  total_step: 3\n")
+    with pytest.raises(UserError) as err:
+        load_config(recipe)
+    assert str(recipe) in str(err.value)
+    assert "unknown config key 'trainer.total_step'" in str(err.value)
+    assert "did you mean 'trainer.total_steps'" in str(err.value)
+
+
+def test_wrong_type_in_recipe(tmp_path):
+    recipe = write(tmp_path, "model:\n  path: /tmp/m\ndata:\n  train_batch_size: many\n")
+    with pytest.raises(UserError, match="data.train_batch_size"):
+        load_config(recipe)
+
+
+def test_impossible_parallel_layout():
+    proc = run_cli(
+        "config", "validate", str(QUICKSTART), "parallel.tp=2", "parallel.pp=2", "--world-size", "6"
+    )
+    assert proc.returncode == 2
+    assert (
+        "world size 6 is not divisible by tp*pp = 4 (parallel.tp=2, parallel.pp=2)" in proc.stderr
+    )
+
+
+def test_valid_layout_reports_derived_dp():
+    proc = run_cli("config", "validate", str(QUICKSTART), "parallel.tp=2", "--world-size", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert "tp=2 pp=1 dp=4" in proc.stdout
+
+
+def test_derive_dp_and_explicit_dp_mismatch():
+    cfg = load_config(QUICKSTART, ["parallel.tp=2", "parallel.dp=3"])
+    assert derive_dp(load_config(QUICKSTART, ["parallel.tp=2"]).parallel, 4) == 2
+    with pytest.raises(UserError, match="parallel.dp=3 does not match world size 4"):
+        derive_dp(cfg.parallel, 4)
+
+
+def test_empty_model_path_is_rejected(tmp_path):
+    with pytest.raises(UserError, match=r"model.path is empty"):
+        load_config(write(tmp_path, "rollout:\n  n: 2\n"))
+
+
+def test_valid_keys_cover_nested_sections():
+    keys = valid_keys()
+    assert "algorithm.kl_ctrl.kl_coef" in keys
+    assert "model.spec.hidden_size" in keys
+
+
+def test_help_lists_commands():
+    proc = run_cli("--help")
+    assert proc.returncode == 0
+    for command in ("train", "sft", "config", "data"):
+        assert command in proc.stdout
