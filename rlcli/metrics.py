@@ -234,7 +234,7 @@ class MetricsLogger:
             if resumed_from_step is not None:
                 _drop_records_after(jsonl_path, resumed_from_step)
             _end_with_newline(jsonl_path)
-            self._jsonl_file = open(jsonl_path, "a", encoding="utf-8")  # noqa: SIM115
+            self._jsonl_file = open(jsonl_path, "a", encoding="utf-8")
         if "tensorboard" in backends:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -1,0 +1,333 @@
+"""Checkpoint directories that are either complete or ignored, and the trainer's own state.
+
+Layout under the checkpoint root::
+
+    step_000010/            a complete checkpoint: has the COMPLETE marker
+        COMPLETE
+        trainer_state.json
+        rng_state_rank0.safetensors, rng_state_rank1.safetensors, ...
+        ...                 whatever the trainer wrote (e.g. megatron dist_checkpointing shards)
+    .tmp-step_000020/       a save in progress (or one that crashed): never loaded
+    latest                  text file naming the newest complete step directory
+
+A save writes everything into ``.tmp-step_N``; only after every rank finished writing does rank 0
+add the marker and rename the directory to ``step_N`` in one ``os.replace``. A crash at any point
+leaves either no ``step_N`` or a complete one. Pruning renames a directory away before deleting
+it, so a half-deleted checkpoint never looks complete either.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from rlcli.errors import UserError
+
+COMPLETE_MARKER = "COMPLETE"
+LATEST_POINTER = "latest"
+TRAINER_STATE_FILE = "trainer_state.json"
+TEMPORARY_PREFIX = ".tmp-"
+DELETING_PREFIX = ".deleting-"
+_STEP_DIR_RE = re.compile(r"^step_(\d+)$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def is_complete_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """True for a ``step_N`` directory that carries the COMPLETE marker."""
+    path = Path(path)
+    return (
+        path.is_dir()
+        and _STEP_DIR_RE.match(path.name) is not None
+        and (path / COMPLETE_MARKER).is_file()
+    )
+
+
+def checkpoint_step(path: str | os.PathLike[str]) -> int:
+    """The step number of a ``step_N`` directory."""
+    match = _STEP_DIR_RE.match(Path(path).name)
+    if match is None:
+        raise ValueError(f"{path} is not a step_N checkpoint directory")
+    return int(match.group(1))
+
+
+def write_text_atomically(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old or the new content, never a part."""
+    path = Path(path)
+    temporary = path.with_name(f"{TEMPORARY_PREFIX}{path.name}.{os.getpid()}")
+    with open(temporary, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    # Makes a rename durable: the directory entry itself must reach the disk.
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _distributed_rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+def _distributed_barrier() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+class CheckpointManager:
+    """Creates, finds and prunes ``step_N`` checkpoint directories under ``root_dir``.
+
+    Every rank constructs one and enters :meth:`saving` together (it is a collective).
+
+    Args:
+        root_dir: the checkpoint root (shared by all ranks, e.g. on a network filesystem).
+        keep_last: how many complete checkpoints to keep; ``None`` keeps all.
+        rank: this process's global rank (default: from torch.distributed, else 0).
+        barrier: waits for every rank (default: ``torch.distributed.barrier`` when initialised,
+            else nothing).
+    """
+
+    def __init__(
+        self,
+        root_dir: str | os.PathLike[str],
+        keep_last: int | None = None,
+        rank: int | None = None,
+        barrier: Callable[[], None] | None = None,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise UserError(
+                f"checkpoint keep_last must be at least 1 (or null to keep all), got {keep_last}."
+            )
+        self.root_dir = Path(root_dir)
+        self.keep_last = keep_last
+        self.rank = _distributed_rank() if rank is None else rank
+        self._barrier = barrier or _distributed_barrier
+
+    def step_dir(self, step: int) -> Path:
+        """Where the complete checkpoint of ``step`` lives (whether or not it exists)."""
+        return self.root_dir / step_dir_name(step)
+
+    def complete_steps(self) -> list[int]:
+        """Steps with a complete checkpoint, ascending."""
+        if not self.root_dir.is_dir():
+            return []
+        return sorted(
+            checkpoint_step(path)
+            for path in self.root_dir.iterdir()
+            if is_complete_checkpoint(path)
+        )
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, or ``None`` when there is none."""
+        steps = self.complete_steps()
+        return steps[-1] if steps else None
+
+    def latest_dir(self) -> Path | None:
+        step = self.latest_step()
+        return None if step is None else self.step_dir(step)
+
+    @contextmanager
+    def saving(self, step: int) -> Iterator[Path]:
+        """Collective: yields a temporary directory for every rank to write ``step`` into.
+
+        On normal exit, after a barrier, rank 0 marks it complete, renames it to ``step_N``,
+        updates ``latest`` and prunes old checkpoints; a final barrier keeps other ranks from
+        reading before that. On an exception nothing is committed and the exception propagates
+        (the leftover temporary directory is removed by the next save).
+        """
+        temporary = self.root_dir / f"{TEMPORARY_PREFIX}{step_dir_name(step)}"
+        if self.rank == 0:
+            self.root_dir.mkdir(parents=True, exist_ok=True)
+            self._remove_leftovers()
+            temporary.mkdir()
+        self._barrier()
+        yield temporary
+        self._barrier()
+        if self.rank == 0:
+            self._commit(temporary, step)
+        self._barrier()
+
+    def _commit(self, temporary: Path, step: int) -> None:
+        write_text_atomically(temporary / COMPLETE_MARKER, json.dumps({"step": step}) + "\n")
+        final = self.step_dir(step)
+        if final.exists():
+            # Saving a step again (a resumed run redoing it): the old copy goes first.
+            self._delete(final)
+        os.replace(temporary, final)
+        _fsync_dir(self.root_dir)
+        write_text_atomically(self.root_dir / LATEST_POINTER, final.name + "\n")
+        self._prune()
+
+    def _prune(self) -> None:
+        if self.keep_last is None:
+            return
+        for step in self.complete_steps()[: -self.keep_last]:
+            self._delete(self.step_dir(step))
+
+    def _delete(self, path: Path) -> None:
+        # Renamed away first: a crash half-way through rmtree must not leave a marked directory.
+        doomed = path.with_name(f"{DELETING_PREFIX}{path.name}")
+        os.replace(path, doomed)
+        shutil.rmtree(doomed)
+
+    def _remove_leftovers(self) -> None:
+        for path in self.root_dir.iterdir():
+            if path.is_dir() and path.name.startswith((TEMPORARY_PREFIX, DELETING_PREFIX)):
+                shutil.rmtree(path)
+
+    def resolve_resume(self, resume: str | os.PathLike[str] | None) -> Path | None:
+        """The checkpoint to resume from for ``trainer.resume``: ``"auto"``, ``"none"`` or a path.
+
+        ``auto`` takes the newest complete checkpoint under the root (``None`` when there is
+        none: a fresh start); ``none`` (or ``None``) never resumes; a path must be a complete
+        ``step_N`` checkpoint directory.
+        """
+        if resume is None or str(resume).lower() in ("none", "null", ""):
+            return None
+        if str(resume).lower() == "auto":
+            return self.latest_dir()
+        path = Path(resume)
+        if is_complete_checkpoint(path):
+            return path
+        raise UserError(_why_not_a_checkpoint(path))
+
+
+def _why_not_a_checkpoint(path: Path) -> str:
+    prefix = f"trainer.resume={str(path)!r}"
+    choices = "use 'auto' (newest complete checkpoint), 'none', or a step_N checkpoint directory"
+    if not path.exists():
+        return f"{prefix}: no such directory; {choices}."
+    if not path.is_dir():
+        return f"{prefix} is a file, not a checkpoint directory; {choices}."
+    if _STEP_DIR_RE.match(path.name) is None:
+        inside = CheckpointManager(path, rank=0).latest_dir()
+        hint = f" (its newest complete checkpoint is {inside})" if inside is not None else ""
+        return f"{prefix} is not a step_N checkpoint directory{hint}; {choices}."
+    return (
+        f"{prefix} has no {COMPLETE_MARKER} marker: the save was interrupted and the checkpoint "
+        f"is incomplete; {choices}."
+    )
+
+
+# Trainer-side state: JSON for plain values, safetensors for RNG states. No pickle anywhere, so
+# loading a checkpoint can never run code hidden in it.
+
+
+def rng_state_file(rank: int) -> str:
+    return f"rng_state_rank{rank}.safetensors"
+
+
+def save_trainer_state(
+    directory: str | os.PathLike[str], state: Mapping[str, Any], rank: int | None = None
+) -> None:
+    """Writes ``state`` (JSON-serialisable: step, data position, KL coefficient, ...) on rank 0,
+    and this rank's RNG states (python, numpy, torch CPU and CUDA) on every rank."""
+    directory = Path(directory)
+    rank = _distributed_rank() if rank is None else rank
+    if rank == 0:
+        write_text_atomically(directory / TRAINER_STATE_FILE, json.dumps(dict(state), indent=2))
+    tensors, metadata = _capture_rng_states()
+    save_file(tensors, str(directory / rng_state_file(rank)), metadata=metadata)
+
+
+def load_trainer_state(
+    directory: str | os.PathLike[str], rank: int | None = None, restore_rng: bool = True
+) -> dict[str, Any]:
+    """Returns the state saved by :func:`save_trainer_state` and restores this rank's RNGs."""
+    directory = Path(directory)
+    rank = _distributed_rank() if rank is None else rank
+    state_path = directory / TRAINER_STATE_FILE
+    if not state_path.is_file():
+        raise UserError(f"{state_path} is missing: {directory} is not an rlcli checkpoint.")
+    state = json.loads(state_path.read_text(encoding="utf-8"))
+    if restore_rng:
+        rng_path = directory / rng_state_file(rank)
+        if rng_path.is_file():
+            _restore_rng_states(rng_path)
+        else:
+            warnings.warn(
+                f"{rng_path} is missing (the checkpoint was saved with fewer ranks); "
+                f"rank {rank} keeps its current random state.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return state
+
+
+def _capture_rng_states() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    python_version, python_words, python_gauss = random.getstate()
+    numpy_kind, numpy_keys, numpy_pos, numpy_has_gauss, numpy_gauss = np.random.get_state()
+    tensors = {
+        "python": torch.tensor(python_words, dtype=torch.int64),
+        "numpy": torch.from_numpy(numpy_keys.astype(np.int64)),
+        "torch_cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        for index, cuda_state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{index}"] = cuda_state
+    metadata = {
+        "python": json.dumps({"version": python_version, "gauss_next": python_gauss}),
+        "numpy": json.dumps(
+            {
+                "kind": numpy_kind,
+                "pos": numpy_pos,
+                "has_gauss": numpy_has_gauss,
+                "cached_gaussian": numpy_gauss,
+            }
+        ),
+    }
+    return tensors, metadata
+
+
+def _restore_rng_states(path: Path) -> None:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata()
+    tensors = load_file(str(path))
+    python = json.loads(metadata["python"])
+    words = tuple(int(word) for word in tensors["python"].tolist())
+    random.setstate((python["version"], words, python["gauss_next"]))
+    numpy = json.loads(metadata["numpy"])
+    np.random.set_state(
+        (
+            numpy["kind"],
+            tensors["numpy"].numpy().astype(np.uint32),
+            numpy["pos"],
+            numpy["has_gauss"],
+            numpy["cached_gaussian"],
+        )
+    )
+    torch.set_rng_state(tensors["torch_cpu"])
+    cuda_states = [
+        tensors[key] for key in sorted(tensors, key=_cuda_index) if _cuda_index(key) >= 0
+    ]
+    if cuda_states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda_states)
+
+
+def _cuda_index(key: str) -> int:
+    """The device index of a ``torch_cuda_<index>`` key, -1 for other keys."""
+    return int(key.rsplit("_", 1)[1]) if key.startswith("torch_cuda_") else -1

@@ -1,0 +1,179 @@
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from rlcli.checkpointing import (
+    CheckpointManager,
+    load_trainer_state,
+    rng_state_file,
+    save_trainer_state,
+)
+from rlcli.errors import UserError
+
+
+def _save(manager, step, payload="weights"):
+    with manager.saving(step) as directory:
+        (directory / "model.bin").write_text(f"{payload} {step}")
+    return manager.step_dir(step)
+
+
+def test_saving_commits_a_complete_directory_and_latest_pointer(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    with manager.saving(10) as directory:
+        assert directory == tmp_path / ".tmp-step_000010"
+        assert manager.latest_step() is None  # not visible while it is being written
+        (directory / "model.bin").write_text("w")
+    final = tmp_path / "step_000010"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000010"]
+    assert (final / "model.bin").read_text() == "w"
+    assert json.loads((final / "COMPLETE").read_text()) == {"step": 10}
+    assert (tmp_path / "latest").read_text().strip() == "step_000010"
+    assert manager.latest_step() == 10 and manager.latest_dir() == final
+
+
+def test_a_crash_inside_saving_leaves_no_complete_checkpoint(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    _save(manager, 10)
+    with pytest.raises(RuntimeError, match="disk full"), manager.saving(20) as directory:
+        (directory / "model.bin").write_text("half")
+        raise RuntimeError("disk full")
+    assert not (tmp_path / "step_000020").exists()
+    assert manager.latest_step() == 10
+    assert manager.resolve_resume("auto") == tmp_path / "step_000010"
+    assert (tmp_path / "latest").read_text().strip() == "step_000010"
+    # The next save clears the leftover temporary directory.
+    _save(manager, 30)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000010", "step_000030"]
+
+
+def test_half_written_directories_are_never_loaded(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    _save(manager, 10)
+    # A step directory without marker (copied by hand, or written by another tool and cut
+    # short) and a temporary directory that even has a marker.
+    (tmp_path / "step_000030").mkdir()
+    (tmp_path / "step_000030" / "model.bin").write_text("half")
+    (tmp_path / ".tmp-step_000040").mkdir()
+    (tmp_path / ".tmp-step_000040" / "COMPLETE").write_text("{}")
+    assert manager.complete_steps() == [10]
+    assert manager.resolve_resume("auto") == tmp_path / "step_000010"
+    with pytest.raises(UserError, match=r"trainer\.resume.*no COMPLETE marker.*incomplete"):
+        manager.resolve_resume(tmp_path / "step_000030")
+    with pytest.raises(UserError, match=r"trainer\.resume.*not a step_N"):
+        manager.resolve_resume(tmp_path / ".tmp-step_000040")
+
+
+def test_keep_last_prunes_oldest_complete_checkpoints(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    for step in (10, 20, 30, 40, 50):
+        _save(manager, step)
+    assert manager.complete_steps() == [40, 50]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000040", "step_000050"]
+
+
+def test_saving_the_same_step_again_replaces_it(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    _save(manager, 10, payload="first")
+    _save(manager, 10, payload="second")
+    assert (tmp_path / "step_000010" / "model.bin").read_text() == "second 10"
+    assert manager.complete_steps() == [10]
+
+
+def test_resolve_resume_choices_and_errors(tmp_path):
+    manager = CheckpointManager(tmp_path / "ckpt")
+    assert manager.resolve_resume("auto") is None  # nothing saved yet: fresh start
+    final = _save(manager, 5)
+    assert manager.resolve_resume("none") is None
+    assert manager.resolve_resume(None) is None
+    assert manager.resolve_resume(str(final)) == final
+    with pytest.raises(UserError, match="no such directory"):
+        manager.resolve_resume(tmp_path / "missing")
+    with pytest.raises(
+        UserError, match=r"not a step_N.*newest complete checkpoint is .*step_000005"
+    ):
+        manager.resolve_resume(tmp_path / "ckpt")
+    with pytest.raises(UserError, match="keep_last"):
+        CheckpointManager(tmp_path, keep_last=0)
+
+
+def _draw_numbers():
+    return (
+        [random.random() for _ in range(3)],
+        [random.gauss(0, 1)],  # python's gauss caches a second value: part of the state
+        np.random.rand(3).tolist(),
+        torch.rand(3).tolist(),
+    )
+
+
+def test_trainer_state_and_rng_round_trip_without_pickle(tmp_path):
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    random.gauss(0, 1)  # leaves a cached gaussian in python's state
+    state = {"step": 7, "dataloader": {"epoch": 1, "position": 96}, "kl_coef": 0.05}
+    save_trainer_state(tmp_path, state, rank=0)
+    expected = _draw_numbers()
+    _draw_numbers()  # move every generator on
+    assert load_trainer_state(tmp_path, rank=0) == state
+    assert _draw_numbers() == expected
+    # RNG states are plain tensors in safetensors, not pickles.
+    with safe_open(str(tmp_path / rng_state_file(0)), framework="pt") as handle:
+        assert set(handle.keys()) >= {"python", "numpy", "torch_cpu"}
+
+
+def test_rng_states_are_per_rank(tmp_path):
+    torch.manual_seed(0)
+    save_trainer_state(tmp_path, {"step": 1}, rank=0)
+    rank0_draw = torch.rand(2)
+    torch.manual_seed(1)
+    save_trainer_state(tmp_path, {"step": 999}, rank=1)  # only rank 0 writes the JSON
+    rank1_draw = torch.rand(2)
+    assert load_trainer_state(tmp_path, rank=1) == {"step": 1}
+    assert torch.equal(torch.rand(2), rank1_draw)
+    load_trainer_state(tmp_path, rank=0)
+    assert torch.equal(torch.rand(2), rank0_draw)
+    with pytest.warns(RuntimeWarning, match="rng_state_rank2"):
+        load_trainer_state(tmp_path, rank=2)
+
+
+def test_loading_a_directory_without_trainer_state_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="trainer_state.json is missing"):
+        load_trainer_state(tmp_path, rank=0)
+
+
+def _two_rank_save(rank, root, init_file):
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2
+    )
+    try:
+        manager = CheckpointManager(root, keep_last=1)
+        for step in (1, 2):
+            with manager.saving(step) as directory:
+                # Every rank writes its own shard, as megatron dist_checkpointing does.
+                (directory / f"shard_rank{rank}.bin").write_bytes(os.urandom(1 << 16))
+                save_trainer_state(directory, {"step": step})
+            # After the context every rank sees the committed checkpoint.
+            assert manager.latest_step() == step
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.dist
+def test_two_ranks_commit_only_after_both_wrote(tmp_path):
+    root = tmp_path / "ckpt"
+    torch.multiprocessing.spawn(_two_rank_save, args=(root, tmp_path / "init"), nprocs=2, join=True)
+    final = root / "step_000002"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002"]
+    assert sorted(p.name for p in final.iterdir()) == [
+        "COMPLETE",
+        "rng_state_rank0.safetensors",
+        "rng_state_rank1.safetensors",
+        "shard_rank0.bin",
+        "shard_rank1.bin",
+        "trainer_state.json",
+    ]
