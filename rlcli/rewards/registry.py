@@ -1,0 +1,164 @@
+"""Reward functions by name, and user reward functions by ``module:function`` or file path.
+
+Every reward function has verl's signature, called with keywords::
+
+    compute_score(data_source: str, solution_str: str, ground_truth, extra_info: dict | None = None)
+        -> float | dict   # a dict carries "score" plus extra fields such as "acc"
+
+Specs accepted by ``resolve_reward_fn``: a registered name (``gsm8k``, ``math``, ``arith``,
+``default``), ``package.module:function``, or ``path/to/file.py:function``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import importlib.util
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from rlcli.errors import UserError
+
+RewardFn = Callable[..., Any]
+
+_REGISTRY: dict[str, RewardFn] = {}
+# Builtins known to return quickly; the RewardManager calls them in the trainer's own process.
+_IN_PROCESS: set[RewardFn] = set()
+
+
+def register_reward(name: str, *, in_process: bool = False) -> Callable[[RewardFn], RewardFn]:
+    """Decorator registering a reward function under ``name``.
+
+    ``in_process=True`` promises the function is fast and always returns (no user code, no
+    unbounded work): the ``RewardManager`` then skips its worker processes for it.
+    """
+
+    def decorate(fn: RewardFn) -> RewardFn:
+        if name in _REGISTRY and _REGISTRY[name] is not fn:
+            raise ValueError(f"reward function {name!r} is already registered")
+        _REGISTRY[name] = fn
+        if in_process:
+            _IN_PROCESS.add(fn)
+        return fn
+
+    return decorate
+
+
+def registered_reward_names() -> list[str]:
+    """Names accepted by ``get_reward_fn``, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_reward_fn(name: str) -> RewardFn:
+    """The reward function registered as ``name``; ``UserError`` listing the valid names."""
+    if name not in _REGISTRY:
+        raise UserError(
+            f"unknown reward function {name!r}; registered: {', '.join(registered_reward_names())} "
+            "(or give 'module:function' or 'path/to/file.py:function')"
+        )
+    return _REGISTRY[name]
+
+
+class RewardFunction:
+    """A resolved reward spec, callable with verl's signature.
+
+    Pickles as its spec, so worker processes re-resolve it: this is what lets a function loaded
+    from a file path (which no worker could import by module name) run in a worker process.
+    """
+
+    def __init__(self, spec: str, fn: RewardFn, kwargs: Mapping[str, Any] | None = None) -> None:
+        self.spec = spec
+        self.fn = fn
+        self.kwargs = dict(kwargs or {})
+
+    @property
+    def in_process(self) -> bool:
+        """True for the registered builtins that are safe to call in the trainer's process."""
+        return is_in_process_reward(self.fn)
+
+    def __call__(
+        self,
+        data_source: str,
+        solution_str: str,
+        ground_truth: Any,
+        extra_info: dict[str, Any] | None = None,
+    ) -> float | dict[str, Any]:
+        return self.fn(
+            data_source=data_source,
+            solution_str=solution_str,
+            ground_truth=ground_truth,
+            extra_info=extra_info,
+            **self.kwargs,
+        )
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return resolve_reward_fn, (self.spec, self.kwargs)
+
+    def __repr__(self) -> str:
+        extra = f", {self.kwargs}" if self.kwargs else ""
+        return f"RewardFunction({self.spec!r}{extra})"
+
+
+def is_in_process_reward(fn: RewardFn) -> bool:
+    """Whether ``fn`` (or the function a partial / RewardFunction wraps) is an in-process builtin."""
+    while True:
+        if isinstance(fn, RewardFunction):
+            fn = fn.fn
+        elif isinstance(fn, functools.partial):
+            fn = fn.func
+        else:
+            return fn in _IN_PROCESS
+
+
+def resolve_reward_fn(spec: str, reward_kwargs: Mapping[str, Any] | None = None) -> RewardFunction:
+    """Resolve a registered name, ``module:function`` or ``path/to/file.py:function``.
+
+    ``reward_kwargs`` are passed to every call (e.g. ``{"method": "flexible"}`` for gsm8k).
+    Raises ``UserError`` naming the spec and the import error when it does not resolve.
+    """
+    if spec in _REGISTRY:
+        return RewardFunction(spec, _REGISTRY[spec], reward_kwargs)
+    if ":" not in spec:
+        raise UserError(
+            f"unknown reward function {spec!r}; registered: {', '.join(registered_reward_names())}"
+            ", or 'module:function', or 'path/to/file.py:function'"
+        )
+    module_part, function_name = spec.rsplit(":", 1)
+    if module_part.endswith(".py") or os.sep in module_part:
+        module = _load_file(spec, module_part)
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except Exception as error:
+            raise UserError(
+                f"reward function {spec!r}: cannot import module {module_part!r}: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+    fn = getattr(module, function_name, None)
+    if not callable(fn):
+        raise UserError(
+            f"reward function {spec!r}: {module_part!r} has no function {function_name!r}"
+        )
+    return RewardFunction(spec, fn, reward_kwargs)
+
+
+def _load_file(spec: str, path: str) -> Any:
+    if not os.path.isfile(path):
+        raise UserError(f"reward function {spec!r}: file not found: {path}")
+    absolute = os.path.abspath(path)
+    # A distinct, stable module name per file, so two user files named reward.py do not clash.
+    digest = hashlib.sha1(absolute.encode()).hexdigest()[:12]
+    module_name = f"rlcli_user_reward_{digest}"
+    module_spec = importlib.util.spec_from_file_location(module_name, absolute)
+    if module_spec is None or module_spec.loader is None:
+        raise UserError(f"reward function {spec!r}: {path} cannot be loaded as a Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as error:
+        raise UserError(
+            f"reward function {spec!r}: importing {path} failed: {type(error).__name__}: {error}"
+        ) from error
+    return module
