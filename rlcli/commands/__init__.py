@@ -1,0 +1,1 @@
+"""Typer sub-apps that rlcli.cli mounts (``rlcli launch ...``)."""

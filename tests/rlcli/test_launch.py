@@ -1,0 +1,206 @@
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from rlcli.commands.launch import launch_app
+from rlcli.errors import UserError
+from rlcli.launch import (
+    SlurmJob,
+    local_torchrun_command,
+    render_sbatch_script,
+    train_program_args,
+    validate_overrides,
+)
+
+ALLREDUCE_SCRIPT = Path(__file__).resolve().parents[1] / "slurm" / "allreduce_check.py"
+
+
+def _sbatch_directives(script: str) -> dict[str, str]:
+    pairs = (
+        line[len("#SBATCH ") :].split("=", 1)
+        for line in script.splitlines()
+        if line.startswith("#SBATCH ")
+    )
+    return {key: value for key, value in pairs}
+
+
+def _srun_argv(script: str) -> list[str]:
+    """The srun command line as bash would split it (continuation lines joined)."""
+    joined = script.replace("\\\n", " ")
+    line = next(line for line in joined.splitlines() if line.startswith("srun "))
+    return shlex.split(line)
+
+
+def _bash_syntax_ok(script: str, tmp_path: Path) -> None:
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+def _recipe(tmp_path: Path) -> Path:
+    recipe = tmp_path / "grpo tiny.yaml"  # a space, to prove the quoting
+    recipe.write_text("trainer:\n  total_steps: 2\n")
+    return recipe
+
+
+def test_train_script_runs_torchrun_with_rendezvous_on_every_node(tmp_path):
+    recipe = _recipe(tmp_path)
+    job = SlurmJob(
+        job_name="grpo",
+        nodes=4,
+        gpus_per_node=8,
+        time="1-12:00:00",
+        partition="gpu",
+        account="proj",
+        log_dir=tmp_path / "logs",
+        workdir=tmp_path,
+        sbatch_options=("--qos=high",),
+    )
+    overrides = ["actor.lr=1e-5", "data.prompt_template=Q: {q} A:"]
+    script = render_sbatch_script(job, train_program_args(recipe, overrides))
+    _bash_syntax_ok(script, tmp_path)
+    assert _sbatch_directives(script) == {
+        "--job-name": "grpo",
+        "--nodes": "4",
+        "--ntasks-per-node": "1",
+        "--gpus-per-node": "8",
+        "--partition": "gpu",
+        "--account": "proj",
+        "--time": "1-12:00:00",
+        "--output": f"{tmp_path}/logs/%x-%j.out",
+        "--qos": "high",
+    }
+    assert _srun_argv(script) == [
+        "srun",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "$SLURM_NNODES",
+        "--nproc_per_node",
+        "8",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        "$MASTER_ADDR:$MASTER_PORT",
+        "--rdzv_id",
+        "$SLURM_JOB_ID",
+        "-m",
+        "rlcli.cli",
+        "train",
+        str(recipe),
+        "actor.lr=1e-5",
+        "data.prompt_template=Q: {q} A:",
+    ]
+    assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)' in script
+
+
+def test_cpu_job_has_no_gpu_request_and_passes_cpus_to_srun(tmp_path):
+    job = SlurmJob(job_name="cpu", gpus_per_node=0, nproc_per_node=2, cpus_per_task=2)
+    script = render_sbatch_script(job, [str(ALLREDUCE_SCRIPT)])
+    _bash_syntax_ok(script, tmp_path)
+    directives = _sbatch_directives(script)
+    assert "--gpus-per-node" not in directives and "--time" not in directives
+    assert directives["--cpus-per-task"] == "2"
+    argv = _srun_argv(script)
+    assert "--cpus-per-task=2" in argv and argv[argv.index("--nproc_per_node") + 1] == "2"
+
+
+@pytest.mark.parametrize(
+    ("job", "message"),
+    [
+        (SlurmJob(job_name="x", nodes=0), "--nodes must be at least 1"),
+        (SlurmJob(job_name="x", time="4h"), "--time '4h'.*HH:MM:SS"),
+        (SlurmJob(job_name="x", time="01:61:00"), "--time"),
+        (SlurmJob(job_name="x", gpus_per_node=0), "--nproc-per-node"),
+        (SlurmJob(job_name="x", partition="gpu\n#SBATCH --x"), "--partition"),
+        (SlurmJob(job_name="two words"), "--job-name"),
+        (SlurmJob(job_name="x", sbatch_options=("qos=high",)), "--sbatch-option"),
+    ],
+)
+def test_invalid_jobs_name_the_option(job, message):
+    with pytest.raises(UserError, match=message):
+        render_sbatch_script(job, ["x.py"])
+
+
+def test_overrides_must_be_key_value():
+    assert validate_overrides(["a.b=1", "c="]) == ["a.b=1", "c="]
+    with pytest.raises(UserError, match="'actor.lr' is not key=value"):
+        validate_overrides(["actor.lr"])
+
+
+def test_cli_dry_run_prints_the_script_with_options_after_overrides(tmp_path):
+    recipe = _recipe(tmp_path)
+    output = tmp_path / "out" / "job.sbatch"
+    arguments = ["slurm", str(recipe), "actor.lr=2e-6", "--nodes", "2", "--gpus-per-node", "4"]
+    arguments += ["--time", "00:30:00", "--partition", "p", "--dry-run", "--output", str(output)]
+    result = CliRunner().invoke(launch_app, arguments)
+    assert result.exit_code == 0, result.output
+    assert result.output == output.read_text()
+    _bash_syntax_ok(result.output, tmp_path)
+    assert _sbatch_directives(result.output)["--job-name"] == "rlcli-grpo_tiny"
+    argv = _srun_argv(result.output)
+    assert argv[-3:] == ["train", str(recipe), "actor.lr=2e-6"]
+    assert argv[argv.index("--nproc_per_node") + 1] == "4"
+
+
+def test_cli_rejects_bad_time_and_missing_recipe(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("{}\n")
+    result = CliRunner().invoke(launch_app, ["slurm", str(recipe), "--time", "90", "--dry-run"])
+    assert isinstance(result.exception, UserError) and "--time" in str(result.exception)
+    result = CliRunner().invoke(launch_app, ["local", str(tmp_path / "nope.yaml"), "--nproc", "2"])
+    assert isinstance(result.exception, UserError) and "nope.yaml not found" in str(
+        result.exception
+    )
+
+
+def test_cli_submit_without_sbatch_says_so(tmp_path, monkeypatch):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("{}\n")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    arguments = ["slurm", str(recipe), "--log-dir", str(tmp_path / "logs")]
+    result = CliRunner().invoke(launch_app, arguments)
+    assert isinstance(result.exception, UserError)
+    assert "sbatch is not on PATH" in str(result.exception)
+    assert (tmp_path / "logs" / "rlcli-r.sbatch").is_file()  # written before submitting
+
+
+def test_cli_local_dry_run_prints_the_torchrun_command(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("{}\n")
+    result = CliRunner().invoke(
+        launch_app, ["local", str(recipe), "x=1", "--nproc", "2", "--dry-run"]
+    )
+    assert result.exit_code == 0, result.output
+    assert shlex.split(result.output) == [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "rlcli.cli",
+        "train",
+        str(recipe),
+        "x=1",
+    ]
+
+
+@pytest.mark.dist
+def test_local_torchrun_command_starts_ranks_that_all_reduce():
+    command = local_torchrun_command(2, [str(ALLREDUCE_SCRIPT)])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    completed = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    lines = sorted(re.findall(r"allreduce rank=\d world=\d sum=\S+", completed.stdout))
+    assert lines == ["allreduce rank=0 world=2 sum=3", "allreduce rank=1 world=2 sum=3"]
