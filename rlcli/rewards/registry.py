@@ -128,6 +128,8 @@ def resolve_reward_fn(spec: str, reward_kwargs: Mapping[str, Any] | None = None)
     module_part, function_name = spec.rsplit(":", 1)
     if module_part.endswith(".py") or os.sep in module_part:
         module = _load_file(spec, module_part)
+        # Workers re-resolve the spec, possibly from another working directory.
+        spec = f"{os.path.abspath(module_part)}:{function_name}"
     else:
         try:
             module = importlib.import_module(module_part)

@@ -37,9 +37,23 @@ def _die_with_parent() -> None:
         pass
 
 
+def _release_forkserver_keepalive() -> None:
+    # Every forkserver child inherits the pipe whose EOF tells the forkserver that the trainer
+    # is gone. A hung worker holding it would keep the forkserver, and so itself (its death
+    # signal is tied to the forkserver, its parent), alive after the trainer is killed.
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    alive_fd = getattr(server, "_forkserver_alive_fd", None)
+    if alive_fd is not None:
+        os.close(alive_fd)
+        server._forkserver_alive_fd = None
+
+
 def _worker_main(conn: Connection, fn_bytes: bytes) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.setpgrp()  # own process group, so a kill also reaches anything the reward spawned
+    _release_forkserver_keepalive()
     _die_with_parent()
     try:
         fn = pickle.loads(fn_bytes)
