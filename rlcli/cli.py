@@ -65,7 +65,7 @@ def train(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES, npr
     cfg = load_config(recipe, overrides or [])
     if nproc > 1 and not _under_torchrun():
         _relaunch_with_torchrun(nproc)
-    from rlcli.trainer import run_training
+    from rlcli.loop import run_training
 
     run_training(cfg)
 
@@ -78,7 +78,7 @@ def sft(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES, nproc
     cfg = load_config(recipe, overrides or [])
     if nproc > 1 and not _under_torchrun():
         _relaunch_with_torchrun(nproc)
-    from rlcli.trainer import run_sft_only
+    from rlcli.loop import run_sft_only
 
     run_sft_only(cfg)
 

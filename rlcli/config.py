@@ -172,6 +172,7 @@ class RewardConfig:
 
 @dataclass
 class SFTConfig:
+    train_files: list[str] = field(default_factory=list)  # JSONL {"prompt", "response"} pairs
     steps: int = 0  # supervised warm-start steps before RL (0: none)
     lr: float = 1e-3
     batch_size: int = 64

@@ -1,0 +1,136 @@
+"""The Megatron side of the loop: the trainable actor and the frozen reference policy.
+
+Both are megatron-core GPT models sharded over (TP, PP) and replicated over DP, built from a HF
+model directory. Everything here works on the collated batch layout of ``rlcli.batch``; results
+come back response-aligned, ``[B, R]``, on every rank of the model-parallel group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from parallel.mesh import Mesh
+from parallel.schedule import LossFn, forward_backward
+from rlcli.batch import micro_batches, response_values
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class OptimizerSettings:
+    lr: float
+    min_lr: float
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    clip_grad: float
+    warmup_steps: int
+    total_steps: int
+    decay_style: str
+    use_distributed_optimizer: bool
+
+
+class MegatronPolicy:
+    """Model chunks of this rank (+ optimizer when trainable)."""
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        hf_dir: str,
+        dtype: str = "float32",
+        optim: OptimizerSettings | None = None,
+    ) -> None:
+        from transformers import AutoConfig
+
+        from parallel.convert import load_hf_weights
+        from parallel.model import build_model
+
+        self.mesh = mesh
+        self.hf_config = AutoConfig.from_pretrained(hf_dir)
+        models = build_model(self.hf_config, mesh, dtype=DTYPES[dtype])
+        load_hf_weights(models, mesh, hf_dir)
+        self.optimizer = self.scheduler = None
+        if optim is None:
+            for model in models:
+                model.eval()
+                model.requires_grad_(False)
+        else:
+            from parallel.optim import build_optimizer, wrap_for_training
+
+            models = wrap_for_training(
+                models, mesh, use_distributed_optimizer=optim.use_distributed_optimizer
+            )
+            self.optimizer, self.scheduler = build_optimizer(
+                models,
+                lr=optim.lr,
+                min_lr=optim.min_lr,
+                weight_decay=optim.weight_decay,
+                adam_beta1=optim.adam_beta1,
+                adam_beta2=optim.adam_beta2,
+                adam_eps=optim.adam_eps,
+                clip_grad=optim.clip_grad,
+                use_distributed_optimizer=optim.use_distributed_optimizer,
+                warmup_steps=optim.warmup_steps,
+                total_steps=max(1, optim.total_steps),
+                decay_style=optim.decay_style,
+            )
+        self.models = models
+        self._offloaded = False
+
+    @torch.no_grad()
+    def log_probs(
+        self, batch: dict[str, torch.Tensor], micro_batch_size: int, temperature: float = 1.0
+    ) -> torch.Tensor:
+        """Log-probs ``[B, R]`` of the response tokens under the current weights."""
+        outputs = forward_backward(
+            self.models,
+            self.mesh,
+            micro_batches(_model_inputs(batch), micro_batch_size),
+            None,
+            forward_only=True,
+            temperature=temperature,
+        )
+        per_position = torch.cat([out["log_probs"].float().cpu() for out in outputs])
+        return response_values(per_position, batch["response_index"])
+
+    def train_step(
+        self,
+        micro: list[dict[str, torch.Tensor]],
+        loss_fn: LossFn,
+        temperature: float = 1.0,
+        compute_entropy: bool = False,
+    ) -> dict[str, Any]:
+        """One optimizer step over ``micro`` (gradients summed over micro-batches, averaged over DP)."""
+        from parallel.optim import train_step
+
+        return train_step(
+            self.models,
+            self.mesh,
+            self.optimizer,
+            self.scheduler,
+            micro,
+            loss_fn,
+            temperature=temperature,
+            compute_entropy=compute_entropy,
+        )
+
+    def offload(self) -> None:
+        """Move the (frozen) weights to host memory between uses; a no-op without CUDA."""
+        if torch.cuda.is_available() and not self._offloaded:
+            for model in self.models:
+                model.to("cpu")
+            self._offloaded = True
+
+    def onload(self) -> None:
+        if self._offloaded:
+            for model in self.models:
+                model.to(torch.cuda.current_device())
+            self._offloaded = False
+
+
+def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}

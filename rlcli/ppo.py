@@ -1,0 +1,170 @@
+"""Algorithm glue: rewards -> advantages -> PPO-style policy update over mini/micro-batches.
+
+The math lives in ``algorithms/`` (pure functions chosen by name); this module only arranges
+tensors and denominators so gradient accumulation over micro-batches and averaging over
+data-parallel ranks give exactly the full-batch loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import algorithms
+from parallel.mesh import Mesh
+from rlcli.batch import micro_batches, response_values
+from rlcli.config import RLConfig
+
+
+def token_level_scores(batch: dict[str, torch.Tensor], cfg: RLConfig) -> torch.Tensor:
+    """``[B, R]``: the outcome score on each response's last token (DAPO overlong shaping added)."""
+    mask = batch["response_mask"]
+    lengths = mask.sum(-1).long()
+    scores = batch["scores"].clone()
+    if cfg.algorithm.overlong.enabled:
+        scores += algorithms.overlong_penalty(
+            lengths,
+            cfg.rollout.max_tokens,
+            cfg.algorithm.overlong.buffer_len,
+            cfg.algorithm.overlong.penalty_factor,
+        )
+    token_scores = torch.zeros_like(mask)
+    last = (lengths - 1).clamp(min=0)
+    token_scores[torch.arange(len(lengths)), last] = scores * (lengths > 0)
+    return token_scores
+
+
+def compute_advantages(batch: dict[str, torch.Tensor], cfg: RLConfig, kl_ctrl) -> dict[str, float]:
+    """Adds ``token_level_rewards``, ``advantages`` and ``returns`` to ``batch`` (global batch)."""
+    algo = cfg.algorithm
+    rewards = token_level_scores(batch, cfg)
+    metrics: dict[str, float] = {}
+    if algo.use_kl_in_reward:
+        rewards, kl_metrics = algorithms.apply_kl_penalty_to_rewards(
+            rewards,
+            batch["old_log_probs"],
+            batch["ref_log_probs"],
+            batch["response_mask"],
+            kl_ctrl,
+            algo.kl_penalty,
+        )
+        metrics.update({k: float(v) for k, v in kl_metrics.items()})
+    estimator = algorithms.get_advantage_estimator(algo.adv_estimator)
+    advantages, returns = estimator(
+        token_level_rewards=rewards,
+        response_mask=batch["response_mask"],
+        group_index=batch["group_index"],
+        values=batch.get("values"),
+        gamma=algo.gamma,
+        lam=algo.lam,
+        reward_baselines=batch.get("reward_baselines"),
+        epsilon=algo.epsilon,
+        norm_adv_by_std=algo.norm_adv_by_std,
+    )
+    batch.update(token_level_rewards=rewards, advantages=advantages, returns=returns)
+    mask = batch["response_mask"]
+    metrics["critic/advantages_mean"] = algorithms.masked_mean(advantages, mask).item()
+    metrics["critic/advantages_abs_max"] = (advantages.abs() * mask).max().item()
+    return metrics
+
+
+def _global_denominator(mask: torch.Tensor, cfg: RLConfig, mesh: Mesh) -> torch.Tensor:
+    """This DP rank's share of the mini-batch denominator: megatron's DDP averages gradients over
+    DP, so each rank divides by (global denominator / dp) and the average is exact."""
+    denom = algorithms.agg_loss_denominator(
+        mask, cfg.actor.loss_agg_mode, norm_length=cfg.rollout.max_tokens
+    ).double()
+    if mesh.dp > 1:
+        dist.all_reduce(denom, group=mesh.dp_group)
+    return (denom / mesh.dp).float()
+
+
+def make_actor_loss(cfg: RLConfig, denominator: torch.Tensor):
+    """The per-micro-batch loss: policy loss (+ KL loss - entropy bonus), summed-to-exact."""
+    actor = cfg.actor
+    policy_loss = algorithms.get_policy_loss(actor.policy_loss)
+
+    def loss_fn(outputs: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]):
+        index, mask = mb["response_index"], mb["response_mask"].to(outputs["log_probs"].device)
+        log_prob = response_values(outputs["log_probs"], index)
+        pg_loss, pg_metrics = policy_loss(
+            old_log_prob=mb["old_log_probs"].to(log_prob.device),
+            log_prob=log_prob,
+            advantages=mb["advantages"].to(log_prob.device),
+            response_mask=mask,
+            loss_agg_mode=actor.loss_agg_mode,
+            clip_ratio_low=actor.clip_ratio_low,
+            clip_ratio_high=actor.clip_ratio_high,
+            clip_ratio_c=actor.clip_ratio_c,
+            global_denominator=denominator,
+        )
+        loss = pg_loss
+        # Loss-valued metrics are partial sums (they add up over micro-batches); ratios are means.
+        metrics = {"actor/pg_loss": pg_loss.item()}
+        metrics.update({f"actor/{k}": float(v) for k, v in pg_metrics.items()})
+        if "entropy" in outputs:
+            entropy = algorithms.agg_loss(
+                response_values(outputs["entropy"], index), mask, actor.loss_agg_mode, denominator
+            )
+            loss = loss - actor.entropy_coeff * entropy
+            metrics["actor/entropy"] = entropy.item()
+        if actor.use_kl_loss:
+            kl = algorithms.compute_kl_loss(
+                log_prob,
+                mb["ref_log_probs"].to(log_prob.device),
+                mask,
+                actor.kl_loss_type,
+                actor.loss_agg_mode,
+                denominator,
+            )
+            loss = loss + actor.kl_loss_coef * kl
+            metrics["actor/kl_loss"] = kl.item()
+        return loss, metrics
+
+    return loss_fn
+
+
+SUMMED_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss")
+
+
+def update_actor(policy, batch: dict[str, torch.Tensor], cfg: RLConfig, mesh: Mesh) -> dict[str, float]:
+    """PPO epochs x mini-batches x micro-batches on this DP rank's share of the batch.
+
+    ``batch`` holds this rank's whole groups; it is cut into the same number of mini-batches on
+    every DP rank (so optimizer steps line up), each a run of whole groups.
+    """
+    actor = cfg.actor
+    num_mini = cfg.data.train_batch_size // (actor.ppo_mini_batch_size or cfg.data.train_batch_size)
+    groups = batch["group_index"]
+    group_ids = torch.unique_consecutive(groups).tolist()
+    per_mini = -(-len(group_ids) // num_mini)
+    history: list[dict[str, Any]] = []
+    for _ in range(actor.ppo_epochs):
+        for start in range(0, num_mini * per_mini, per_mini):
+            chosen = torch.isin(groups, torch.tensor(group_ids[start : start + per_mini]))
+            mini = {k: v[chosen] for k, v in batch.items()}
+            denominator = _global_denominator(mini["response_mask"], cfg, mesh)
+            result = policy.train_step(
+                micro_batches(mini, actor.micro_batch_size),
+                make_actor_loss(cfg, denominator),
+                temperature=cfg.rollout.temperature or 1.0,
+                compute_entropy=actor.entropy_coeff != 0,
+            )
+            history.append(_reduce_step(result))
+    out = {k: sum(h[k] for h in history) / len(history) for k in history[0]} if history else {}
+    out["actor/optimizer_steps"] = float(len(history))
+    return out
+
+
+def _reduce_step(result: dict[str, Any]) -> dict[str, float]:
+    """One optimizer step's metrics: loss terms summed over micro-batches, the rest averaged."""
+    per_micro: list[dict[str, float]] = result["micro_batch_metrics"]
+    out: dict[str, float] = {}
+    for key in per_micro[0] if per_micro else []:
+        values = [m[key] for m in per_micro if key in m]
+        out[key] = sum(values) if key in SUMMED_METRICS else sum(values) / len(values)
+    out["actor/grad_norm"] = float(result.get("grad_norm") or 0.0)
+    out["actor/lr"] = float(result.get("lr") or 0.0)
+    return out
