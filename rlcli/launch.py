@@ -161,8 +161,13 @@ def render_sbatch_script(
 
 
 def write_sbatch_script(script: str, path: str | os.PathLike[str]) -> Path:
+    """Writes the script, and creates the folder of its ``#SBATCH --output`` log: Slurm does not,
+    and a job whose log folder is missing fails without a word."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    log_match = re.search(r"^#SBATCH --output=(\S+)$", script, flags=re.MULTILINE)
+    if log_match is not None:
+        Path(log_match.group(1)).parent.mkdir(parents=True, exist_ok=True)
     path.write_text(script, encoding="utf-8")
     path.chmod(0o755)
     return path
