@@ -1,0 +1,238 @@
+"""Load HF safetensors into Megatron shards; gather Megatron shards back into HF tensors.
+
+Public API (stable):
+
+    load_hf_weights(models, mesh, hf_dir) -> None
+        Every rank reads only its own TP / PP shards (`safe_open(...).get_slice`). Call it on the
+        plain chunks from `parallel.model.build_model`, before wrapping them in DDP and
+        building the optimizer (those copy the weights). A critic's value head (`score.*`) keeps
+        its initialisation when the checkpoint has none; any other missing tensor is an error.
+    iter_hf_weights(models, mesh, hf_config=None) -> Iterator[(hf_name, full_tensor)]
+        Collective: every rank of the job must iterate it to the end, and every rank gets every
+        HF tensor, one at a time (TP all-gather inside the TP group, then a broadcast from the
+        owning pipeline stage inside the PP group). Tensors are on `cpu_compat.device()`, in the
+        model's dtype. The simple per-tensor path: export, tests, and the "naive" baseline for
+        the bucketed resharder.
+    save_hf_checkpoint(models, mesh, out_dir, hf_config, tokenizer_dir=None) -> None
+        Collective. Rank 0 writes safetensors (one file, or shards of <= 4 GiB plus
+        model.safetensors.index.json) and config.json, and copies the tokenizer files of
+        `tokenizer_dir` when given.
+
+`hf_config` defaults to the config `build_model` attached to the chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from parallel.convert.mapping import ParamMapping, megatron_to_hf, param_mappings
+from parallel.cpu_compat import device
+from parallel.mesh import Mesh
+
+MAX_SHARD_BYTES = 4 * 1024**3
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+
+class HFCheckpointReader:
+    """Reads (slices of) tensors from an HF safetensors checkpoint, single-file or sharded.
+
+    Called as reader(name, dim, start, stop): rows (dim 0) or columns (dim 1) [start, stop) of
+    tensor `name`, or the whole tensor for dim=None. Only the requested bytes are read.
+    """
+
+    def __init__(self, hf_dir: str | Path, stack: ExitStack) -> None:
+        hf_dir = Path(hf_dir)
+        index = hf_dir / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in hf_dir.glob("*.safetensors"))
+            weight_map = None
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in HF model directory {hf_dir}")
+        self._handles = {
+            name: stack.enter_context(safe_open(hf_dir / name, framework="pt")) for name in files
+        }
+        if weight_map is None:
+            weight_map = {key: name for name, f in self._handles.items() for key in f.keys()}
+        self.weight_map: dict[str, str] = weight_map
+        self.hf_dir = hf_dir
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def __call__(self, name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
+        handle = self._handles[self.weight_map[name]]
+        if dim is None:
+            return handle.get_tensor(name)
+        tensor_slice = handle.get_slice(name)
+        return tensor_slice[start:stop] if dim == 0 else tensor_slice[:, start:stop]
+
+
+def _hf_config_of(models: Sequence[torch.nn.Module], hf_config: Any) -> Any:
+    if hf_config is not None:
+        return hf_config
+    chunk = getattr(models[0], "module", models[0])
+    return chunk.hf_config
+
+
+def _load_hf_config(hf_dir: str | Path) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(hf_dir)
+
+
+@torch.no_grad()
+def load_hf_weights(
+    models: Sequence[torch.nn.Module], mesh: Mesh, hf_dir: str | Path, hf_config: Any = None
+) -> None:
+    """Fill this rank's Megatron shards from the HF checkpoint in `hf_dir` (module docstring)."""
+    chunk = getattr(models[0], "module", models[0])
+    hf_config = hf_config or getattr(chunk, "hf_config", None) or _load_hf_config(hf_dir)
+    with ExitStack() as stack:
+        reader = HFCheckpointReader(hf_dir, stack)
+        for mapping in param_mappings(models, hf_config, mesh.tp, mesh.tp_rank):
+            missing = [name for name in mapping.hf_names if name not in reader]
+            if missing and mapping.global_name.startswith("output_layer.value."):
+                continue  # a fresh critic head, initialised by build_model
+            if missing:
+                raise KeyError(
+                    f"HF checkpoint {hf_dir} lacks {missing} needed for Megatron parameter "
+                    f"{mapping.global_name}"
+                )
+            shard = mapping.shard_from_hf(reader)
+            if shard.shape != mapping.param.shape:
+                raise ValueError(
+                    f"{mapping.global_name}: HF {mapping.hf_names} give shape "
+                    f"{tuple(shard.shape)}, Megatron shard is {tuple(mapping.param.shape)}"
+                )
+            mapping.param.copy_(shard)
+
+
+def _tp_gather(mapping: ParamMapping, mesh: Mesh) -> torch.Tensor:
+    local = mapping.param.detach()
+    if mapping.partition_dim is None or mesh.tp == 1:
+        return local.clone()
+    shards = [torch.empty_like(local) for _ in range(mesh.tp)]
+    dist.all_gather(shards, local.contiguous(), group=mesh.tp_group)
+    return torch.cat(shards, dim=mapping.partition_dim)
+
+
+def _full_shape(mapping: ParamMapping, tp: int) -> tuple[int, ...]:
+    shape = list(mapping.param.shape)
+    if mapping.partition_dim is not None:
+        shape[mapping.partition_dim] *= tp
+    return tuple(shape)
+
+
+@torch.no_grad()
+def iter_hf_weights(
+    models: Sequence[torch.nn.Module], mesh: Mesh, hf_config: Any = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every full HF tensor on every rank, one at a time (collective; module docstring)."""
+    hf_config = _hf_config_of(models, hf_config)
+    mappings = [
+        m for m in param_mappings(models, hf_config, mesh.tp, mesh.tp_rank) if not m.skip_export
+    ]
+    by_name = {m.global_name: m for m in mappings}
+    # What each pipeline stage holds: TP ranks of a stage agree, so exchanging inside the PP
+    # group tells every rank the full list (name, full shape, dtype) in a common order.
+    local = [(m.global_name, _full_shape(m, mesh.tp), str(m.param.dtype)) for m in mappings]
+    per_stage = [local]
+    if mesh.pp > 1:
+        per_stage = [None] * mesh.pp
+        dist.all_gather_object(per_stage, local, group=mesh.pp_group)
+    for stage, entries in enumerate(per_stage):
+        for global_name, shape, dtype_name in entries:
+            if stage == mesh.pp_rank:
+                full = _tp_gather(by_name[global_name], mesh)
+            else:
+                dtype = getattr(torch, dtype_name.removeprefix("torch."))
+                full = torch.empty(shape, dtype=dtype, device=device())
+            if mesh.pp > 1:
+                source = dist.get_global_rank(mesh.pp_group, stage)
+                dist.broadcast(full, src=source, group=mesh.pp_group)
+            yield from megatron_to_hf(hf_config, mesh.tp, global_name, full)
+
+
+def save_hf_checkpoint(
+    models: Sequence[torch.nn.Module],
+    mesh: Mesh,
+    out_dir: str | Path,
+    hf_config: Any,
+    tokenizer_dir: str | Path | None = None,
+) -> None:
+    """Write the model as an HF checkpoint into `out_dir` on rank 0 (collective)."""
+    out_dir = Path(out_dir)
+    writer = _ShardWriter(out_dir) if mesh.rank == 0 else None
+    for name, tensor in iter_hf_weights(models, mesh, hf_config):
+        if writer is not None:
+            writer.add(name, tensor.cpu())
+    if writer is not None:
+        writer.close()
+        hf_config.save_pretrained(out_dir)
+        for name in TOKENIZER_FILES if tokenizer_dir else ():
+            source = Path(tokenizer_dir) / name
+            if source.exists():
+                shutil.copy2(source, out_dir / name)
+    dist.barrier()
+
+
+class _ShardWriter:
+    """Streams tensors into safetensors files of at most MAX_SHARD_BYTES each."""
+
+    def __init__(self, out_dir: Path) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir = out_dir
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files: list[tuple[str, list[str]]] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > MAX_SHARD_BYTES:
+            self._flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += size
+
+    def _flush(self) -> None:
+        part = f"part-{len(self.files):05d}.safetensors"
+        save_file(self.pending, self.out_dir / part, metadata={"format": "pt"})
+        self.files.append((part, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        self._flush()
+        if len(self.files) == 1:
+            (self.out_dir / self.files[0][0]).rename(self.out_dir / "model.safetensors")
+            return
+        weight_map = {}
+        total = len(self.files)
+        for index, (part, names) in enumerate(self.files):
+            final = f"model-{index + 1:05d}-of-{total:05d}.safetensors"
+            (self.out_dir / part).rename(self.out_dir / final)
+            weight_map.update(dict.fromkeys(names, final))
+        index_file = self.out_dir / "model.safetensors.index.json"
+        index_file.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))

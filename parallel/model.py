@@ -1,0 +1,231 @@
+"""Build megatron-core GPTModel chunks for HF Qwen2 / Qwen2.5 / Llama checkpoints.
+
+Public API (stable):
+
+    padded_vocab_size(vocab_size, tp) -> int
+    transformer_config_from_hf(hf_config, *, tp, pp, vpp=None, dtype=torch.float32,
+                               sequence_parallel=False) -> TransformerConfig
+    build_model(hf_config, mesh, *, dtype=torch.float32, critic=False) -> list[torch.nn.Module]
+    ValueHead
+
+Vocab padding rule: the embedding and output layer hold `padded_vocab_size(V, tp)` rows, V
+rounded up to a multiple of tp (each TP rank holds an equal slice). Rows >= V are zero on load
+and dropped on export. The padded logit columns are meaningless: log-prob code must mask
+columns >= `hf_config.vocab_size` (also stored on each chunk as `chunk.unpadded_vocab_size`)
+before any softmax. On TP rank r the local logit column j is global token id
+`r * padded_vocab_size(V, tp) // tp + j`.
+
+Chunks: `build_model` returns one plain (not DDP-wrapped) GPTModel per virtual pipeline stage
+on this rank (a list of one without vpp), in virtual-stage order. The first chunk of pipeline
+stage 0 embeds tokens (pre_process); the last chunk of the last stage has the output layer
+(post_process). Layer i of the HF model lives on the chunk whose `decoder.layers[k].layer_number
+- 1 == i` (megatron's layer offset rule: layers split evenly over pp * vpp virtual stages).
+
+Forward call (megatron-core 0.16 - 0.19):
+
+    out = chunk(input_ids, position_ids, attention_mask=None)
+        input_ids, position_ids: [b, s] int64 (position_ids = arange(s) per row); the causal
+        mask is built in; pass attention_mask=None. Right padding is fine for causal LMs.
+        Non-first pipeline stages take their input through `chunk.set_input_tensor(...)`
+        (megatron's pipeline schedule does that); they still receive input_ids/position_ids
+        (used for RoPE positions only on the first stage; pass the same tensors everywhere).
+
+    Output on the post_process chunk:
+        policy: logits [b, s, padded_vocab / tp] (this TP rank's vocab slice, fp32 in fp32 runs;
+                with labels=... GPTModel returns the per-token CE loss [b, s] instead)
+        critic: values [b, s] (ValueHead; sequence-parallel input is gathered first)
+    Output of other chunks: hidden states [s, b, h] (sequence-first; [s/tp, b, h] with sequence
+    parallelism), which the pipeline schedule sends to the next stage.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.transformer import TransformerConfig
+
+from parallel.convert.registry import get_family
+from parallel.cpu_compat import device
+from parallel.mesh import Mesh, ParallelLayoutError
+
+HAVE_TRANSFORMER_ENGINE = importlib.util.find_spec("transformer_engine") is not None
+
+# Llama 3.1-style RoPE scaling: megatron-core implements only these constants.
+_MEGATRON_LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """`vocab_size` rounded up to a multiple of `tp` (see module docstring)."""
+    return -(-vocab_size // tp) * tp
+
+
+def _rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """RoPE settings from transformers 5 (`rope_parameters`) or 4 (`rope_theta`, `rope_scaling`)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.pop("type", "default"))
+    return params
+
+
+def _rope_model_kwargs(hf_config: Any) -> dict[str, Any]:
+    rope = _rope_parameters(hf_config)
+    kwargs = {"position_embedding_type": "rope", "rotary_base": rope["rope_theta"]}
+    if rope["rope_type"] == "default":
+        return kwargs
+    if rope["rope_type"] == "llama3" and all(
+        float(rope.get(key, -1)) == value for key, value in _MEGATRON_LLAMA3_ROPE.items()
+    ):
+        return {**kwargs, "rope_scaling": True, "rope_scaling_factor": float(rope["factor"])}
+    raise ValueError(
+        f"unsupported RoPE scaling {rope} in config.json: supported are rope_type 'default' and "
+        f"'llama3' with {_MEGATRON_LLAMA3_ROPE}"
+    )
+
+
+def transformer_config_from_hf(
+    hf_config: Any,
+    *,
+    tp: int,
+    pp: int,
+    vpp: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    sequence_parallel: bool = False,
+) -> TransformerConfig:
+    """TransformerConfig equal in architecture to an HF Qwen2 / Llama config (dropout off)."""
+    family = get_family(hf_config.model_type)
+    num_layers = hf_config.num_hidden_layers
+    stages = pp * (vpp or 1)
+    if num_layers % stages:
+        raise ParallelLayoutError(
+            f"{num_layers} layers (config.json num_hidden_layers) cannot be split evenly over "
+            f"parallel.pp * parallel.vpp = {stages} pipeline stages"
+        )
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    if num_kv_heads % tp:
+        raise ParallelLayoutError(
+            f"parallel.tp={tp} must divide the model's {num_kv_heads} key/value heads "
+            f"(config.json num_key_value_heads)"
+        )
+    if hf_config.hidden_act != "silu":
+        raise ValueError(f"hidden_act {hf_config.hidden_act!r} unsupported (only 'silu')")
+    head_dim = getattr(hf_config, "head_dim", None)
+    head_dim = head_dim or hf_config.hidden_size // hf_config.num_attention_heads
+    _rope_model_kwargs(hf_config)  # validate RoPE early
+    return TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=num_kv_heads,
+        kv_channels=head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
+        init_method_std=getattr(hf_config, "initializer_range", 0.02),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        sequence_parallel=sequence_parallel and tp > 1,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        attention_softmax_in_fp32=True,
+        **family.megatron_options(hf_config),
+    )
+
+
+class ValueHead(torch.nn.Module):
+    """Critic head replacing GPTModel.output_layer: hidden [s, b, h] -> values [s, b].
+
+    GPTModel transposes its output layer's result to batch-first, so the critic chunk returns
+    values [b, s]. The head is replicated on every TP rank (its input is TP-replicated after the
+    final norm; with sequence parallelism the sequence shards are gathered first). Its weights
+    map to HF `score.weight` [1, h] / `score.bias` [1] (as in *ForTokenClassification).
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.sequence_parallel = config.sequence_parallel
+        self.value = torch.nn.Linear(config.hidden_size, 1, dtype=config.params_dtype)
+        with torch.no_grad():
+            config.init_method(self.value.weight)
+            self.value.bias.zero_()
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        runtime_gather_output: bool | None = None,
+    ) -> tuple[torch.Tensor, None]:
+        if self.sequence_parallel:
+            hidden_states = gather_from_sequence_parallel_region(hidden_states)
+        return self.value(hidden_states).squeeze(-1), None
+
+
+def layer_spec(config: TransformerConfig):
+    """Transformer Engine layer spec when TE is installed, megatron's local spec otherwise."""
+    if HAVE_TRANSFORMER_ENGINE:
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization=config.normalization)
+
+
+def build_model(
+    hf_config: Any,
+    mesh: Mesh,
+    *,
+    dtype: torch.dtype = torch.float32,
+    critic: bool = False,
+    sequence_parallel: bool = False,
+) -> list[torch.nn.Module]:
+    """GPTModel chunks for this rank (see module docstring); randomly initialised — load weights
+    with `parallel.convert.load_hf_weights`. `critic=True` swaps the LM head for a ValueHead."""
+    config = transformer_config_from_hf(
+        hf_config,
+        tp=mesh.tp,
+        pp=mesh.pp,
+        vpp=mesh.vpp,
+        dtype=dtype,
+        sequence_parallel=sequence_parallel,
+    )
+    tie = bool(getattr(hf_config, "tie_word_embeddings", False)) and not critic
+    num_chunks = mesh.vpp or 1
+    chunks = []
+    for vp_stage in range(num_chunks):
+        post_process = mesh.is_last_stage and vp_stage == num_chunks - 1
+        chunk = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(config),
+            vocab_size=padded_vocab_size(hf_config.vocab_size, mesh.tp),
+            max_sequence_length=hf_config.max_position_embeddings,
+            pre_process=mesh.is_first_stage and vp_stage == 0,
+            post_process=post_process,
+            share_embeddings_and_output_weights=tie,
+            vp_stage=vp_stage if mesh.vpp else None,
+            **_rope_model_kwargs(hf_config),
+        )
+        if critic and post_process:
+            chunk.output_layer = ValueHead(config)
+        chunk.unpadded_vocab_size = hf_config.vocab_size
+        chunk.hf_config = hf_config  # lets parallel.convert export without being handed it
+        chunk.to(device=device())
+        chunks.append(chunk)
+    return chunks
