@@ -8,7 +8,7 @@ Layout under the checkpoint root::
         rng_state_rank0.safetensors, rng_state_rank1.safetensors, ...
         ...                 whatever the trainer wrote (e.g. megatron dist_checkpointing shards)
     .tmp-step_000020/       a save in progress (or one that crashed): never loaded
-    latest                  text file naming the newest complete step directory
+    latest                  text file naming the most recently committed step directory
 
 A save writes everything into ``.tmp-step_N``; only after every rank finished writing does rank 0
 add the marker and rename the directory to ``step_N`` in one ``os.replace``. A crash at any point
@@ -131,18 +131,27 @@ class CheckpointManager:
 
     def complete_steps(self) -> list[int]:
         """Steps with a complete checkpoint, ascending."""
+        return sorted(step for _, step in self._commit_order())
+
+    def _commit_order(self) -> list[tuple[int, int]]:
+        """``(commit sequence, step)`` of every complete checkpoint, oldest commit first."""
         if not self.root_dir.is_dir():
             return []
-        return sorted(
-            checkpoint_step(path)
+        committed = [
+            (_commit_sequence(path), checkpoint_step(path))
             for path in self.root_dir.iterdir()
             if is_complete_checkpoint(path)
-        )
+        ]
+        return sorted(committed)
 
     def latest_step(self) -> int | None:
-        """The newest complete checkpoint's step, or ``None`` when there is none."""
-        steps = self.complete_steps()
-        return steps[-1] if steps else None
+        """The step of the most recently committed complete checkpoint (``None``: there is none).
+
+        Usually the highest step; but after a run resumed from an older checkpoint, its own new
+        checkpoints count as latest, not those the abandoned run had written beyond them.
+        """
+        order = self._commit_order()
+        return order[-1][1] if order else None
 
     def latest_dir(self) -> Path | None:
         step = self.latest_step()
@@ -170,7 +179,10 @@ class CheckpointManager:
         self._barrier()
 
     def _commit(self, temporary: Path, step: int) -> None:
-        write_text_atomically(temporary / COMPLETE_MARKER, json.dumps({"step": step}) + "\n")
+        order = self._commit_order()
+        sequence = order[-1][0] + 1 if order else 1
+        marker = json.dumps({"step": step, "sequence": sequence}) + "\n"
+        write_text_atomically(temporary / COMPLETE_MARKER, marker)
         final = self.step_dir(step)
         if final.exists():
             # Saving a step again (a resumed run redoing it): the old copy goes first.
@@ -183,7 +195,8 @@ class CheckpointManager:
     def _prune(self) -> None:
         if self.keep_last is None:
             return
-        for step in self.complete_steps()[: -self.keep_last]:
+        # Oldest commits go first, so a resumed run's new checkpoints outlive an abandoned run's.
+        for _, step in self._commit_order()[: -self.keep_last]:
             self._delete(self.step_dir(step))
 
     def _delete(self, path: Path) -> None:
@@ -212,6 +225,14 @@ class CheckpointManager:
         if is_complete_checkpoint(path):
             return path
         raise UserError(_why_not_a_checkpoint(path))
+
+
+def _commit_sequence(path: Path) -> int:
+    """Order of commit recorded in the COMPLETE marker (0 for markers without one)."""
+    try:
+        return int(json.loads((path / COMPLETE_MARKER).read_text()).get("sequence", 0))
+    except (ValueError, AttributeError):
+        return 0
 
 
 def _why_not_a_checkpoint(path: Path) -> str:

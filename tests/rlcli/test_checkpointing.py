@@ -31,7 +31,7 @@ def test_saving_commits_a_complete_directory_and_latest_pointer(tmp_path):
     final = tmp_path / "step_000010"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000010"]
     assert (final / "model.bin").read_text() == "w"
-    assert json.loads((final / "COMPLETE").read_text()) == {"step": 10}
+    assert json.loads((final / "COMPLETE").read_text()) == {"step": 10, "sequence": 1}
     assert (tmp_path / "latest").read_text().strip() == "step_000010"
     assert manager.latest_step() == 10 and manager.latest_dir() == final
 
@@ -74,6 +74,22 @@ def test_keep_last_prunes_oldest_complete_checkpoints(tmp_path):
         _save(manager, step)
     assert manager.complete_steps() == [40, 50]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000040", "step_000050"]
+
+
+def test_after_resuming_an_older_checkpoint_its_new_saves_are_latest(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_last=3)
+    for step in (10, 20, 30):
+        _save(manager, step)
+    # The user resumes from step 10 (say, before a loss spike) and saves step 11.
+    assert manager.resolve_resume(tmp_path / "step_000010") == tmp_path / "step_000010"
+    _save(manager, 11)
+    # A crash now and `trainer.resume: auto` must continue at 11, not jump to the old 30.
+    assert manager.latest_step() == 11
+    assert (tmp_path / "latest").read_text().strip() == "step_000011"
+    _save(manager, 12)
+    _save(manager, 13)
+    # Pruning drops the oldest commits, the abandoned 20 and 30 included.
+    assert manager.complete_steps() == [11, 12, 13]
 
 
 def test_saving_the_same_step_again_replaces_it(tmp_path):
