@@ -172,4 +172,7 @@ class RewardManager:
     def __del__(self) -> None:
         pool = getattr(self, "_pool", None)
         if pool is not None:
-            pool.close()
+            try:
+                pool.close()
+            except Exception:  # interpreter shutdown: workers die with the process anyway
+                pass

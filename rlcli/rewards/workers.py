@@ -174,7 +174,9 @@ class WorkerPool:
                     )
                 outcomes[worker.index] = ("timeout", None)
                 self._replace(worker)
-        return [outcome for outcome in outcomes if outcome is not None]
+        finished = [outcome for outcome in outcomes if outcome is not None]
+        assert len(finished) == len(calls), "every call ends with an outcome"
+        return finished
 
     def _dispatch(
         self,

@@ -120,10 +120,11 @@ def test_file_path_function_runs_in_worker_processes(tmp_path):
 
 def test_raising_hanging_dying_and_bad_results_score_zero_and_are_counted():
     fn = resolve_reward_fn(f"{SPEC_PREFIX}:misbehaving_reward")
-    with RewardManager(fn, timeout_s=1.0, num_workers=2) as manager:
-        solutions = ("ok", "raise", "hang", "abc", "exit", "text", "nan", "hang", "abcd")
+    # Both hangs first, so they share one timeout wave; 2 s leaves room on a loaded machine.
+    with RewardManager(fn, timeout_s=2.0, num_workers=2) as manager:
+        solutions = ("hang", "hang", "ok", "raise", "abc", "exit", "text", "nan", "abcd")
         scores, _, stats = manager.score_batch(_inputs(*solutions))
-        assert scores == [2.0, 0.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0, 4.0]
+        assert scores == [0.0, 0.0, 2.0, 0.0, 3.0, 0.0, 0.0, 0.0, 4.0]
         # raise, exit, text and nan failed; both hangs timed out.
         assert stats == {"reward/num_failed": 4, "reward/num_timeout": 2}
 
@@ -199,3 +200,15 @@ def test_process_reward_example_scores_each_step(monkeypatch):
     first_step_end = extras["step_end_chars"][0][0]
     assert solution[:first_step_end].endswith("48/2=24")
     assert stats == {"reward/num_failed": 0, "reward/num_timeout": 0}
+
+
+def test_worker_that_cannot_load_the_function_is_a_user_error(tmp_path):
+    reward_file = tmp_path / "vanishing_reward.py"
+    reward_file.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
+    )
+    fn = resolve_reward_fn(f"{reward_file}:compute_score")
+    reward_file.unlink()  # the parent resolved it; the workers re-resolve and cannot
+    with RewardManager(fn, timeout_s=30, num_workers=1) as manager:
+        with pytest.raises(UserError, match="could not be loaded in a worker process.*not found"):
+            manager.score_batch(_inputs("a"))
