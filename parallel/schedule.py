@@ -1,0 +1,326 @@
+"""The one forward/backward entry point the trainer uses, on megatron-core's pipeline schedules.
+
+``forward_backward`` runs a list of micro-batches through megatron-core's
+``get_forward_backward_func`` (no pipelining, 1F1B, or interleaved 1F1B for virtual pipeline
+stages). On the last pipeline stage it turns the model output into
+
+* ``log_probs [mb, S-1]``: ``log softmax(logits[:, :-1] / temperature)`` at the next token
+  ``input_ids[:, 1:]``, computed vocab-parallel (``parallel.logprobs``), plus ``entropy
+  [mb, S-1]`` when asked, for policy models;
+* ``values [mb, S]`` for critic models (``build_model(..., critic=True)``),
+
+and hands them to ``loss_fn(outputs, micro_batch) -> (loss, metrics)``.
+
+Gradient semantics (exact): after ``forward_backward(..., forward_only=False)`` each rank's
+gradient equals the gradient of the SUM over its micro-batches of ``loss_fn``'s loss.
+Megatron divides every micro-batch loss by the number of micro-batches; the loss handed to
+megatron is multiplied by that number first, so the two cancel. Over data parallelism,
+megatron's DDP (``parallel.optim.wrap_for_training``) then AVERAGES the gradients of the DP
+replicas (it scales by 1/dp before its sum all-reduce). So a trainer that wants the mean of a
+per-sample loss over a global batch of N samples should divide each micro-batch's summed loss
+by N / dp (the per-rank share of N), or equivalently use per-micro-batch means scaled by
+mb * dp / N.
+
+Micro-batch dict keys: ``input_ids [mb, S]`` (int64, right-padded so plain causal attention
+is correct), ``attention_mask [mb, S]`` (1 on real tokens), optional ``position_ids [mb, S]``
+(default ``arange(S)``), and any further tensors ``loss_fn`` needs (passed through untouched).
+Pipeline point-to-point communication needs one ``[S, mb, hidden]`` shape for the whole call:
+shorter micro-batches are right-padded to the longest ``S`` for the model and the outputs are
+cut back to each micro-batch's own length before ``loss_fn`` sees them; with pipeline
+parallelism all micro-batches must also have the same ``mb``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_attr_wrapped_model, get_model_config
+
+from parallel.cpu_compat import device
+from parallel.logprobs import vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy
+from parallel.mesh import Mesh
+
+LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], tuple[torch.Tensor, dict]]
+
+# Keys whose sequence dimension is padded to the call's common length (and how).
+_PADDED_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def forward_backward(
+    models: list[torch.nn.Module],
+    mesh: Mesh,
+    micro_batches: list[dict[str, torch.Tensor]],
+    loss_fn: LossFn | None,
+    *,
+    forward_only: bool,
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+) -> list[dict[str, Any]]:
+    """Forward (and backward unless ``forward_only``) over ``micro_batches``; see module doc.
+
+    Args:
+        models: the model chunks of this rank (one per virtual pipeline stage), bare or
+            wrapped in megatron DDP. Gradient reduction over DP happens inside megatron when
+            the config carries ``finalize_model_grads_func`` (set by ``wrap_for_training``).
+        mesh: the parallel layout from ``parallel.mesh.init_parallel``.
+        micro_batches: dicts as described in the module docstring.
+        loss_fn: ``(outputs, micro_batch) -> (scalar loss, {name: float})``; ``outputs`` holds
+            ``log_probs`` (and ``entropy``) ``[mb, S-1]`` or ``values [mb, S]``. May be
+            ``None`` when ``forward_only``.
+        forward_only: no backward; no autograd graph is built.
+        temperature: divides the logits before the softmax.
+        compute_entropy: also compute ``entropy [mb, S-1]`` (policy models only).
+
+    Returns:
+        One dict per micro-batch, in order, on every rank of the model-parallel group
+        (broadcast from the last pipeline stage): ``loss_fn``'s metrics as floats and, when
+        ``forward_only``, the output tensors (detached, float32, on ``device()``).
+    """
+    if not micro_batches:
+        return []
+    if loss_fn is None and not forward_only:
+        raise ValueError("forward_backward needs a loss_fn unless forward_only=True")
+    padded, lengths = _pad_to_common_length(micro_batches, mesh)
+    seq_len, mb = padded[0]["input_ids"].shape[1], padded[0]["input_ids"].shape[0]
+    originals: list[dict[str, torch.Tensor] | None] = list(micro_batches)
+    if len(models) > 1:
+        # The interleaved schedule needs at least pp micro-batches: pad with dummy ones whose
+        # loss is 0 and whose results are dropped.
+        dummies = max(0, mesh.pp - len(padded))
+        padded += [padded[-1]] * dummies
+        originals += [None] * dummies
+        lengths = lengths + [seq_len] * dummies
+        config = get_model_config(models[0])
+        config.microbatch_group_size_per_vp_stage = _interleaving_group_size(len(padded), mesh.pp)
+        # In its steady state the interleaved schedule sends an activation AND a gradient to
+        # the same peer when pp == 2. Batched p2p (the config default) posts both on one
+        # communicator, where gloo pairs them by posting order and swaps them (wrong
+        # gradients, correct forward). Megatron's unbatched p2p uses a separate group per
+        # direction for pp == 2 (what megatron's own training selects for interleaving).
+        config.batch_p2p_comm = False
+
+    forward_step = partial(
+        _forward_step,
+        originals=iter(originals),
+        lengths=iter(lengths),
+        loss_fn=loss_fn,
+        scale=len(padded),
+        forward_only=forward_only,
+        temperature=temperature,
+        compute_entropy=compute_entropy,
+        mesh=mesh,
+    )
+    # The schedule pulls micro-batches per model chunk; every chunk gets the same sequence.
+    chunk_iterators = [iter(padded) for _ in models]
+    schedule = get_forward_backward_func()
+    with torch.no_grad() if forward_only else torch.enable_grad():
+        per_microbatch = schedule(
+            forward_step_func=forward_step,
+            data_iterator=chunk_iterators if len(models) > 1 else chunk_iterators[0],
+            model=models if len(models) > 1 else models[0],
+            num_microbatches=len(padded),
+            seq_length=seq_len,
+            micro_batch_size=mb,
+            forward_only=forward_only,
+        )
+    return _share_from_last_stage(per_microbatch[: len(micro_batches)], mesh, forward_only)
+
+
+def _interleaving_group_size(num_microbatches: int, pp: int) -> int:
+    """Micro-batches run per virtual stage at a time: megatron's default ``pp`` when it
+    divides the count, else the smallest size whose last group is not shorter than ``pp``
+    (megatron rejects schedules with such dependency bubbles)."""
+    for size in range(pp, num_microbatches + 1):
+        remainder = num_microbatches % size
+        if remainder == 0 or remainder >= pp:
+            return size
+    return num_microbatches
+
+
+def forward_log_probs(
+    models: list[torch.nn.Module],
+    mesh: Mesh,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    micro_batch_size: int,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Log-probs ``[b, S-1]`` of ``input_ids[:, 1:]`` (float32, on every model-parallel rank).
+
+    ``input_ids`` / ``attention_mask`` are ``[b, S]``, right-padded. Positions whose label is
+    padding hold meaningless values; mask them with ``attention_mask[:, 1:]``.
+    """
+    batch = input_ids.shape[0]
+    chunks = [
+        {"input_ids": ids, "attention_mask": mask}
+        for ids, mask in zip(
+            input_ids.split(micro_batch_size), attention_mask.split(micro_batch_size), strict=True
+        )
+    ]
+    # Pipeline p2p needs equal micro-batch sizes: fill the last one with copies of its first
+    # row (dropped again below).
+    if mesh.pp > 1 and chunks[-1]["input_ids"].shape[0] < micro_batch_size:
+        last = chunks[-1]
+        missing = micro_batch_size - last["input_ids"].shape[0]
+        chunks[-1] = {k: torch.cat([v, v[:1].expand(missing, -1)]) for k, v in last.items()}
+    results = forward_backward(
+        models, mesh, chunks, None, forward_only=True, temperature=temperature
+    )
+    return torch.cat([r["log_probs"] for r in results])[:batch]
+
+
+def _unpadded_vocab_size(model: torch.nn.Module) -> int | None:
+    return get_attr_wrapped_model(model, "unpadded_vocab_size", allow_none=True)
+
+
+def _pad_to_common_length(
+    micro_batches: list[dict[str, torch.Tensor]], mesh: Mesh
+) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
+    """Model inputs right-padded to the longest S of the call, on ``device()``; original S."""
+    lengths = [mb["input_ids"].shape[1] for mb in micro_batches]
+    sizes = {mb["input_ids"].shape[0] for mb in micro_batches}
+    if mesh.pp > 1 and len(sizes) > 1:
+        raise ValueError(
+            f"pipeline parallelism (pp={mesh.pp}) needs equal micro-batch sizes, got {sorted(sizes)}"
+        )
+    target = max(lengths)
+    padded = []
+    for mb, length in zip(micro_batches, lengths, strict=True):
+        ids = mb["input_ids"].to(device())
+        position_ids = mb.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(length, device=ids.device).expand(ids.shape[0], -1)
+        inputs = {
+            "input_ids": ids,
+            "attention_mask": mb["attention_mask"].to(device()),
+            "position_ids": position_ids.to(device()),
+        }
+        if length < target:
+            extra = target - length
+            inputs["input_ids"] = torch.nn.functional.pad(inputs["input_ids"], (0, extra))
+            inputs["attention_mask"] = torch.nn.functional.pad(inputs["attention_mask"], (0, extra))
+            tail = inputs["position_ids"][:, -1:] + torch.arange(1, extra + 1, device=ids.device)
+            inputs["position_ids"] = torch.cat([inputs["position_ids"], tail], dim=1)
+        padded.append(inputs)
+    return padded, lengths
+
+
+def _forward_step(
+    data_iterator,
+    model,
+    *,
+    originals,
+    lengths,
+    loss_fn,
+    scale,
+    forward_only,
+    temperature,
+    compute_entropy,
+    mesh,
+):
+    """Megatron forward_step_func: run one chunk; on the last stage return the loss closure."""
+    inputs = next(data_iterator)
+    # Right padding + causal attention: real tokens never attend to padding, so no mask.
+    output = model(inputs["input_ids"], inputs["position_ids"], attention_mask=None)
+    if not _is_last_stage_chunk(model, mesh):
+        return output, None
+    micro_batch, length = next(originals), next(lengths)
+    if micro_batch is None:  # interleaving filler, see forward_backward
+        return output, _dummy_loss
+    return output, partial(
+        _loss_closure,
+        micro_batch=micro_batch,
+        input_ids=inputs["input_ids"][:, :length],
+        loss_fn=loss_fn,
+        scale=scale,
+        forward_only=forward_only,
+        temperature=temperature,
+        compute_entropy=compute_entropy,
+        model=model,
+        mesh=mesh,
+    )
+
+
+def _dummy_loss(model_output: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    # Zero loss with a graph, so the backward pass through the filler runs and adds nothing.
+    return model_output.sum() * 0.0, {"metrics": {}}
+
+
+def _is_last_stage_chunk(model: torch.nn.Module, mesh: Mesh) -> bool:
+    # post_process is True only on the chunk that owns the output layer.
+    return bool(get_attr_wrapped_model(model, "post_process")) and mesh.is_last_stage
+
+
+def _loss_closure(
+    model_output,
+    *,
+    micro_batch,
+    input_ids,
+    loss_fn,
+    scale,
+    forward_only,
+    temperature,
+    compute_entropy,
+    model,
+    mesh,
+):
+    length = input_ids.shape[1]
+    if model_output.dim() == 2:  # critic: parallel.model.ValueHead gives values [mb, S]
+        if compute_entropy:
+            raise ValueError("compute_entropy=True needs a policy model, got a critic")
+        outputs = {"values": model_output[:, :length].float()}
+    else:
+        logits = model_output[:, : length - 1] / temperature
+        labels = input_ids[:, 1:]
+        vocab_size = _unpadded_vocab_size(model)
+        if compute_entropy:
+            log_probs, entropy = vocab_parallel_log_probs_and_entropy(
+                logits, labels, mesh.tp_group, vocab_size
+            )
+            outputs = {"log_probs": log_probs, "entropy": entropy}
+        else:
+            outputs = {
+                "log_probs": vocab_parallel_log_probs(logits, labels, mesh.tp_group, vocab_size)
+            }
+    if loss_fn is None:
+        loss, metrics = torch.zeros((), device=input_ids.device), {}
+    else:
+        on_device = {k: v.to(device()) if torch.is_tensor(v) else v for k, v in micro_batch.items()}
+        loss, metrics = loss_fn(outputs, on_device)
+    reported = {"metrics": {k: float(v) for k, v in metrics.items()}}
+    if forward_only:
+        reported["outputs"] = {k: v.detach() for k, v in outputs.items()}
+    # Megatron divides by the number of micro-batches; undo it so gradients are of the SUM.
+    return loss * scale, reported
+
+
+def _share_from_last_stage(
+    per_microbatch: list[dict[str, Any]], mesh: Mesh, forward_only: bool
+) -> list[dict[str, Any]]:
+    """The last pipeline stage's results on every stage: metrics and output shapes by object
+    broadcast, then each output tensor by tensor broadcast into a buffer of that shape."""
+    summaries = None
+    if mesh.is_last_stage:
+        summaries = [
+            {
+                "metrics": r["metrics"],
+                "shapes": {k: tuple(v.shape) for k, v in r.get("outputs", {}).items()},
+            }
+            for r in per_microbatch
+        ]
+    summaries = mesh.broadcast_object_from_last_stage(summaries)
+    results = []
+    for index, summary in enumerate(summaries):
+        result = dict(summary["metrics"])
+        for name, shape in summary["shapes"].items():
+            if mesh.is_last_stage:
+                tensor = per_microbatch[index]["outputs"][name].float().contiguous()
+            else:
+                tensor = torch.empty(shape, dtype=torch.float32, device=device())
+            result[name] = mesh.broadcast_from_last_stage(tensor)
+        results.append(result)
+    return results
