@@ -24,7 +24,7 @@ import random
 import re
 import shutil
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -158,8 +158,11 @@ class CheckpointManager:
         return None if step is None else self.step_dir(step)
 
     @contextmanager
-    def saving(self, step: int) -> Iterator[Path]:
+    def saving(self, step: int, subdirs: Sequence[str] = ()) -> Iterator[Path]:
         """Collective: yields a temporary directory for every rank to write ``step`` into.
+
+        ``subdirs`` are created (by rank 0, before every rank may write) for writers that need an
+        existing, empty folder, such as megatron-core's ``dist_checkpointing.save``.
 
         On normal exit, after a barrier, rank 0 marks it complete, renames it to ``step_N``,
         updates ``latest`` and prunes old checkpoints; a final barrier keeps other ranks from
@@ -171,6 +174,8 @@ class CheckpointManager:
             self.root_dir.mkdir(parents=True, exist_ok=True)
             self._remove_leftovers()
             temporary.mkdir()
+            for subdir in subdirs:
+                (temporary / subdir).mkdir(parents=True)
         self._barrier()
         yield temporary
         self._barrier()

@@ -169,9 +169,9 @@ def _two_rank_save(rank, root, init_file):
     try:
         manager = CheckpointManager(root, keep_last=1)
         for step in (1, 2):
-            with manager.saving(step) as directory:
+            with manager.saving(step, subdirs=("model",)) as directory:
                 # Every rank writes its own shard, as megatron dist_checkpointing does.
-                (directory / f"shard_rank{rank}.bin").write_bytes(os.urandom(1 << 16))
+                (directory / "model" / f"shard_rank{rank}.bin").write_bytes(os.urandom(1 << 16))
                 save_trainer_state(directory, {"step": step})
             # After the context every rank sees the committed checkpoint.
             assert manager.latest_step() == step
@@ -187,9 +187,12 @@ def test_two_ranks_commit_only_after_both_wrote(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002"]
     assert sorted(p.name for p in final.iterdir()) == [
         "COMPLETE",
+        "model",
         "rng_state_rank0.safetensors",
         "rng_state_rank1.safetensors",
+        "trainer_state.json",
+    ]
+    assert sorted(p.name for p in (final / "model").iterdir()) == [
         "shard_rank0.bin",
         "shard_rank1.bin",
-        "trainer_state.json",
     ]

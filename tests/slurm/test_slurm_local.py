@@ -25,8 +25,8 @@ TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "
 pytestmark = [
     pytest.mark.slurm,
     pytest.mark.skipif(
-        shutil.which("slurmctld") is None or os.geteuid() != 0,
-        reason="needs root and slurmctld "
+        shutil.which("slurmctld") is None or shutil.which("munged") is None or os.geteuid() != 0,
+        reason="needs root, slurmctld and munged "
         "(apt-get install -y --no-install-recommends slurm-wlm munge)",
     ),
 ]
