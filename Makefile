@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.install-stamp
 EXTRAS ?= cpu,dev
 
-.PHONY: install test test-fast demo lint format benchmark clean
+.PHONY: install install-slurm test test-fast demo lint format benchmark clean
 
 install: $(STAMP)
 
@@ -19,6 +19,13 @@ $(STAMP): setup.py setup.cfg
 	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
+
+# The Slurm tests run real sbatch jobs on a one-node cluster on localhost (root + Debian packages);
+# without them those tests skip and say why.
+install-slurm:
+	command -v slurmctld >/dev/null && command -v munged >/dev/null || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	   --no-install-recommends slurm-wlm munge >/dev/null)
 
 test: install
 	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q

@@ -20,6 +20,7 @@ install_requires = [
     "math-verify",
     "numpy",
     "matplotlib",  # benchmark chart
+    "jinja2",  # sbatch templates
 ]
 
 extras_require = {

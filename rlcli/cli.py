@@ -13,6 +13,7 @@ from typing import Optional
 
 import typer
 
+from rlcli.commands.launch import launch_app
 from rlcli.errors import USER_ERROR_EXIT_CODE, UserError
 
 app = typer.Typer(
@@ -27,6 +28,7 @@ data_app = typer.Typer(
 )
 app.add_typer(config_app, name="config")
 app.add_typer(data_app, name="data")
+app.add_typer(launch_app, name="launch")
 
 RECIPE = typer.Argument(..., help="Recipe YAML, e.g. recipes/quickstart.yaml")
 OVERRIDES = typer.Argument(None, help="Dot-list overrides, e.g. actor.lr=1e-5 parallel.tp=2")

@@ -118,7 +118,7 @@ def build_engine(c: Components):
         c.model_dir,
         tp=r.tp,
         dtype=c.cfg.model.dtype,
-        seed=c.cfg.trainer.seed + 1000 * index,
+        seed=c.cfg.trainer.seed,  # engines space request seeds per replica themselves
         gpu_memory_utilization=r.gpu_memory_utilization,
         kv_cache_gb=r.kv_cache_gb,
         enforce_eager=r.enforce_eager,

@@ -112,7 +112,7 @@ def _loop(run: Run, ckpt: CheckpointManager, logger, resumed: int | None) -> dic
 def save(run: Run, ckpt: CheckpointManager) -> None:
     from parallel.checkpoint import save_checkpoint
 
-    with ckpt.saving(run.step) as directory:
+    with ckpt.saving(run.step, subdirs=("model",)) as directory:
         save_checkpoint(
             directory / "model",
             run.actor.models,

@@ -41,13 +41,15 @@ TENSORBOARD_DIR_NAME = "tensorboard"
 # What the console shows per step: (label, metric keys tried in order). The first key present in
 # a step's metrics is shown; a column with no key present is left out of that line.
 CONSOLE_COLUMNS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("reward", ("reward/mean", "score/mean")),
+    ("reward", ("reward/score_mean", "reward/mean", "score/mean")),
     ("acc", ("reward/accuracy", "accuracy", "val/accuracy")),
+    ("val_acc", ("val/reward/accuracy",)),
     ("resp_len", ("response_length/mean",)),
     ("pg_loss", ("actor/pg_loss",)),
     ("grad_norm", ("actor/grad_norm",)),
     ("step_s", ("timing/step",)),
-    ("tok/s", ("throughput/tokens_per_s",)),
+    ("tok/s", ("perf/tokens_per_s", "throughput/tokens_per_s")),
+    ("lp_diff", ("rollout/logprob_diff_max",)),
 )
 
 
