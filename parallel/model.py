@@ -197,7 +197,14 @@ def build_model(
     sequence_parallel: bool = False,
 ) -> list[torch.nn.Module]:
     """GPTModel chunks for this rank (see module docstring); randomly initialised — load weights
-    with `parallel.convert.load_hf_weights`. `critic=True` swaps the LM head for a ValueHead."""
+    with `parallel.convert.load_hf_weights`. `critic=True` swaps the LM head for a ValueHead.
+    `sequence_parallel=True` (TP > 1) needs Transformer Engine."""
+    if sequence_parallel and mesh.tp > 1 and not HAVE_TRANSFORMER_ENGINE:
+        # megatron's local spec norm (torch RMSNorm) asserts it is not sequence-parallel
+        raise ValueError(
+            "sequence parallelism needs Transformer Engine (not installed); "
+            "set parallel.sequence_parallel to false"
+        )
     config = transformer_config_from_hf(
         hf_config,
         tp=mesh.tp,

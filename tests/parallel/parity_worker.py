@@ -1,0 +1,174 @@
+"""torchrun worker for test_convert_parity.py: many checks per launch, one launch per layout.
+
+    torchrun --nproc_per_node N tests/parallel/parity_worker.py --tp T --pp P [--vpp V]
+        --models DIR[,DIR...] --result FILE.json --export-dir DIR
+
+For each HF model directory: build the Megatron chunks, load the HF weights, run a forward
+through megatron's pipeline schedule and compare the (TP-gathered, unpadded) logits with HF
+transformers; gather the weights back with iter_hf_weights and compare them bit-exactly with the
+safetensors on disk (on every rank); for the first model also write them with
+save_hf_checkpoint and compare the written file. Before loading, DP replicas must hold equal
+random weights. Rank 0 writes the numbers to --result; failures are reported there too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from parallel.convert import iter_hf_weights, load_hf_weights, save_hf_checkpoint
+from parallel.mesh import Mesh, destroy_parallel, init_parallel
+from parallel.model import HAVE_TRANSFORMER_ENGINE, build_model
+
+BATCH, SEQ = 2, 12
+
+
+def _tokens(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, vocab, (BATCH, SEQ), generator=generator)
+    return tokens, torch.arange(SEQ).expand(BATCH, SEQ).contiguous()
+
+
+def _last_stage_output(models, mesh: Mesh, tokens, positions) -> torch.Tensor | None:
+    """The post_process chunk's output (through megatron's schedule), None off the last stage."""
+
+    def forward_step(data_iterator, model):
+        output = model(tokens, positions, None)
+        return output, lambda out: (out.sum() * 0, {"logits": out.detach()})
+
+    num_microbatches = mesh.pp if mesh.vpp else 1  # interleaving wants a multiple of pp
+    results = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=[iter(())] * len(models) if mesh.vpp else iter(()),
+        model=models,
+        num_microbatches=num_microbatches,
+        seq_length=SEQ,
+        micro_batch_size=BATCH,
+        forward_only=True,
+    )
+    return results[0]["logits"] if mesh.is_last_stage else None
+
+
+def _megatron_logits(models, mesh: Mesh, tokens, positions, vocab: int) -> torch.Tensor | None:
+    """Full-vocab logits [b, s, V] on last-stage ranks, None elsewhere."""
+    local = _last_stage_output(models, mesh, tokens, positions)  # [b, s, Vp/tp]
+    if local is None:
+        return None
+    shards = [torch.empty_like(local) for _ in range(mesh.tp)]
+    dist.all_gather(shards, local.contiguous(), group=mesh.tp_group)
+    return torch.cat(shards, dim=-1)[..., :vocab]
+
+
+def _dp_replicas_equal(models, mesh: Mesh) -> bool:
+    flat = torch.cat([p.detach().flatten() for m in models for p in m.parameters()])
+    copies = [torch.empty_like(flat) for _ in range(mesh.dp)]
+    dist.all_gather(copies, flat, group=mesh.dp_group)
+    return all(torch.equal(copies[0], c) for c in copies)
+
+
+def _all_true(flag: bool) -> bool:
+    value = torch.tensor([0 if flag else 1])
+    dist.all_reduce(value)
+    return value.item() == 0
+
+
+def check_model(hf_dir: Path, mesh: Mesh, export_dir: Path | None) -> dict:
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    models = build_model(hf_config, mesh)
+    report = {"dp_replicas_equal": _all_true(_dp_replicas_equal(models, mesh))}
+    load_hf_weights(models, mesh, hf_dir)
+
+    tokens, positions = _tokens(hf_config.vocab_size)
+    logits = _megatron_logits(models, mesh, tokens, positions, hf_config.vocab_size)
+    diff = None
+    if mesh.is_last_stage:
+        hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            reference = hf_model(tokens).logits
+        diff = (logits - reference).abs().max().item()
+    report["max_abs_logit_diff"] = mesh.broadcast_object_from_last_stage(diff)
+
+    on_disk = load_file(hf_dir / "model.safetensors")
+    gathered = {name: tensor.clone() for name, tensor in iter_hf_weights(models, mesh)}
+    exact = gathered.keys() == on_disk.keys() and all(
+        torch.equal(gathered[n], on_disk[n]) for n in on_disk
+    )
+    report["round_trip_exact"] = _all_true(exact)
+    report["round_trip_missing"] = sorted(on_disk.keys() - gathered.keys())
+    report["round_trip_extra"] = sorted(gathered.keys() - on_disk.keys())
+
+    if export_dir is not None:
+        report.update(_check_variants(hf_dir, hf_config, mesh, tokens, positions))
+        save_hf_checkpoint(models, mesh, export_dir, hf_config)
+        if mesh.rank == 0:
+            written = load_file(export_dir / "model.safetensors")
+            report["saved_exact"] = written.keys() == on_disk.keys() and all(
+                torch.equal(written[n], on_disk[n]) for n in on_disk
+            )
+            written_config = json.loads((export_dir / "config.json").read_text())
+            report["saved_config_ok"] = written_config == json.loads(
+                (hf_dir / "config.json").read_text()
+            )
+    return report
+
+
+def _check_variants(hf_dir: Path, hf_config, mesh: Mesh, tokens, positions) -> dict:
+    """Critic values [b, s] vs HF final hidden states @ value head; sequence-parallel logits."""
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf_hidden = hf_model.model(tokens).last_hidden_state  # [b, s, h], after the final norm
+        hf_logits = hf_model(tokens).logits
+    report = {}
+
+    critic = build_model(hf_config, mesh, critic=True)
+    load_hf_weights(critic, mesh, hf_dir)
+    values = _last_stage_output(critic, mesh, tokens, positions)
+    diff = None
+    if mesh.is_last_stage:
+        head = critic[-1].output_layer.value
+        expected = (hf_hidden @ head.weight.T + head.bias).squeeze(-1)
+        diff = (values - expected).abs().max().item() if values.shape == expected.shape else 1e9
+    report["critic_max_abs_value_diff"] = mesh.broadcast_object_from_last_stage(diff)
+    report["critic_exports_score"] = sorted(
+        name for name, _ in iter_hf_weights(critic, mesh) if not name.startswith("model.")
+    )
+
+    if mesh.tp > 1 and HAVE_TRANSFORMER_ENGINE:  # the local spec cannot do SP
+        sp_models = build_model(hf_config, mesh, sequence_parallel=True)
+        load_hf_weights(sp_models, mesh, hf_dir)
+        logits = _megatron_logits(sp_models, mesh, tokens, positions, hf_config.vocab_size)
+        diff = (logits - hf_logits).abs().max().item() if logits is not None else None
+        report["sequence_parallel_max_abs_logit_diff"] = mesh.broadcast_object_from_last_stage(diff)
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--vpp", type=int, default=None)
+    parser.add_argument("--models", required=True)
+    parser.add_argument("--result", required=True)
+    parser.add_argument("--export-dir", default=None)
+    args = parser.parse_args()
+
+    mesh = init_parallel(tp=args.tp, pp=args.pp, vpp=args.vpp)
+    reports = {}
+    for index, hf_dir in enumerate(args.models.split(",")):
+        export_dir = Path(args.export_dir) if args.export_dir and index == 0 else None
+        reports[Path(hf_dir).name] = check_model(Path(hf_dir), mesh, export_dir)
+    summary = {"layout": vars(args), "world_size": mesh.world_size, "dp": mesh.dp, **reports}
+    if mesh.rank == 0:
+        Path(args.result).write_text(json.dumps(summary, indent=2))
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()

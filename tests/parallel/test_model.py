@@ -1,0 +1,66 @@
+"""parallel.model: HF config -> TransformerConfig, vocab padding, and user-facing errors.
+
+(Forward parity with HF, critic values and pipeline/TP layouts: test_convert_parity.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen2Config
+
+from parallel.mesh import ParallelLayoutError
+from parallel.model import padded_vocab_size, transformer_config_from_hf
+from tests.parallel.dist_utils import TINY_CONFIG
+
+
+def _qwen2(**overrides) -> Qwen2Config:
+    options = {**TINY_CONFIG, **overrides}
+    rope_theta = options.pop("rope_theta")
+    return Qwen2Config(
+        **options, rope_parameters={"rope_type": "default", "rope_theta": rope_theta}
+    )
+
+
+@pytest.mark.parametrize(
+    "vocab, tp, padded", [(251, 1, 251), (251, 2, 252), (251, 4, 252), (151936, 8, 151936)]
+)
+def test_padded_vocab_is_next_multiple_of_tp(vocab, tp, padded):
+    assert padded_vocab_size(vocab, tp) == padded
+
+
+def test_qwen2_config_maps_architecture():
+    config = transformer_config_from_hf(_qwen2(), tp=2, pp=2, dtype=torch.bfloat16)
+    assert (config.num_layers, config.hidden_size, config.ffn_hidden_size) == (4, 64, 96)
+    assert (config.num_attention_heads, config.num_query_groups, config.kv_channels) == (4, 2, 16)
+    assert config.add_qkv_bias and not config.add_bias_linear and config.gated_linear_unit
+    assert config.normalization == "RMSNorm" and config.layernorm_epsilon == 1e-6
+    assert config.params_dtype == torch.bfloat16 and config.bf16
+    assert config.tensor_model_parallel_size == 2 and config.pipeline_model_parallel_size == 2
+
+
+def test_llama_has_no_qkv_bias_and_rejects_attention_bias():
+    options = {**TINY_CONFIG}
+    options.pop("rope_theta")
+    assert not transformer_config_from_hf(LlamaConfig(**options), tp=1, pp=1).add_qkv_bias
+    with pytest.raises(ValueError, match="attention_bias"):
+        transformer_config_from_hf(LlamaConfig(**options, attention_bias=True), tp=1, pp=1)
+
+
+def test_layout_errors_name_the_config_keys():
+    with pytest.raises(ParallelLayoutError, match="num_key_value_heads"):
+        transformer_config_from_hf(_qwen2(), tp=4, pp=1)
+    with pytest.raises(ParallelLayoutError, match="num_hidden_layers"):
+        transformer_config_from_hf(_qwen2(), tp=1, pp=3)
+    with pytest.raises(ParallelLayoutError, match="parallel.vpp"):
+        transformer_config_from_hf(_qwen2(), tp=1, pp=2, vpp=4)
+
+
+def test_unsupported_rope_scaling_and_model_type():
+    config = _qwen2()
+    config.rope_parameters = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}
+    with pytest.raises(ValueError, match="unsupported RoPE scaling"):
+        transformer_config_from_hf(config, tp=1, pp=1)
+    config.model_type = "gpt2"
+    with pytest.raises(ValueError, match="supported: llama, qwen2"):
+        transformer_config_from_hf(config, tp=1, pp=1)
