@@ -1,0 +1,11 @@
+"""`rlcli benchmark` / `make benchmark`: what rlcli costs, next to what a user would write instead
+and next to the physical floor, on whatever hardware is present.
+
+    run.py        orchestration: one fresh process per section, results -> JSON / Markdown / PNG
+    sections.py   the four sections (rollout, sync, train, grpo), runnable as a child process
+    workload.py   the fixed workloads (smoke / cpu / gpu) and the random HF models they use
+    hardware.py   device name, peak FLOP/s table, measured matmul FLOP/s, load average
+    memory.py     peak memory of one phase (RSS high-water mark on CPU, CUDA allocator on GPU)
+    report.py     Markdown table and matplotlib chart from the result JSON
+    sync_bench.py weight sync: bucketed resharding vs naive per-tensor path vs memcpy floor
+"""

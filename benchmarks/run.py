@@ -1,0 +1,148 @@
+"""Run the benchmark: every section in a fresh child process, then JSON + Markdown + PNG.
+
+    run_benchmark(smoke=False, output_dir=RESULTS_DIR, sections=SECTIONS, log=print) -> Outputs
+
+The mode follows the hardware (GPU when CUDA is present, else CPU) unless `smoke` asks for the
+tiny workload that only checks the code paths. A section that fails is recorded under
+`errors` with the tail of its log; the others still run and the report is still written.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.hardware import load_average
+from benchmarks.report import write_report
+from benchmarks.workload import workload_for
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+SECTIONS = ("device", "rollout", "sync", "train", "grpo")
+SECTION_TIMEOUT_S = {"smoke": 300, "cpu": 900, "gpu": 1800}
+LOG_TAIL_LINES = 30
+
+
+@dataclass
+class Outputs:
+    results: dict
+    files: dict[str, Path]  # "json", "md", "png" (and "latest_md", "latest_png")
+
+
+def choose_mode(smoke: bool) -> str:
+    if smoke:
+        return "smoke"
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def run_benchmark(
+    *,
+    smoke: bool = False,
+    output_dir: Path = RESULTS_DIR,
+    sections: Sequence[str] = SECTIONS,
+    log: Callable[[str], None] = print,
+) -> Outputs:
+    """Run `sections` of this machine's workload; write `<date>-<host>[-smoke].{json,md,png}`
+    into `output_dir` (and `latest.md` / `latest.png`, except for smoke runs)."""
+    unknown = [name for name in sections if name not in SECTIONS]
+    if unknown:
+        raise ValueError(f"unknown benchmark sections {unknown}; choose from {list(SECTIONS)}")
+    mode = choose_mode(smoke)
+    workload = workload_for(mode)
+    host = socket.gethostname().split(".")[0]
+    date = datetime.date.today().isoformat()
+    results: dict = {
+        "schema_version": 1,
+        "date": date,
+        "host": host,
+        "mode": mode,
+        "load_average": {"start": load_average()},
+        "workload": workload.to_dict(),
+        "errors": {},
+    }
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="rlcli-benchmark-") as work:
+        work_dir = Path(work)
+        workload_file = work_dir / "workload.json"
+        workload_file.write_text(json.dumps(workload.to_dict()))
+        for name in sections:
+            log(f"[benchmark] {name} ({mode}) ...")
+            section_start = time.perf_counter()
+            result, error = _run_section(name, workload_file, work_dir, SECTION_TIMEOUT_S[mode])
+            seconds = time.perf_counter() - section_start
+            if error is None:
+                results[name] = {**result, "section_seconds": seconds}
+                log(f"[benchmark] {name} done in {seconds:.0f} s")
+            else:
+                results["errors"][name] = error
+                log(f"[benchmark] {name} FAILED after {seconds:.0f} s:\n{error}")
+    results["wall_seconds"] = time.perf_counter() - start
+    results["load_average"]["end"] = load_average()
+    add_derived_figures(results)
+    stem = f"{date}-{host}" + ("-smoke" if smoke else "")
+    files = write_report(results, Path(output_dir), stem, update_latest=not smoke)
+    return Outputs(results=results, files=files)
+
+
+def _run_section(
+    name: str, workload_file: Path, work_dir: Path, timeout_s: int
+) -> tuple[dict | None, str | None]:
+    """(result, None) or (None, error text with the log's tail)."""
+    result_file = work_dir / f"{name}.result.json"
+    log_file = work_dir / f"{name}.log"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+        "PYTHONWARNINGS": "ignore",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    command = [sys.executable, "-m", "benchmarks.sections", name, str(workload_file),
+               str(work_dir), str(result_file)]  # fmt: skip
+    with open(log_file, "w", encoding="utf-8") as log_handle:
+        # Own session: on timeout the child and anything it started are stopped together.
+        child = subprocess.Popen(command, cwd=work_dir, env=env, stdout=log_handle,
+                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        try:
+            returncode = child.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            return None, f"timed out after {timeout_s} s\n{_tail(log_file)}"
+    if returncode != 0 or not result_file.is_file():
+        return None, f"exit code {returncode}\n{_tail(log_file)}"
+    return json.loads(result_file.read_text()), None
+
+
+def _tail(path: Path) -> str:
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    return "\n".join(lines[-LOG_TAIL_LINES:])
+
+
+def add_derived_figures(results: dict) -> None:
+    """Ratios against the device: MFU (data-sheet peak, GPU only), the fraction of the measured
+    matmul FLOP/s, and the compute ceiling of rollout tokens/s (2 FLOPs per parameter per
+    new token at the measured matmul rate; attention and sampling not counted)."""
+    device = results.get("device", {})
+    matmul = device.get("matmul_flops")
+    peak = device.get("hardware", {}).get("peak_bf16_flops")
+    train = results.get("train")
+    if train:
+        for key in ("megatron", "hf_baseline"):
+            flops = train[key]["flops_per_s"]
+            train[key]["mfu"] = flops / peak if peak else None
+            train[key]["matmul_fraction"] = flops / matmul if matmul else None
+    rollout = results.get("rollout")
+    if rollout and matmul:
+        rollout["compute_ceiling_tokens_per_s"] = matmul / (2 * rollout["params"])

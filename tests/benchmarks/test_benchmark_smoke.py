@@ -1,0 +1,109 @@
+"""`rlcli benchmark --smoke`: the benchmark code runs end to end and writes JSON / Markdown /
+PNG with the expected keys; its figures are consistent with independent counts. No timing
+assertions: the machine is shared and the smoke sizes measure nothing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from benchmarks.hardware import peak_bf16_flops
+from benchmarks.memory import measure_peak_memory
+from benchmarks.report import PHASE_LABELS
+from benchmarks.run import SECTIONS, run_benchmark
+from benchmarks.workload import SMOKE_A, ensure_model, workload_for
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="no vLLM")
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA GH200 480GB", 989e12),
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H20", 148e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("AMD EPYC 7B13", None),
+    ],
+)
+def test_peak_flops_table_matches_the_most_specific_name(name, expected):
+    assert peak_bf16_flops(name) == expected
+
+
+def test_peak_memory_sees_an_allocation_made_inside_the_phase():
+    with measure_peak_memory() as memory:
+        block = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MiB, touched
+        del block
+    assert memory.peak_gb - memory.start_gb >= 0.2
+
+
+def test_model_shape_counts_the_parameters_of_the_built_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ensure_model(SMOKE_A, tmp_path, "float32"))
+    assert sum(p.numel() for p in model.parameters()) == SMOKE_A.num_params()
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_smoke_benchmark_writes_json_markdown_and_chart(tmp_path):
+    outputs = run_benchmark(smoke=True, output_dir=tmp_path, log=lambda _: None)
+    results = outputs.results
+    assert results["errors"] == {}
+
+    stem = f"{results['date']}-{results['host']}-smoke"
+    assert outputs.files["json"] == tmp_path / f"{stem}.json"
+    assert json.loads(outputs.files["json"].read_text()) == json.loads(json.dumps(results))
+    assert outputs.files["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "latest_md" not in outputs.files  # smoke runs never replace the published table
+    for key in ("mode", "load_average", "workload", "wall_seconds", *SECTIONS):
+        assert key in results, key
+    workload = workload_for("smoke")
+
+    rollout = results["rollout"]
+    most_tokens = workload.rollout_prompts * workload.rollout_n * workload.rollout_max_tokens
+    for kind in ("vllm", "hf"):
+        run = rollout[kind]
+        assert 0 < run["new_tokens"] <= most_tokens
+        assert run["tokens_per_s"] == pytest.approx(run["new_tokens"] / run["seconds"])
+        assert run["memory"]["peak_gb"] >= run["memory"]["start_gb"] > 0
+    assert rollout["vllm_over_hf"] == pytest.approx(
+        rollout["vllm"]["tokens_per_s"] / rollout["hf"]["tokens_per_s"]
+    )
+
+    sync = results["sync"]["sizes"]
+    assert [row["model"] for row in sync] == [shape.name for shape in workload.sync_models]
+    for row, shape in zip(sync, workload.sync_models, strict=True):
+        assert row["bytes"] == 4 * shape.num_params()  # fp32, every HF tensor once
+        for path in ("reshard", "naive", "memcpy"):
+            assert row[path]["gbps"] == pytest.approx(row["bytes"] / row[path]["seconds"] / 1e9)
+
+    train = results["train"]
+    # The Megatron actor holds exactly the HF model's parameters (TP1, vocab unpadded).
+    assert train["params"] == workload.train_model.num_params()
+    assert train["tokens_per_step"] == (
+        workload.train_micro_batches * workload.train_micro_batch_size * workload.train_seq_len
+    )
+    for key in ("megatron", "hf_baseline"):
+        assert len(train[key]["step_seconds"]) == workload.train_steps
+        assert train[key]["flops_per_s"] == pytest.approx(
+            6 * train["params"] * train[key]["tokens_per_s"]
+        )
+        assert train[key]["mfu"] is None  # no data-sheet peak for a CPU
+
+    grpo = results["grpo"]
+    assert grpo["steps"] == workload.grpo_steps
+    assert {"gen", "reward", "old_log_prob", "update", "sync", "other"} <= set(grpo["phases"])
+    assert set(grpo["phases"]) <= set(PHASE_LABELS)
+    # Phases partition the step: a phase counted twice (nested timers) would exceed 100%.
+    assert sum(p["share"] for p in grpo["phases"].values()) == pytest.approx(1.0)
+
+    table = outputs.files["md"].read_text()
+    for fragment in ("rollout new tokens/s", "weight sync", "actor update tokens/s", "GRPO step",
+                     "Peak memory per phase"):  # fmt: skip
+        assert fragment in table, fragment
