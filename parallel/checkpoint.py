@@ -1,0 +1,144 @@
+"""Distributed checkpoints of model chunks, optimizer and LR scheduler (megatron dist_checkpointing).
+
+    save_checkpoint(ckpt_dir, models, mesh, optimizer=None, scheduler=None)   # collective
+    load_checkpoint(ckpt_dir, models, mesh, optimizer=None, scheduler=None, strict=True)
+
+Every rank writes only the shards it owns (replicated tensors are written once: the writes
+are spread over data-parallel ranks), in megatron's ``torch_dist`` format: tensors are keyed
+by their GLOBAL name and offsets, so a checkpoint reads back at another TP / PP / VPP / DP
+layout than it was written with.
+
+What reshards:
+  * the model: any TP / PP / VPP / DP (tested: written at TP2, read at TP1 and at PP2);
+  * the optimizer: its state is stored per model parameter ("fully reshardable"), so it reads
+    back at another layout too; tested at TP2 -> TP1 with the plain (non-distributed) Adam.
+    With ``use_distributed_optimizer`` the same "fully_reshardable" format is used (gathered
+    over DP on save), which megatron-core documents as reshardable in TP, PP and DP;
+  * the scheduler: a small plain dict, stored once (rank 0) and read on every rank.
+
+Pitfalls (see DESIGN.md): the filesystem writer needs ``psutil`` and starts a
+``multiprocessing`` Manager with the spawn method, so the entry script must be guarded by
+``if __name__ == "__main__":``, or the child re-imports it and hangs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.serialization import (
+    get_default_load_sharded_strategy,
+    get_default_save_sharded_strategy,
+)
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
+from megatron.core.dist_checkpointing.validation import StrictHandling
+from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.utils import unwrap_model
+
+from parallel.mesh import Mesh
+
+# Optimizer state per model parameter, gathered over DP for the distributed optimizer:
+# readable at any TP / PP / DP. Ignored by the plain optimizer, which is always per parameter.
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def save_checkpoint(
+    ckpt_dir: str | os.PathLike,
+    models: list[torch.nn.Module],
+    mesh: Mesh,
+    optimizer: MegatronOptimizer | None = None,
+    scheduler: OptimizerParamScheduler | None = None,
+) -> None:
+    """Write the model chunks (and optimizer / scheduler state when given) to ``ckpt_dir``.
+
+    Collective over all ranks. ``ckpt_dir`` is created if needed; it should be empty (an
+    existing checkpoint there is overwritten file by file, not removed).
+    """
+    ckpt_dir = Path(ckpt_dir)
+    if dist.get_rank() == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    state = _sharded_state(models, optimizer, scheduler, is_loading=False)
+    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), mesh.dp_group)
+    dist_checkpointing.save(state, str(ckpt_dir), sharded_strategy=strategy)
+    dist.barrier()
+
+
+def load_checkpoint(
+    ckpt_dir: str | os.PathLike,
+    models: list[torch.nn.Module],
+    mesh: Mesh,
+    optimizer: MegatronOptimizer | None = None,
+    scheduler: OptimizerParamScheduler | None = None,
+    strict: bool = True,
+) -> None:
+    """Fill ``models`` (and ``optimizer`` / ``scheduler`` when given) from ``ckpt_dir``.
+
+    Collective. The models must be built for this rank's layout (``build_model``; bare or
+    DDP-wrapped). Entries of the checkpoint that are not asked for are ignored (so a
+    model-only load of a model + optimizer checkpoint is fine); ``strict=False`` also
+    tolerates asked-for tensors missing from the checkpoint (they keep their current values,
+    with a warning). Without an optimizer,
+    an optimizer built before this call would still hold the old main weights: build it
+    after loading, or pass it here.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    if not (ckpt_dir / "metadata.json").is_file():
+        raise FileNotFoundError(
+            f"{ckpt_dir} is not a distributed checkpoint (no metadata.json); pass the directory "
+            f"that save_checkpoint wrote"
+        )
+    state = _sharded_state(models, optimizer, scheduler, is_loading=True)
+    strategy = FullyParallelLoadStrategyWrapper(
+        get_default_load_sharded_strategy(str(ckpt_dir)), mesh.dp_group
+    )
+    loaded = dist_checkpointing.load(
+        state,
+        str(ckpt_dir),
+        sharded_strategy=strategy,
+        # "Unexpected" = requested but absent from the checkpoint. Checkpoint entries that were
+        # not requested (e.g. optimizer state when loading only the model) are always fine.
+        strict=StrictHandling.RAISE_UNEXPECTED if strict else StrictHandling.LOG_UNEXPECTED,
+    )
+    for key, chunk in zip(_model_keys(models), unwrap_model(models), strict=True):
+        chunk.load_state_dict(loaded[key], strict=strict)
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    if scheduler is not None:
+        scheduler.load_state_dict(loaded["scheduler"])
+
+
+def _model_keys(models: list[torch.nn.Module]) -> list[str]:
+    # Megatron's own naming. Tensor keys inside are global, so this nesting does not tie a
+    # checkpoint to a number of virtual stages.
+    return ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
+
+
+def _sharded_state(
+    models: list[torch.nn.Module],
+    optimizer: MegatronOptimizer | None,
+    scheduler: OptimizerParamScheduler | None,
+    *,
+    is_loading: bool,
+) -> dict[str, Any]:
+    # Unwrapped (no DDP "module." prefix), as megatron's own checkpointing does.
+    state: dict[str, Any] = {
+        key: chunk.sharded_state_dict()
+        for key, chunk in zip(_model_keys(models), unwrap_model(models), strict=True)
+    }
+    if optimizer is not None:
+        # Built from the model entries: optimizer state is keyed by the model tensors' names.
+        state["optimizer"] = optimizer.sharded_state_dict(
+            state, is_loading=is_loading, metadata=_OPTIMIZER_METADATA
+        )
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    return state
