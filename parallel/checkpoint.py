@@ -10,10 +10,14 @@ layout than it was written with.
 
 What reshards:
   * the model: any TP / PP / VPP / DP (tested: written at TP2, read at TP1 and at PP2);
-  * the optimizer: its state is stored per model parameter ("fully reshardable"), so it reads
-    back at another layout too; tested at TP2 -> TP1 with the plain (non-distributed) Adam.
-    With ``use_distributed_optimizer`` the same "fully_reshardable" format is used (gathered
-    over DP on save), which megatron-core documents as reshardable in TP, PP and DP;
+  * the plain (non-distributed) optimizer: its state is stored per model parameter, so it
+    reads back at another layout too (tested: TP2 -> TP1 x DP2, next step equal);
+  * the distributed optimizer: saved in megatron's "fully_reshardable" format (gathered over
+    DP; documented reshardable in TP, PP and DP). Loading it needs Transformer Engine or
+    Apex: with torch's own Adam (CPU) megatron-core 0.16 cannot restore it, and
+    ``load_checkpoint`` says so up front (the model part of such a checkpoint loads fine).
+    The two optimizer kinds do not read each other's checkpoints (the distributed one also
+    stores fp32 main parameters);
   * the scheduler: a small plain dict, stored once (rank 0) and read on every rank.
 
 Pitfalls (see DESIGN.md): the filesystem writer needs ``psutil`` and starts a
@@ -39,7 +43,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
 from megatron.core.dist_checkpointing.validation import StrictHandling
-from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer import DistributedOptimizer, MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import unwrap_model
 
@@ -96,6 +100,8 @@ def load_checkpoint(
             f"{ckpt_dir} is not a distributed checkpoint (no metadata.json); pass the directory "
             f"that save_checkpoint wrote"
         )
+    if optimizer is not None:
+        _check_optimizer_loadable(optimizer)
     state = _sharded_state(models, optimizer, scheduler, is_loading=True)
     strategy = FullyParallelLoadStrategyWrapper(
         get_default_load_sharded_strategy(str(ckpt_dir)), mesh.dp_group
@@ -114,6 +120,25 @@ def load_checkpoint(
         optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None:
         scheduler.load_state_dict(loaded["scheduler"])
+
+
+def _check_optimizer_loadable(optimizer: MegatronOptimizer) -> None:
+    """Refuse a load megatron-core cannot do, before anything is modified.
+
+    A distributed optimizer whose inner optimizer is torch's own Adam (no Transformer Engine
+    or Apex, e.g. on CPU) cannot be restored by megatron-core 0.16: its ``state_dict()``
+    asserts a per-parameter ``step`` that a fresh optimizer lacks, and its parameter-state
+    loaders skip ``step`` in the checkpoint but still expect it (``KeyError: 'step'``).
+    """
+    for sub_optimizer in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(sub_optimizer, DistributedOptimizer) and isinstance(
+            sub_optimizer.optimizer, torch.optim.Adam | torch.optim.AdamW
+        ):
+            raise NotImplementedError(
+                "loading distributed-optimizer state needs Transformer Engine or Apex (their "
+                "fused Adam); with torch's Adam megatron-core cannot restore it. Load the "
+                "model only (optimizer=None), or train with use_distributed_optimizer=False."
+            )
 
 
 def _model_keys(models: list[torch.nn.Module]) -> list[str]:

@@ -8,7 +8,9 @@
    loss, gradient norm, learning rate and weights equal the uninterrupted run.
 3. TP1 (x DP2), fresh random model: load the model: full logits equal those of step 1.
    Also load the optimizer written at TP2 and take the second step: equals the TP2 run.
-4. PP2, fresh random model: load the model: log-probs equal those of step 1.
+   Then save with the distributed optimizer (sharded over DP2); resuming it refuses with a
+   clear error under torch's Adam (megatron-core limitation), else must match exactly.
+4. PP2, fresh random model: load the model of both checkpoints: log-probs equal.
 Prints measured differences from rank 0; exits non-zero on a failed check.
 """
 
@@ -48,14 +50,15 @@ def nll_loss(dp: int):
     return loss_fn
 
 
-def training_state(mesh: Mesh, hf_config, hf_dir: str | None):
+def training_state(mesh: Mesh, hf_config, hf_dir: str | None, distributed: bool = False):
     """Models (HF weights, or megatron's random init when hf_dir is None) + optimizer."""
     models = build_model(hf_config, mesh)
     if hf_dir is not None:
         load_hf_weights(models, mesh, hf_dir)
-    models = wrap_for_training(models, mesh)
+    models = wrap_for_training(models, mesh, use_distributed_optimizer=distributed)
     optimizer, scheduler = build_optimizer(
         models,
+        use_distributed_optimizer=distributed,
         lr=1e-3,
         min_lr=1e-4,
         weight_decay=0.01,
@@ -149,15 +152,46 @@ def main() -> None:
     )
     assert report["tp1_optimizer_grad_norm_diff"] < 1e-5, report
     assert report["tp1_optimizer_weight_diff"] < 1e-5, report
+
+    # Distributed optimizer (sharded over the 2 DP ranks): write after one step ...
+    dist_ckpt = ckpt_root / "distributed_step1"
+    models, optimizer, scheduler = training_state(mesh, hf_config, hf_dir, distributed=True)
+    step(models, mesh, optimizer, scheduler, batch)
+    save_checkpoint(dist_ckpt, models, mesh, optimizer, scheduler)
+    dist_ref_log_probs = forward_log_probs(models, mesh, *batch, micro_batch_size=2)
+    dist_next = step(models, mesh, optimizer, scheduler, batch)
+    dist_weights = weights_as_hf(models, mesh)
+    # ... and resume it at the same layout where megatron-core can (fused Adam from TE / Apex).
+    models, optimizer, scheduler = training_state(mesh, hf_config, None, distributed=True)
+    if isinstance(optimizer.chained_optimizers[0].optimizer, torch.optim.Adam):
+        try:
+            load_checkpoint(dist_ckpt, models, mesh, optimizer, scheduler)
+        except NotImplementedError as error:
+            assert "Transformer Engine or Apex" in str(error)
+        else:
+            raise AssertionError("expected the torch-Adam distributed optimizer load to refuse")
+    else:
+        load_checkpoint(dist_ckpt, models, mesh, optimizer, scheduler)
+        resumed = step(models, mesh, optimizer, scheduler, batch)
+        weights = weights_as_hf(models, mesh)
+        report["dist_opt_resume_weight_diff"] = max(
+            (weights[k] - dist_weights[k]).abs().max().item() for k in dist_weights
+        )
+        assert resumed["grad_norm"] == dist_next["grad_norm"], (resumed, dist_next)
+        assert report["dist_opt_resume_weight_diff"] == 0.0, report
     parallel_state.destroy_model_parallel()
 
-    # 4. Read at PP2.
+    # 4. Read the models of both checkpoints at PP2.
     mesh = init_parallel(tp=1, pp=2, seed=3)
     models, _, _ = training_state(mesh, hf_config, None)
     load_checkpoint(ckpt, models, mesh)
     log_probs = forward_log_probs(models, mesh, *batch, micro_batch_size=2)
     report["pp2_log_probs_diff"] = (log_probs - ref_log_probs).abs().max().item()
     assert report["pp2_log_probs_diff"] < 1e-5, report
+    load_checkpoint(dist_ckpt, models, mesh)
+    log_probs = forward_log_probs(models, mesh, *batch, micro_batch_size=2)
+    report["pp2_from_dist_opt_log_probs_diff"] = (log_probs - dist_ref_log_probs).abs().max().item()
+    assert report["pp2_from_dist_opt_log_probs_diff"] < 1e-5, report
     parallel_state.destroy_model_parallel()
 
     if dist.get_rank() == 0:
