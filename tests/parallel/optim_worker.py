@@ -1,4 +1,4 @@
-"""torchrun worker (2 processes): parallel.optim at TP2, PP2 and DP2 in one launch.
+"""torchrun worker (2 processes): parallel.optim at TP2, PP2, PP2 x VPP2 and DP2, one launch.
 
     optim_worker.py HF_DIR
 
@@ -9,6 +9,7 @@ For each layout (megatron's model-parallel state is rebuilt in between):
   * DP2: both replicas hold bit-identical weights after the steps;
   * gradient accumulation is exact: one micro-batch of 4 rows vs two of 2 give the same
     gradients and the same weights after one step;
+  * overlap_grad_reduce takes the same step;
   * DP2: the distributed optimizer takes the same step as the plain one.
 Prints measured numbers from rank 0; exits non-zero on a failed check.
 """
@@ -27,7 +28,7 @@ from parallel.mesh import Mesh, init_parallel
 from parallel.model import build_model
 from parallel.optim import build_optimizer, train_step, wrap_for_training
 
-LAYOUTS = [(2, 1), (1, 2), (1, 1)]  # (tp, pp); (1, 1) on 2 processes is DP2
+LAYOUTS = [(2, 1, None), (1, 2, None), (1, 2, 2), (1, 1, None)]  # (tp, pp, vpp); 1x1 is DP2
 ROWS, SEQ = 8, 10
 
 
@@ -61,10 +62,14 @@ def hf_grad_norm(hf_dir: str, input_ids: torch.Tensor, attention_mask: torch.Ten
     ).item()
 
 
-def fresh_training_state(mesh: Mesh, hf_config, hf_dir: str, distributed: bool = False):
+def fresh_training_state(
+    mesh: Mesh, hf_config, hf_dir: str, distributed: bool = False, overlap: bool = False
+):
     models = build_model(hf_config, mesh)
     load_hf_weights(models, mesh, hf_dir)
-    models = wrap_for_training(models, mesh, use_distributed_optimizer=distributed)
+    models = wrap_for_training(
+        models, mesh, use_distributed_optimizer=distributed, overlap_grad_reduce=overlap
+    )
     optimizer, scheduler = build_optimizer(
         models,
         lr=2e-3,
@@ -149,6 +154,12 @@ def check_layout(mesh: Mesh, hf_config, hf_dir: str, batch, ref_grad_norm) -> di
     # but sit near eps (1e-8) move weights by a visible fraction of lr (2e-3); allow 0.5%.
     assert numbers["accumulation_weight_diff"] < 1e-5, numbers
 
+    # Gradient reduction overlapped with backward (bucketed, started by the schedule).
+    models, optimizer, scheduler = fresh_training_state(mesh, hf_config, hf_dir, overlap=True)
+    train_step(models, mesh, optimizer, scheduler, split(ids[:4], mask[:4], 2), loss_fn)
+    numbers["overlap_grad_reduce_weight_diff"] = max_diff(local_weights(models), after[2][1])
+    assert numbers["overlap_grad_reduce_weight_diff"] < 1e-5, numbers
+
     if mesh.dp > 1:
         models, optimizer, scheduler = fresh_training_state(mesh, hf_config, hf_dir, True)
         train_step(models, mesh, optimizer, scheduler, split(ids[:4], mask[:4], 2), loss_fn)
@@ -162,11 +173,11 @@ def main() -> None:
     hf_config = AutoConfig.from_pretrained(hf_dir)
     batch = make_batch(hf_config.vocab_size)
     ref_grad_norm = hf_grad_norm(hf_dir, *batch)
-    for tp, pp in LAYOUTS:
-        mesh = init_parallel(tp=tp, pp=pp, seed=5)
+    for tp, pp, vpp in LAYOUTS:
+        mesh = init_parallel(tp=tp, pp=pp, vpp=vpp, seed=5)
         numbers = check_layout(mesh, hf_config, hf_dir, batch, ref_grad_norm)
         if dist.get_rank() == 0:
-            print(f"OPTIM tp={tp} pp={pp} dp={mesh.dp}: {numbers}", flush=True)
+            print(f"OPTIM tp={tp} pp={pp} vpp={vpp} dp={mesh.dp}: {numbers}", flush=True)
         parallel_state.destroy_model_parallel()
     if dist.get_rank() == 0:
         print(f"OPTIM hf_grad_norm={ref_grad_norm}", flush=True)
