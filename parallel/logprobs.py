@@ -12,9 +12,10 @@ float32 even for float64 input (so no float64 gradcheck), and subtracts the max 
 float32 logits *in place*, corrupting the caller's tensor when the same logits are also
 used for the entropy.
 
-Padded columns: Megatron pads the vocabulary to a multiple of ``tp * 128`` (or so); the
-columns with a global index ``>= vocab_size`` are random-initialised weights, not tokens,
-and are masked to ``-inf`` so they carry no probability mass and receive no gradient.
+Padded columns: the vocabulary is padded so every TP rank holds an equal slice
+(``parallel.model.padded_vocab_size``); the columns with a global index ``>= vocab_size``
+are not tokens and are masked to ``-inf``, so they carry no probability mass and receive no
+gradient.
 """
 
 from __future__ import annotations

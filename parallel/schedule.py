@@ -46,9 +46,6 @@ from parallel.mesh import Mesh
 
 LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], tuple[torch.Tensor, dict]]
 
-# Keys whose sequence dimension is padded to the call's common length (and how).
-_PADDED_KEYS = ("input_ids", "attention_mask", "position_ids")
-
 
 def forward_backward(
     models: list[torch.nn.Module],
@@ -100,7 +97,7 @@ def forward_backward(
         # the same peer when pp == 2. Batched p2p (the config default) posts both on one
         # communicator, where gloo pairs them by posting order and swaps them (wrong
         # gradients, correct forward). Megatron's unbatched p2p uses a separate group per
-        # direction for pp == 2 (what megatron's own training selects for interleaving).
+        # direction when pp == 2, which keeps the two apart.
         config.batch_p2p_comm = False
 
     forward_step = partial(
