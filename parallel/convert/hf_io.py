@@ -35,7 +35,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from parallel.convert.mapping import ParamMapping, megatron_to_hf, param_mappings
+from parallel.convert.mapping import ParamMapping, megatron_to_hf, param_mappings, unwrap_chunk
 from parallel.cpu_compat import device
 from parallel.mesh import Mesh
 
@@ -94,8 +94,7 @@ class HFCheckpointReader:
 def _hf_config_of(models: Sequence[torch.nn.Module], hf_config: Any) -> Any:
     if hf_config is not None:
         return hf_config
-    chunk = getattr(models[0], "module", models[0])
-    return chunk.hf_config
+    return unwrap_chunk(models[0]).hf_config
 
 
 def _load_hf_config(hf_dir: str | Path) -> Any:
@@ -109,8 +108,8 @@ def load_hf_weights(
     models: Sequence[torch.nn.Module], mesh: Mesh, hf_dir: str | Path, hf_config: Any = None
 ) -> None:
     """Fill this rank's Megatron shards from the HF checkpoint in `hf_dir` (module docstring)."""
-    chunk = getattr(models[0], "module", models[0])
-    hf_config = hf_config or getattr(chunk, "hf_config", None) or _load_hf_config(hf_dir)
+    built_for = getattr(unwrap_chunk(models[0]), "hf_config", None)
+    hf_config = hf_config or built_for or _load_hf_config(hf_dir)
     with ExitStack() as stack:
         reader = HFCheckpointReader(hf_dir, stack)
         for mapping in param_mappings(models, hf_config, mesh.tp, mesh.tp_rank):

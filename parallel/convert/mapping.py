@@ -196,6 +196,13 @@ def _shard_from_hf(
     return _copy_shard(read, rule.hf_names[0], dim, tp_rank, like)
 
 
+def unwrap_chunk(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside megatron's DDP / Float16Module wrappers (each keeps it as .module)."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
 def _global_name(chunk: torch.nn.Module, local_name: str) -> str:
     """`local_name` with the chunk-local layer index replaced by the global one."""
     match = _LAYER_NAME.match(local_name)
@@ -212,7 +219,7 @@ def param_mappings(
     geo = _Geometry.from_hf(hf_config, tp)
     mappings = []
     for chunk_index, chunk in enumerate(models):
-        chunk = getattr(chunk, "module", chunk)  # megatron DDP / Float16Module wrap as .module
+        chunk = unwrap_chunk(chunk)
         for local_name, param in chunk.named_parameters():
             global_name = _global_name(chunk, local_name)
             rule, skip_export = hf_rule(hf_config, global_name)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -105,6 +106,7 @@ def check_model(hf_dir: Path, mesh: Mesh, export_dir: Path | None) -> dict:
     report["round_trip_extra"] = sorted(gathered.keys() - on_disk.keys())
 
     if export_dir is not None:
+        report["ddp_wrapped_round_trip_exact"] = _all_true(_ddp_round_trip(models, mesh, on_disk))
         report.update(_check_variants(hf_dir, hf_config, mesh, tokens, positions))
         save_hf_checkpoint(models, mesh, export_dir, hf_config)
         if mesh.rank == 0:
@@ -117,6 +119,18 @@ def check_model(hf_dir: Path, mesh: Mesh, export_dir: Path | None) -> dict:
                 (hf_dir / "config.json").read_text()
             )
     return report
+
+
+def _ddp_round_trip(models, mesh: Mesh, on_disk: dict) -> bool:
+    """iter_hf_weights on megatron-DDP-wrapped chunks (as the trainer holds them)."""
+    wrapped = [
+        DistributedDataParallel(chunk.config, DistributedDataParallelConfig(), chunk)
+        for chunk in models
+    ]
+    gathered = {name: tensor.clone() for name, tensor in iter_hf_weights(wrapped, mesh)}
+    return gathered.keys() == on_disk.keys() and all(
+        torch.equal(gathered[n], on_disk[n]) for n in on_disk
+    )
 
 
 def _check_variants(hf_dir: Path, hf_config, mesh: Mesh, tokens, positions) -> dict:

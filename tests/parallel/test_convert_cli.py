@@ -56,7 +56,8 @@ def test_hf_to_mcore_to_hf_round_trip_across_layouts(tiny_qwen2_tied_dir, tmp_pa
 
 @pytest.mark.dist
 def test_verify_reports_logit_difference_and_exact_round_trip(tiny_llama_dir):
-    output = _convert("verify", "--model", tiny_llama_dir, "--tp", 2)
+    # one process: the torchrun relaunch is exercised by the round-trip test above
+    output = _convert("verify", "--model", tiny_llama_dir)
     print(output)
     diff = float(re.search(r"logit difference: (\S+)", output).group(1))
     assert diff < 1e-4

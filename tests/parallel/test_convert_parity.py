@@ -56,6 +56,7 @@ def test_megatron_matches_hf(
         assert report["dp_replicas_equal"], (model_dir.name, report)
     first = summary[models[0].name]
     assert first["saved_exact"] and first["saved_config_ok"], first
+    assert first["ddp_wrapped_round_trip_exact"], first
     assert first["critic_max_abs_value_diff"] < LOGIT_TOLERANCE, first
     assert first["critic_exports_score"] == ["score.bias", "score.weight"], first
     if tp > 1 and HAVE_TRANSFORMER_ENGINE:
