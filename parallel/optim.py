@@ -10,7 +10,9 @@ megatron's DDP. Gradient clipping (``clip_grad``) acts on the global norm over a
 shards; ``result["grad_norm"]`` is that norm before clipping.
 
 Schedules count optimizer steps: ``warmup_steps`` and ``total_steps`` are numbers of
-``train_step`` calls whose update was applied.
+``train_step`` calls whose update was applied. As in megatron and HF's linear warmup, the
+learning rate of step k (from 0) during warmup is ``lr * k / warmup_steps``, so the first
+warmup step does not move the weights; decay runs from ``warmup_steps`` to ``total_steps``.
 """
 
 from __future__ import annotations
