@@ -57,6 +57,12 @@ def _num(value: float | None, digits: int = 3) -> str:
     return f"{value:.{digits}g}"
 
 
+def _flops(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{_num(value / 1e12)} TFLOP/s" if value >= 1e12 else f"{_num(value / 1e9)} GFLOP/s"
+
+
 def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
@@ -140,12 +146,12 @@ def _train_rows(train: dict | None, device: dict) -> list[str]:
         f"actor update tokens/s ({train['model']}, {_params(train['params'])} params, "
         f"{train['tokens_per_step']} tokens/step, {train['dtype']})"
     )
-    floor = f"matmul {_num(matmul / 1e12 if matmul else None)} TFLOP/s"
+    floor = f"measured matmul {_flops(matmul)}"
     if peak:
-        floor += f", peak {peak / 1e12:.0f} TFLOP/s"
+        floor += f", data-sheet peak {_flops(peak)}"
     return [
         f"| {what} | Megatron {_num(megatron['tokens_per_s'])} "
-        f"({_num(megatron['flops_per_s'] / 1e12)} TFLOP/s, MFU {_pct(megatron.get('mfu'))}, "
+        f"({_flops(megatron['flops_per_s'])}, MFU {_pct(megatron.get('mfu'))}, "
         f"{_pct(megatron.get('matmul_fraction'))} of matmul) | HF + torch AdamW "
         f"{_num(hf['tokens_per_s'])} ({_pct(hf.get('matmul_fraction'))} of matmul) | "
         f"{floor} | {train['megatron_over_hf']:.2f}x |"
@@ -192,15 +198,16 @@ def _memory_table(results: dict) -> list[str]:
     rows = memory_rows(results)
     if not rows:
         return []
-    source = rows[0][1]["source"]
     lines = [
         "",
-        f"Peak memory per phase ({source}; each section in its own process):",
+        "Peak memory per phase (a full run gives each section its own process):",
         "",
-        "| phase | peak GiB | GiB at phase start |",
-        "| --- | --- | --- |",
+        "| phase | peak GiB | GiB at phase start | measured as |",
+        "| --- | --- | --- | --- |",
     ]
-    lines += [f"| {name} | {m['peak_gb']:.2f} | {m['start_gb']:.2f} |" for name, m in rows]
+    lines += [
+        f"| {name} | {m['peak_gb']:.2f} | {m['start_gb']:.2f} | {m['source']} |" for name, m in rows
+    ]
     return lines
 
 

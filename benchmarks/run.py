@@ -72,22 +72,24 @@ def run_benchmark(
         "workload": workload.to_dict(),
         "errors": {},
     }
+    # A smoke run only checks the code: one child for every section saves the start-ups.
+    groups = [list(sections)] if smoke else [[name] for name in sections]
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rlcli-benchmark-") as work:
         work_dir = Path(work)
         workload_file = work_dir / "workload.json"
         workload_file.write_text(json.dumps(workload.to_dict()))
-        for name in sections:
-            log(f"[benchmark] {name} ({mode}) ...")
-            section_start = time.perf_counter()
-            result, error = _run_section(name, workload_file, work_dir, SECTION_TIMEOUT_S[mode])
-            seconds = time.perf_counter() - section_start
-            if error is None:
-                results[name] = {**result, "section_seconds": seconds}
-                log(f"[benchmark] {name} done in {seconds:.0f} s")
-            else:
-                results["errors"][name] = error
-                log(f"[benchmark] {name} FAILED after {seconds:.0f} s:\n{error}")
+        for group in groups:
+            log(f"[benchmark] {', '.join(group)} ({mode}) ...")
+            outcomes = _run_child(group, workload_file, work_dir, SECTION_TIMEOUT_S[mode])
+            for name in group:
+                result, error = outcomes[name]
+                if error is None:
+                    results[name] = result
+                    log(f"[benchmark] {name} done in {result['section_seconds']:.0f} s")
+                else:
+                    results["errors"][name] = error
+                    log(f"[benchmark] {name} FAILED:\n{error}")
     results["wall_seconds"] = time.perf_counter() - start
     results["load_average"]["end"] = load_average()
     add_derived_figures(results)
@@ -96,38 +98,53 @@ def run_benchmark(
     return Outputs(results=results, files=files)
 
 
-def _run_section(
-    name: str, workload_file: Path, work_dir: Path, timeout_s: int
-) -> tuple[dict | None, str | None]:
-    """(result, None) or (None, error text with the log's tail)."""
-    result_file = work_dir / f"{name}.result.json"
-    log_file = work_dir / f"{name}.log"
+def _run_child(
+    names: list[str], workload_file: Path, work_dir: Path, timeout_s: int
+) -> dict[str, tuple[dict | None, str | None]]:
+    """{name: (result, None) or (None, error text)} for the sections one child ran."""
+    tag = "-".join(names)
+    result_file = work_dir / f"{tag}.result.json"
+    log_file = work_dir / f"{tag}.log"
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
         "PYTHONWARNINGS": "ignore",
         "TOKENIZERS_PARALLELISM": "false",
     }
-    command = [sys.executable, "-m", "benchmarks.sections", name, str(workload_file),
+    command = [sys.executable, "-m", "benchmarks.sections", ",".join(names), str(workload_file),
                str(work_dir), str(result_file)]  # fmt: skip
+    failure = None
     with open(log_file, "w", encoding="utf-8") as log_handle:
         # Own session: on timeout the child and anything it started are stopped together.
         child = subprocess.Popen(command, cwd=work_dir, env=env, stdout=log_handle,
                                  stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         try:
             returncode = child.wait(timeout=timeout_s)
+            if returncode != 0:
+                failure = f"the benchmark process exited with code {returncode}"
         except subprocess.TimeoutExpired:
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()
-            return None, f"timed out after {timeout_s} s\n{_tail(log_file)}"
-    if returncode != 0 or not result_file.is_file():
-        return None, f"exit code {returncode}\n{_tail(log_file)}"
-    return json.loads(result_file.read_text()), None
+            failure = f"the benchmark process timed out after {timeout_s} s"
+    outcomes = json.loads(result_file.read_text()) if result_file.is_file() else {}
+    finished: dict[str, tuple[dict | None, str | None]] = {}
+    for name in names:
+        outcome = outcomes.get(name)
+        if outcome is None:
+            finished[name] = None, f"{failure or 'no result'}\n{_tail(log_file)}"
+        elif "error" in outcome:
+            finished[name] = None, _last_lines(outcome["error"])
+        else:
+            finished[name] = outcome["result"], None
+    return finished
 
 
 def _tail(path: Path) -> str:
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    return "\n".join(lines[-LOG_TAIL_LINES:])
+    return _last_lines(path.read_text(encoding="utf-8", errors="replace"))
+
+
+def _last_lines(text: str) -> str:
+    return "\n".join(text.splitlines()[-LOG_TAIL_LINES:])
 
 
 def add_derived_figures(results: dict) -> None:

@@ -1,7 +1,8 @@
-"""The benchmark's sections. Each runs in a fresh process (see run.py), so its peak memory is its
-own and megatron / vLLM global state never leaks from one section into the next:
+"""The benchmark's sections, run in child processes (see run.py). A full run gives each section
+a fresh process, so its peak memory is its own and megatron / vLLM global state never leaks from
+one section into the next; a smoke run saves the start-up cost and runs them all in one:
 
-    python -m benchmarks.sections <section> <workload.json> <work_dir> <result.json>
+    python -m benchmarks.sections <section[,section...]> <workload.json> <work_dir> <result.json>
 
     device   device name, data-sheet peak, measured dense matmul FLOP/s
     rollout  vLLM engine vs HF `generate` engine: new tokens/s, same model, prompts, sampling
@@ -14,15 +15,18 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from benchmarks.hardware import detect_hardware, measure_matmul_flops
-from benchmarks.memory import measure_peak_memory
+from benchmarks.memory import GIB, measure_peak_memory
 from benchmarks.workload import GRPO_BASE_OVERRIDES, Workload, ensure_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -103,7 +107,7 @@ def rollout_section(workload: Workload, work_dir: Path) -> dict:
                 gpu_memory_utilization=0.4,
                 max_model_len=w.rollout_prompt_len + w.rollout_max_tokens,
             )
-            engine.generate(prompts[:2], 1, warmup)  # first call allocates / selects kernels
+            engine.generate(prompts, w.rollout_n, warmup)  # first calls allocate, pick kernels
             _synchronize()
             start = time.perf_counter()
             completions = engine.generate(prompts, w.rollout_n, sampling)
@@ -127,23 +131,47 @@ def rollout_section(workload: Workload, work_dir: Path) -> dict:
 # weight sync
 
 
-def sync_section(workload: Workload, work_dir: Path) -> dict:
-    from benchmarks import sync_bench
+# benchmarks/sync_bench.py's method names -> this report's.
+SYNC_METHODS = {
+    "bucketed sync": "reshard",
+    "naive sync": "naive",
+    "memcpy": "memcpy",
+    "buckets (no engine)": "reshard_without_engine",
+}
 
+
+def sync_section(workload: Workload, work_dir: Path) -> dict:
+    """benchmarks/sync_bench.py once per model size, each in its own process: it builds the
+    random model, the Megatron model and the vLLM engine, and times the methods (best of
+    `sync_repeats`). Peak memory is that process's RSS high-water mark (from wait4)."""
     rows = []
     for shape in workload.sync_models:
-        model_dir = ensure_model(shape, work_dir / "models", workload.dtype)
-        with measure_peak_memory() as memory:
-            row = sync_bench.benchmark_sync(
-                str(model_dir),
-                bucket_mb=workload.sync_bucket_mb,
-                repeats=workload.sync_repeats,
-                dtype=workload.dtype,
-            )
-            _free_memory()
-        rows.append({"model": shape.name, "params": shape.num_params(), **row,
-                     "memory": memory.to_dict()})  # fmt: skip
-    return {"bucket_mb": workload.sync_bucket_mb, "sizes": rows}
+        json_file = work_dir / f"sync-{shape.name}.json"
+        command = [
+            sys.executable, str(REPO_ROOT / "benchmarks" / "sync_bench.py"),
+            "--engine", "vllm", "--bucket-mb", str(workload.sync_bucket_mb),
+            "--hidden", str(shape.hidden_size), "--layers", str(shape.num_layers),
+            "--heads", str(shape.num_heads), "--kv-heads", str(shape.num_kv_heads),
+            "--ffn", str(shape.intermediate_size), "--vocab", str(shape.vocab_size),
+            "--repeats", str(workload.sync_repeats), "--json", str(json_file),
+        ]  # fmt: skip
+        if shape.tie_word_embeddings:
+            raise ValueError(f"sync_bench.py builds untied models; {shape.name} is tied")
+        child = subprocess.Popen(command, cwd=work_dir)
+        _, status, usage = os.wait4(child.pid, 0)  # reaps it, with its own resource usage
+        child.returncode = os.waitstatus_to_exitcode(status)  # so Popen never waits again
+        if child.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} exited with {child.returncode}")
+        bench = json.loads(json_file.read_text())
+        row = {"model": shape.name, "params": bench["model_params"], "bytes": bench["bytes"],
+               "num_buckets": bench["num_buckets"]}  # fmt: skip
+        for method in bench["rows"]:
+            name = SYNC_METHODS.get(method["method"], method["method"])
+            row[name] = {"seconds": method["seconds"], "gbps": method["gbps"]}
+        row["memory"] = {"start_gb": 0.0, "peak_gb": usage.ru_maxrss * 1024 / GIB,
+                         "source": "rss_hwm of its own process"}  # fmt: skip
+        rows.append(row)
+    return {"bucket_mb": workload.sync_bucket_mb, "engine": "vllm", "sizes": rows}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,8 +302,9 @@ def _hf_training_steps(
 # ---------------------------------------------------------------------------------------------
 # a short real GRPO run
 
-# The trainer's `timing/reward` is measured inside `timing/gen` (rewards are scored between
-# sampling rounds), so generation proper is gen - reward.
+# The trainer's phases in step order. Its `timing/reward` is measured inside `timing/gen`
+# (rewards are scored between sampling rounds), so generation proper is gen - reward.
+PHASE_ORDER = ("gen", "reward", "gather", "old_log_prob", "ref", "adv", "update", "sync")
 NESTED_PHASES = {"reward": "gen"}
 
 
@@ -309,6 +338,8 @@ def grpo_section(workload: Workload, work_dir: Path) -> dict:
         if inner in mean and outer in mean:
             mean[outer] -= mean[inner]
     mean["other"] = max(0.0, step_seconds - sum(mean.values()))
+    order = [*PHASE_ORDER, *sorted(set(mean) - set(PHASE_ORDER) - {"other"}), "other"]
+    mean = {phase: mean[phase] for phase in order if phase in mean}
     return {
         "recipe": str(QUICKSTART_RECIPE.relative_to(REPO_ROOT)),
         "overrides": overrides,
@@ -335,10 +366,30 @@ SECTIONS: dict[str, Callable[[Workload, Path], dict]] = {
 
 
 def main(argv: list[str]) -> None:
-    section, workload_file, work_dir, result_file = argv
+    """Run the comma-separated sections in order; after each, rewrite the result file with
+    {name: {"result": ...} or {"error": traceback}}, so a crash keeps what finished."""
+    names, workload_file, work_dir, result_file = argv
     workload = Workload.from_dict(json.loads(Path(workload_file).read_text()))
-    result = SECTIONS[section](workload, Path(work_dir))
-    Path(result_file).write_text(json.dumps(result, indent=2))
+    outcomes: dict[str, dict] = {}
+    for name in names.split(","):
+        start = time.perf_counter()
+        try:
+            result = SECTIONS[name](workload, Path(work_dir))
+            outcomes[name] = {"result": {**result, "section_seconds": time.perf_counter() - start}}
+        except Exception:
+            traceback.print_exc()
+            outcomes[name] = {"error": traceback.format_exc()}
+        finally:
+            _leave_parallel_state()
+        Path(result_file).write_text(json.dumps(outcomes, indent=2))
+
+
+def _leave_parallel_state() -> None:
+    """The next section in this process starts its own process groups."""
+    if "parallel.mesh" in sys.modules:
+        from parallel.mesh import destroy_parallel
+
+        destroy_parallel()
 
 
 if __name__ == "__main__":  # megatron's checkpoint writer re-imports the main module (spawn)

@@ -3,12 +3,12 @@
 Models are random Qwen2s built with rlcli's own builder (`rlcli.model_builder`) and saved as HF
 safetensors, so every engine reads them exactly as it would read a downloaded checkpoint.
 Modes: "smoke" (seconds; checks the code paths), "cpu" (tens of millions of parameters, a few
-minutes on 2 cores), "gpu" (Qwen2-0.5B / 1.5B / 3B shapes, bf16).
+minutes on 2 cores), "gpu" (Qwen2-0.5B / 1.5B shapes, bf16).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 MODES = ("smoke", "cpu", "gpu")
@@ -38,14 +38,15 @@ class ModelShape:
         return self.num_layers * layer + embeddings + h
 
 
-SMOKE_A = ModelShape("smoke-0.3M", 128, 2, 4, 2, 256, 512)
-SMOKE_B = ModelShape("smoke-0.6M", 128, 4, 4, 2, 384, 768)
+SMOKE = ModelShape("smoke-0.4M", 128, 2, 4, 2, 256, 512)
 CPU_5M = ModelShape("cpu-5M", 256, 4, 4, 2, 704, 4096)
 CPU_25M = ModelShape("cpu-25M", 512, 6, 8, 2, 1408, 8192)
 CPU_60M = ModelShape("cpu-60M", 768, 8, 12, 4, 2048, 8192)
 QWEN2_05B = ModelShape("qwen2-0.5B", 896, 24, 14, 2, 4864, 151936, tie_word_embeddings=True)
 QWEN2_15B = ModelShape("qwen2-1.5B", 1536, 28, 12, 2, 8960, 151936, tie_word_embeddings=True)
-QWEN25_3B = ModelShape("qwen2.5-3B", 2048, 36, 16, 2, 11008, 151936, tie_word_embeddings=True)
+# benchmarks/sync_bench.py builds untied fp32 models: the sync rows use untied twins.
+QWEN2_05B_UNTIED = replace(QWEN2_05B, name="qwen2-0.5B-untied", tie_word_embeddings=False)
+QWEN2_15B_UNTIED = replace(QWEN2_15B, name="qwen2-1.5B-untied", tie_word_embeddings=False)
 
 
 @dataclass
@@ -103,10 +104,10 @@ def workload_for(mode: str) -> Workload:
     if mode == "smoke":
         return Workload(
             mode=mode, dtype="float32",
-            rollout_model=SMOKE_A, rollout_prompts=4, rollout_prompt_len=8, rollout_n=2,
+            rollout_model=SMOKE, rollout_prompts=4, rollout_prompt_len=8, rollout_n=2,
             rollout_max_tokens=8,
-            sync_models=[SMOKE_A, SMOKE_B], sync_bucket_mb=1, sync_repeats=1,
-            train_model=SMOKE_A, train_micro_batches=1, train_micro_batch_size=2,
+            sync_models=[SMOKE], sync_bucket_mb=1, sync_repeats=1,
+            train_model=SMOKE, train_micro_batches=1, train_micro_batch_size=2,
             train_seq_len=16, train_steps=1,
             grpo_steps=2, grpo_overrides=["data.train_batch_size=2", "rollout.n=2"],
             matmul_size=256,
@@ -126,7 +127,8 @@ def workload_for(mode: str) -> Workload:
             mode=mode, dtype="bfloat16",
             rollout_model=QWEN2_05B, rollout_prompts=128, rollout_prompt_len=128, rollout_n=4,
             rollout_max_tokens=256,
-            sync_models=[QWEN2_05B, QWEN2_15B, QWEN25_3B], sync_bucket_mb=512, sync_repeats=5,
+            sync_models=[QWEN2_05B_UNTIED, QWEN2_15B_UNTIED], sync_bucket_mb=512,
+            sync_repeats=5,
             train_model=QWEN2_15B, train_micro_batches=4, train_micro_batch_size=4,
             train_seq_len=1024, train_steps=5,
             grpo_steps=6, matmul_size=8192,

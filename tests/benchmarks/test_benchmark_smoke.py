@@ -14,7 +14,7 @@ from benchmarks.hardware import peak_bf16_flops
 from benchmarks.memory import measure_peak_memory
 from benchmarks.report import PHASE_LABELS
 from benchmarks.run import SECTIONS, run_benchmark
-from benchmarks.workload import SMOKE_A, ensure_model, workload_for
+from benchmarks.workload import SMOKE, ensure_model, workload_for
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="no vLLM")
 
@@ -45,8 +45,8 @@ def test_peak_memory_sees_an_allocation_made_inside_the_phase():
 def test_model_shape_counts_the_parameters_of_the_built_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(ensure_model(SMOKE_A, tmp_path, "float32"))
-    assert sum(p.numel() for p in model.parameters()) == SMOKE_A.num_params()
+    model = AutoModelForCausalLM.from_pretrained(ensure_model(SMOKE, tmp_path, "float32"))
+    assert sum(p.numel() for p in model.parameters()) == SMOKE.num_params()
 
 
 @needs_vllm
