@@ -24,7 +24,7 @@ from pathlib import Path
 
 from benchmarks.hardware import load_average
 from benchmarks.report import write_report
-from benchmarks.workload import workload_for
+from benchmarks.workload import Workload, workload_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -39,12 +39,15 @@ class Outputs:
     files: dict[str, Path]  # "json", "md", "png" (and "latest_md", "latest_png")
 
 
-def choose_mode(smoke: bool) -> str:
+def choose_workload(smoke: bool) -> Workload:
+    """Smoke when asked, else GPU when CUDA is present, else CPU."""
     if smoke:
-        return "smoke"
+        return workload_for("smoke")
     import torch
 
-    return "gpu" if torch.cuda.is_available() else "cpu"
+    if not torch.cuda.is_available():
+        return workload_for("cpu")
+    return workload_for("gpu", torch.cuda.get_device_properties(0).total_memory / 2**30)
 
 
 def run_benchmark(
@@ -59,8 +62,8 @@ def run_benchmark(
     unknown = [name for name in sections if name not in SECTIONS]
     if unknown:
         raise ValueError(f"unknown benchmark sections {unknown}; choose from {list(SECTIONS)}")
-    mode = choose_mode(smoke)
-    workload = workload_for(mode)
+    workload = choose_workload(smoke)
+    mode = workload.mode
     host = socket.gethostname().split(".")[0]
     date = datetime.date.today().isoformat()
     results: dict = {

@@ -99,8 +99,10 @@ GRPO_BASE_OVERRIDES = [
 ]
 
 
-def workload_for(mode: str) -> Workload:
-    """The fixed workload of `mode` (one of MODES)."""
+def workload_for(mode: str, gpu_memory_gib: float = 80.0) -> Workload:
+    """The fixed workload of `mode` (one of MODES); on GPU the trained model follows the
+    device's memory (the HF + AdamW baseline keeps fp32 weights, grads and Adam state: 16 bytes
+    per parameter, 24 GiB at 1.5B)."""
     if mode == "smoke":
         return Workload(
             mode=mode, dtype="float32",
@@ -129,8 +131,8 @@ def workload_for(mode: str) -> Workload:
             rollout_max_tokens=256,
             sync_models=[QWEN2_05B_UNTIED, QWEN2_15B_UNTIED], sync_bucket_mb=512,
             sync_repeats=5,
-            train_model=QWEN2_15B, train_micro_batches=4, train_micro_batch_size=4,
-            train_seq_len=1024, train_steps=5,
+            train_model=QWEN2_15B if gpu_memory_gib >= 40 else QWEN2_05B,
+            train_micro_batches=4, train_micro_batch_size=4, train_seq_len=1024, train_steps=5,
             grpo_steps=6, matmul_size=8192,
         )  # fmt: skip
     raise ValueError(f"unknown benchmark mode {mode!r}; choose one of {MODES}")

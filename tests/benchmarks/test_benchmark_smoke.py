@@ -107,3 +107,24 @@ def test_smoke_benchmark_writes_json_markdown_and_chart(tmp_path):
     for fragment in ("rollout new tokens/s", "weight sync", "actor update tokens/s", "GRPO step",
                      "Peak memory per phase"):  # fmt: skip
         assert fragment in table, fragment
+
+
+def test_command_runs_one_section_and_rejects_an_unknown_one(tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from rlcli.commands.benchmark import benchmark_command
+    from rlcli.errors import UserError
+
+    app = typer.Typer()
+    app.command()(benchmark_command)
+    runner = CliRunner()
+    ran = runner.invoke(app, ["--smoke", "--section", "device", "--output-dir", str(tmp_path)])
+    assert ran.exit_code == 0, ran.output
+    results = json.loads(next(tmp_path.glob("*-smoke.json")).read_text())
+    assert results["device"]["matmul_flops"] > 0
+    assert "rollout" not in results and results["errors"] == {}
+
+    wrong = runner.invoke(app, ["--smoke", "--section", "rollouts"])
+    assert isinstance(wrong.exception, UserError)
+    assert "'rollouts'" in str(wrong.exception) and "rollout" in str(wrong.exception)
