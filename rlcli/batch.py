@@ -56,7 +56,9 @@ def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
         n_resp = len(s.response_ids)
         response_index[row, :n_resp] = torch.arange(n_resp) + len(s.prompt_ids) - 1
         response_mask[row, :n_resp] = 1.0
-        engine_logprobs[row, :n_resp] = torch.tensor(s.engine_logprobs[:n_resp], dtype=torch.float32)
+        engine_logprobs[row, :n_resp] = torch.tensor(
+            s.engine_logprobs[:n_resp], dtype=torch.float32
+        )
     return {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
@@ -111,7 +113,9 @@ def split_evenly(items: list[Any], num_chunks: int) -> list[list[Any]]:
     return chunks
 
 
-def micro_batches(tensors: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+def micro_batches(
+    tensors: dict[str, torch.Tensor], micro_batch_size: int
+) -> list[dict[str, torch.Tensor]]:
     """Split a collated batch along dim 0; every micro-batch keeps the same ``S`` and ``R``
     (the pipeline schedule sends fixed-shape activations between stages)."""
     batch = tensors["input_ids"].shape[0]

@@ -13,6 +13,8 @@ from typing import Optional
 
 import typer
 
+from rlcli.commands.benchmark import benchmark_command
+from rlcli.commands.convert import convert_app
 from rlcli.commands.launch import launch_app
 from rlcli.errors import USER_ERROR_EXIT_CODE, UserError
 
@@ -29,6 +31,8 @@ data_app = typer.Typer(
 app.add_typer(config_app, name="config")
 app.add_typer(data_app, name="data")
 app.add_typer(launch_app, name="launch")
+app.add_typer(convert_app, name="convert")
+app.command("benchmark")(benchmark_command)
 
 RECIPE = typer.Argument(..., help="Recipe YAML, e.g. recipes/quickstart.yaml")
 OVERRIDES = typer.Argument(None, help="Dot-list overrides, e.g. actor.lr=1e-5 parallel.tp=2")
@@ -83,6 +87,24 @@ def sft(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES, nproc
     from rlcli.loop import run_sft_only
 
     run_sft_only(cfg)
+
+
+@app.command()
+def export(
+    checkpoint: Path = typer.Argument(
+        ..., help="A checkpoint folder, e.g. outputs/run/checkpoints/step_000100"
+    ),
+    out: Path = typer.Option(
+        ..., "--out", help="Output HF model folder (safetensors + config + tokenizer)."
+    ),
+):
+    """Write a training checkpoint's policy as a HuggingFace model directory."""
+    from rlcli.checkpointing import is_complete_checkpoint
+    from rlcli.commands.convert import mcore_to_hf
+
+    if not is_complete_checkpoint(checkpoint):
+        raise UserError(f"{checkpoint} is not a complete rlcli checkpoint (no COMPLETE marker)")
+    mcore_to_hf(ckpt=checkpoint, out=out, tp=1, pp=1, hf_config_dir=None)
 
 
 @config_app.command("show")
@@ -141,8 +163,24 @@ def data_arith(
     typer.echo(f"wrote {paths}")
 
 
+def _quiet_third_party_noise() -> None:
+    """Keep the console for rlcli's own progress: vLLM logs INFO lines (and a harmless chat-template
+    warmup traceback when the tokenizer has no template) by default, and megatron-core warns at
+    import that optional fused kernels (apex, Transformer Engine) are absent. Users can still ask
+    for vLLM's logs with VLLM_LOGGING_LEVEL."""
+    import warnings
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    for pattern in (
+        r".*(Apex|Transformer Engine).*not installed.*",
+        r".*full scope is deprecated.*",
+    ):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: user mistakes print one clear line and exit 2, never a traceback."""
+    _quiet_third_party_noise()
     try:
         app(args=argv, standalone_mode=False)
     except UserError as err:

@@ -61,7 +61,9 @@ def prepare_inputs(cfg: RLConfig) -> Components:
             _build_model(cfg, model_dir, sft_files)
         barrier()
     if not Path(model_dir, "config.json").is_file():
-        raise UserError(f"model.path={model_dir!r} is not a HuggingFace model directory (no config.json)")
+        raise UserError(
+            f"model.path={model_dir!r} is not a HuggingFace model directory (no config.json)"
+        )
     if not cfg.data.train_files:
         raise UserError("data.train_files is empty: give JSONL/Parquet prompt files")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or model_dir)
@@ -131,7 +133,11 @@ def build_engine(c: Components):
 def build_rewards(cfg: RLConfig):
     from rlcli.rewards import RewardManager, default_compute_score, resolve_reward_fn
 
-    fn = resolve_reward_fn(cfg.reward.fn, cfg.reward.kwargs) if cfg.reward.fn else default_compute_score
+    fn = (
+        resolve_reward_fn(cfg.reward.fn, cfg.reward.kwargs)
+        if cfg.reward.fn
+        else default_compute_score
+    )
     return RewardManager(fn, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
 
 

@@ -50,8 +50,9 @@ def run_training(cfg: RLConfig) -> dict[str, float]:
     c = comp.prepare_inputs(cfg)
     if cfg.sft.steps > 0:
         c.model_dir = str(warm_start(c))
-    loader = PromptLoader(c.train_data, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
-                          seed=cfg.trainer.seed)
+    loader = PromptLoader(
+        c.train_data, cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.trainer.seed
+    )
     total = cfg.trainer.total_steps or cfg.trainer.total_epochs * loader.batches_per_epoch
     say(c, f"building actor (tp={c.mesh.tp} pp={c.mesh.pp} dp={c.mesh.dp}) from {c.model_dir}")
     actor = comp.build_actor(c, total_steps=total)
@@ -66,7 +67,12 @@ def run_training(cfg: RLConfig) -> dict[str, float]:
     engine, replica = comp.build_engine(c)
     kl = cfg.algorithm.kl_ctrl
     run = Run(
-        c=c, actor=actor, ref=ref, engine=engine, replica=replica, rewards=comp.build_rewards(cfg),
+        c=c,
+        actor=actor,
+        ref=ref,
+        engine=engine,
+        replica=replica,
+        rewards=comp.build_rewards(cfg),
         loader=loader,
         kl_ctrl=algorithms.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon),
         total_steps=total,
@@ -91,11 +97,15 @@ def _loop(run: Run, ckpt: CheckpointManager, logger, resumed: int | None) -> dic
     elif cfg.trainer.val_before_train:
         before = validate(run)
         logger.log(0, before)
-        say(c, f"validation before RL: accuracy {before.get('val/reward/accuracy', float('nan')):.3f}")
+        say(
+            c,
+            f"validation before RL: accuracy {before.get('val/reward/accuracy', float('nan')):.3f}",
+        )
     after: dict[str, float] = {}
     while run.step < run.total_steps:
         run.step += 1
         metrics = rl_step(run)
+        metrics.update({"data/epoch": run.loader.epoch, "data/position": run.loader.position})
         last = run.step == run.total_steps
         if (cfg.trainer.val_freq and run.step % cfg.trainer.val_freq == 0) or last:
             after = validate(run)
@@ -104,8 +114,12 @@ def _loop(run: Run, ckpt: CheckpointManager, logger, resumed: int | None) -> dic
         if (cfg.checkpoint.save_freq and run.step % cfg.checkpoint.save_freq == 0) or last:
             save(run, ckpt)
     if before and after:
-        say(c, "held-out accuracy before RL {:.3f} -> after {:.3f} ({} steps)".format(
-            before["val/reward/accuracy"], after["val/reward/accuracy"], run.step))
+        say(
+            c,
+            "held-out accuracy before RL {:.3f} -> after {:.3f} ({} steps)".format(
+                before["val/reward/accuracy"], after["val/reward/accuracy"], run.step
+            ),
+        )
     return {**{f"before/{k}": v for k, v in before.items()}, **after}
 
 
@@ -120,12 +134,26 @@ def save(run: Run, ckpt: CheckpointManager) -> None:
             optimizer=run.actor.optimizer if run.cfg.checkpoint.save_optimizer else None,
             scheduler=run.actor.scheduler,
         )
-        save_trainer_state(directory, {
-            "step": run.step,
-            "loader": run.loader.state_dict(),
-            "kl_coef": float(run.kl_ctrl.value),
-            "model_dir": run.c.model_dir,
-        })
+        if run.c.mesh.rank == 0:  # config + tokenizer: the checkpoint converts to HF on its own
+            copy_hf_metadata(run.c.model_dir, directory / "hf")
+        save_trainer_state(
+            directory,
+            {
+                "step": run.step,
+                "loader": run.loader.state_dict(),
+                "kl_coef": float(run.kl_ctrl.value),
+                "model_dir": run.c.model_dir,
+            },
+        )
+
+
+def copy_hf_metadata(model_dir: str, out: Path) -> None:
+    from parallel.convert.hf_io import TOKENIZER_FILES
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "generation_config.json", *TOKENIZER_FILES):
+        if (Path(model_dir) / name).is_file():
+            shutil.copy2(Path(model_dir) / name, out / name)
 
 
 def resume(run: Run, ckpt: CheckpointManager) -> int | None:

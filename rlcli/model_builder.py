@@ -28,7 +28,10 @@ def train_tokenizer(corpus: list[str], vocab_size: int):
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -41,7 +44,9 @@ def train_tokenizer(corpus: list[str], vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
 
 
-def build_random_model(spec: ModelBuildConfig, vocab_size: int, eos_id: int, pad_id: int, seed: int):
+def build_random_model(
+    spec: ModelBuildConfig, vocab_size: int, eos_id: int, pad_id: int, seed: int
+):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     families = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
@@ -69,7 +74,9 @@ def build_random_model(spec: ModelBuildConfig, vocab_size: int, eos_id: int, pad
     return model_cls(config)
 
 
-def build_model_dir(spec: ModelBuildConfig, out_dir: str | os.PathLike, corpus: list[str], seed: int) -> Path:
+def build_model_dir(
+    spec: ModelBuildConfig, out_dir: str | os.PathLike, corpus: list[str], seed: int
+) -> Path:
     """Write tokenizer + random model into ``out_dir`` (atomically: a half-built dir never stays)."""
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".building")

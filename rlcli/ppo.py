@@ -129,7 +129,9 @@ def make_actor_loss(cfg: RLConfig, denominator: torch.Tensor):
 SUMMED_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss")
 
 
-def update_actor(policy, batch: dict[str, torch.Tensor], cfg: RLConfig, mesh: Mesh) -> dict[str, float]:
+def update_actor(
+    policy, batch: dict[str, torch.Tensor], cfg: RLConfig, mesh: Mesh
+) -> dict[str, float]:
     """PPO epochs x mini-batches x micro-batches on this DP rank's share of the batch.
 
     ``batch`` holds this rank's whole groups; it is cut into the same number of mini-batches on

@@ -24,8 +24,14 @@ def tokenize_pairs(pairs: list[tuple[str, str]], tokenizer) -> list[Sample]:
     prompts = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
     responses = tokenizer([r for _, r in pairs], add_special_tokens=False)["input_ids"]
     return [
-        Sample(group=i, prompt_ids=p, response_ids=r + [eos], engine_logprobs=[0.0] * (len(r) + 1),
-               finish_reason="stop", item=None)
+        Sample(
+            group=i,
+            prompt_ids=p,
+            response_ids=r + [eos],
+            engine_logprobs=[0.0] * (len(r) + 1),
+            finish_reason="stop",
+            item=None,
+        )
         for i, (p, r) in enumerate(zip(prompts, responses, strict=True))
     ]
 
@@ -46,7 +52,9 @@ def sft_warm_start(c: comp.Components, files: list[str], out_dir: Path, log=prin
 
     cfg, mesh = c.cfg, c.mesh
     if not files:
-        raise UserError("sft.steps > 0 needs SFT pairs: set sft.train_files (JSONL with prompt/response)")
+        raise UserError(
+            "sft.steps > 0 needs SFT pairs: set sft.train_files (JSONL with prompt/response)"
+        )
     samples = tokenize_pairs([pair for f in files for pair in read_sft_pairs(f)], c.tokenizer)
     if len(samples) < cfg.sft.batch_size:
         raise UserError(f"sft.batch_size={cfg.sft.batch_size} exceeds the {len(samples)} SFT pairs")
@@ -63,8 +71,10 @@ def sft_warm_start(c: comp.Components, files: list[str], out_dir: Path, log=prin
         )
         if step % 50 == 0 or step == cfg.sft.steps:
             loss = sum(m["sft/loss"] for m in result["micro_batch_metrics"])
-            log(f"sft step {step}/{cfg.sft.steps}: loss {loss:.4f} "
-                f"({time.perf_counter() - start:.1f} s)")
+            log(
+                f"sft step {step}/{cfg.sft.steps}: loss {loss:.4f} "
+                f"({time.perf_counter() - start:.1f} s)"
+            )
     save_hf_checkpoint(actor.models, mesh, str(out_dir), actor.hf_config, tokenizer_dir=c.model_dir)
     if dist.is_initialized():
         dist.barrier()

@@ -57,7 +57,9 @@ def rl_step(run: Run) -> dict[str, float]:
         if run.ref is not None:
             with timer("ref"):
                 run.ref.onload()
-                batch["ref_log_probs"] = run.ref.log_probs(batch, mbs, cfg.rollout.temperature or 1.0)
+                batch["ref_log_probs"] = run.ref.log_probs(
+                    batch, mbs, cfg.rollout.temperature or 1.0
+                )
                 run.ref.offload()
         with timer("adv"):
             global_batch = all_gather_batch(batch, mesh)
@@ -68,8 +70,13 @@ def rl_step(run: Run) -> dict[str, float]:
         with timer("sync"):
             sync_metrics = sync_weights(run)
     metrics = {**gen_metrics, **adv_metrics, **update_metrics, **sync_metrics}
-    metrics.update(logprob_mismatch(global_batch["engine_logprobs"], global_batch["old_log_probs"],
-                                    global_batch["response_mask"]))
+    metrics.update(
+        logprob_mismatch(
+            global_batch["engine_logprobs"],
+            global_batch["old_log_probs"],
+            global_batch["response_mask"],
+        )
+    )
     metrics.update(kl_metrics(global_batch, run))
     metrics.update(timer.metrics())
     tokens = float(global_batch["attention_mask"].sum())
@@ -89,8 +96,14 @@ def collect_rollouts(run: Run, timer: Timer) -> tuple[list[Sample], dict[str, fl
     drawn = kept_groups = 0
     for round_index in range(dyn.max_gen_batches if dyn.enabled else 1):
         items = next(run.loader)
-        samples = generate_samples(run.engine, items, cfg.rollout.n, sampling_for(run, train=True),
-                                   run.replica, group_offset=drawn)
+        samples = generate_samples(
+            run.engine,
+            items,
+            cfg.rollout.n,
+            sampling_for(run, train=True),
+            run.replica,
+            group_offset=drawn,
+        )
         drawn += len(items)
         with timer("reward"):
             reward_stats = score_samples(samples, run.rewards, run.c.tokenizer)
@@ -118,8 +131,9 @@ def collect_rollouts(run: Run, timer: Timer) -> tuple[list[Sample], dict[str, fl
 
 def add_greedy_baselines(run: Run, items: list, samples: list[Sample], offset: int) -> None:
     """ReMax: the reward of a greedy response is each prompt's baseline."""
-    greedy = generate_samples(run.engine, items, 1, sampling_for(run, train=False), run.replica,
-                              group_offset=offset)
+    greedy = generate_samples(
+        run.engine, items, 1, sampling_for(run, train=False), run.replica, group_offset=offset
+    )
     score_samples(greedy, run.rewards, run.c.tokenizer)
     baseline = {g.group: g.score for g in greedy}
     for s in samples:
@@ -156,8 +170,9 @@ def all_gather_batch(batch: dict[str, torch.Tensor], mesh) -> dict[str, torch.Te
     return out
 
 
-def take_local(global_batch: dict[str, torch.Tensor], local: dict[str, torch.Tensor],
-               dp_rank: int) -> dict[str, torch.Tensor]:
+def take_local(
+    global_batch: dict[str, torch.Tensor], local: dict[str, torch.Tensor], dp_rank: int
+) -> dict[str, torch.Tensor]:
     """This DP rank's rows of the per-sample results computed on the global batch."""
     sizes = global_batch.get("_dp_sizes")
     start = 0 if sizes is None else int(sizes[:dp_rank].sum())
@@ -170,7 +185,9 @@ def sync_weights(run: Run) -> dict[str, float]:
     """Stream the new weights into the engine's layout (``parallel.reshard``)."""
     from parallel.reshard import sync_weights as reshard_and_load
 
-    stats = reshard_and_load(run.actor.models, run.c.mesh, run.engine, run.cfg.rollout.sync_bucket_mb)
+    stats = reshard_and_load(
+        run.actor.models, run.c.mesh, run.engine, run.cfg.rollout.sync_bucket_mb
+    )
     return {
         "sync/bytes_gb": stats.bytes / 1e9,
         "sync/gbps": stats.gbps,
@@ -201,8 +218,9 @@ def validate(run: Run) -> dict[str, float]:
     if data is None:
         return {}
     start = time.perf_counter()
-    samples = generate_samples(run.engine, list(data), run.cfg.rollout.val_n,
-                               sampling_for(run, train=False), run.replica)
+    samples = generate_samples(
+        run.engine, list(data), run.cfg.rollout.val_n, sampling_for(run, train=False), run.replica
+    )
     score_samples(samples, run.rewards, run.c.tokenizer)
     metrics = rollout_metrics(samples, run.cfg.rollout.max_tokens, prefix="val/")
     metrics["val/num_prompts"] = float(len(data))
