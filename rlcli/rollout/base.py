@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -164,11 +165,12 @@ def rollout_replicas(world_size: int, rank: int, rollout_tp: int) -> tuple[int, 
 
 
 def current_replica(rollout_tp: int) -> tuple[int, int]:
-    """`rollout_replicas` for this process (world of one outside torch.distributed)."""
+    """`rollout_replicas` for this process: torch.distributed's world, else torchrun's
+    environment (RANK, WORLD_SIZE), else a world of one."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         world_size, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     else:
-        world_size, rank = 1, 0
+        world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     return rollout_replicas(world_size, rank, rollout_tp)
 
 

@@ -12,6 +12,7 @@ so the trainer gets the memory back, and `load_weights` wakes only the weights.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from collections.abc import Iterable, Iterator
@@ -128,7 +129,9 @@ class VLLMEngine(RolloutEngine):
         if not self._weights_awake:
             self._llm.wake_up(tags=["weights"])  # KV cache stays released until wake_up()
             self._weights_awake = True
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
+        # A bucket is a partial load by design; vLLM warns about every layer it did not get.
+        with _quiet_logger("vllm.model_executor.model_loader.reload"):
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
         if not torch.cuda.is_available():
             self._llm.collective_rpc(_refresh_cpu_embedding_gemm)
         # Cached prefix KV blocks were computed with the old weights; RL prompts share prefixes
@@ -149,6 +152,18 @@ def _refresh_cpu_embedding_gemm(worker) -> None:
     for module in worker.model_runner.model.modules():
         if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
             module.quant_method.process_weights_after_loading(module)
+
+
+@contextmanager
+def _quiet_logger(name: str) -> Iterator[None]:
+    """Only errors from logger `name` (and its children) inside the block."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 @contextmanager

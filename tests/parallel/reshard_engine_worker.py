@@ -16,6 +16,8 @@ usage: torchrun --nproc_per_node N reshard_engine_worker.py MODEL_DIR ROLLOUT_TP
 
 from __future__ import annotations
 
+import faulthandler
+import signal
 import sys
 import zlib
 
@@ -128,9 +130,9 @@ def run_layout(model_dir, tp, pp, engine, hf_engine, replica_index) -> None:
         worst = max(worst, (torch.tensor(engine_logprobs) - expected).abs().max().item())
     assert worst < 1e-3, f"tp={tp} pp={pp}: engine vs Megatron log-prob diff {worst}"
 
+    greedy = SamplingConfig(temperature=0, max_tokens=12)
+    vllm_greedy = [c[0].token_ids for c in engine.generate(PROMPTS, 1, greedy)]  # collective
     if hf_engine is not None:
-        greedy = SamplingConfig(temperature=0, max_tokens=12)
-        vllm_greedy = [c[0].token_ids for c in engine.generate(PROMPTS, 1, greedy)]
         hf_greedy = [c[0].token_ids for c in hf_engine.generate(PROMPTS, 1, greedy)]
         assert vllm_greedy == hf_greedy, (vllm_greedy, hf_greedy)
     if mesh.rank == 0:
@@ -143,6 +145,7 @@ def run_layout(model_dir, tp, pp, engine, hf_engine, replica_index) -> None:
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` shows a hang
     model_dir, rollout_tp, *layouts = sys.argv[1:]
     rollout_tp = int(rollout_tp)
     layouts = [tuple(int(x) for x in layout.split("x")) for layout in layouts]
