@@ -129,10 +129,12 @@ class VLLMEngine(RolloutEngine):
         if not self._weights_awake:
             self._llm.wake_up(tags=["weights"])  # KV cache stays released until wake_up()
             self._weights_awake = True
+        weights = list(weights)
         # A bucket is a partial load by design; vLLM warns about every layer it did not get.
         with _quiet_logger("vllm.model_executor.model_loader.reload"):
-            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
-        if not torch.cuda.is_available():
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        touches_vocab = any("embed_tokens" in name or "lm_head" in name for name, _ in weights)
+        if touches_vocab and not torch.cuda.is_available():
             self._llm.collective_rpc(_refresh_cpu_embedding_gemm)
         # Cached prefix KV blocks were computed with the old weights; RL prompts share prefixes
         # (and recur across steps), so stale blocks would silently skew samples and log-probs.

@@ -2,8 +2,9 @@
 
 Layouts are bundled into two launches (each vLLM engine costs ~1 GB and seconds of startup):
 training TP1 x DP4, TP2 x DP2, PP2 x DP2 and TP2 x PP2 into rollout-TP1 engines (4 processes),
-and training TP1 x DP2 and PP2 into one rollout-TP2 engine (2 processes). The worker checks the
-buckets against the checkpoint and the naive export, and vLLM's log-probs against Megatron's.
+and training TP1 x DP2 and PP2 of a tied-embedding model into one rollout-TP2 engine (2
+processes). The worker checks the buckets against the checkpoint and the naive export, and
+vLLM's log-probs against Megatron's.
 """
 
 from __future__ import annotations
@@ -24,10 +25,20 @@ pytestmark = [
 ]
 
 
+# vLLM's CPU attention needs head_dim >= 32: hidden 128 over 4 heads.
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    # vLLM's CPU attention needs head_dim >= 32: hidden 128 over 4 heads.
     return make_tiny_hf_model(tmp_path_factory.mktemp("qwen2_reshard"), "qwen2", hidden_size=128)
+
+
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_hf_model(
+        tmp_path_factory.mktemp("qwen2_reshard_tied"),
+        "qwen2",
+        hidden_size=128,
+        tie_word_embeddings=True,
+    )
 
 
 def _layouts_ok(output: str) -> set[str]:
@@ -40,7 +51,8 @@ def test_reshard_into_rollout_tp1_engines(model_dir):
     assert _layouts_ok(output) == set(layouts), output[-3000:]
 
 
-def test_reshard_into_rollout_tp2_engine(model_dir):
+def test_reshard_into_rollout_tp2_engine_tied_embeddings(tied_model_dir):
+    # PP2: the last stage's copy of the tied head is not exported; the embedding is.
     layouts = ["1x1", "1x2"]
-    output = run_torchrun(WORKER, 2, str(model_dir), "2", *layouts, timeout_s=600)
+    output = run_torchrun(WORKER, 2, str(tied_model_dir), "2", *layouts, timeout_s=600)
     assert _layouts_ok(output) == set(layouts), output[-3000:]

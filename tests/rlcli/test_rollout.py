@@ -195,6 +195,27 @@ def test_vllm_matches_hf_greedy_and_logprobs_before_and_after_reload(vllm_engine
 
 @needs_vllm
 @pytest.mark.vllm
+def test_vllm_reload_with_tied_embeddings(tied_model_dir):
+    """Only model.embed_tokens is sent (as the resharder does): the LM head must follow it."""
+    engine = make_engine("vllm", str(tied_model_dir), kv_cache_gb=0.05, max_model_len=256)
+    try:
+        reference = perturbed_weights(tied_model_dir)
+        weights = [(k, v) for k, v in reference.state_dict().items() if k != "lm_head.weight"]
+        assert weights[0][0] == "model.embed_tokens.weight"
+        engine.load_weights(weights[:1])  # two calls: the embedding alone first
+        engine.load_weights(weights[1:])
+        sampled = SamplingConfig(temperature=0.8, max_tokens=16, seed=2)
+        for prompt, samples in zip(PROMPTS, engine.generate(PROMPTS, 2, sampled), strict=True):
+            for sample in samples:
+                expected = hf_reference_logprobs(reference, prompt, sample.token_ids, 0.8)
+                actual = torch.tensor(sample.logprobs)
+                torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+    finally:
+        engine.close()
+
+
+@needs_vllm
+@pytest.mark.vllm
 def test_vllm_seeds_stop_tokens_and_sleep(vllm_engine):
     sampling = SamplingConfig(temperature=1.0, max_tokens=8, seed=5)
     first = vllm_engine.generate(PROMPTS, 4, sampling)
