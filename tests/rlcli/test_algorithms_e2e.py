@@ -1,0 +1,50 @@
+"""Every algorithm name runs through the real trainer step with only config changes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.rlcli.test_train_e2e import REPO, TINY
+
+WORKER = Path(__file__).with_name("algorithms_worker.py")
+
+
+def test_every_algorithm_runs_a_training_step(tmp_path):
+    out = tmp_path / "metrics.json"
+    overrides = [*TINY, "rollout.engine=hf", f"trainer.output_dir={tmp_path / 'run'}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(WORKER),
+            str(REPO / "recipes" / "quickstart.yaml"),
+            str(out),
+            *overrides,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    results = json.loads(out.read_text())
+    from tests.rlcli.algorithms_worker import VARIANTS
+
+    assert set(results) == set(VARIANTS)
+    for name, metrics in results.items():
+        for key, value in metrics.items():
+            assert math.isfinite(value), (name, key, value)
+        if name != "dapo" or "actor/pg_loss" in metrics:  # DAPO may keep no group of a random model
+            assert "actor/pg_loss" in metrics and "actor/grad_norm" in metrics, (name, metrics)
+            assert metrics["rollout/logprob_diff_max"] < 1e-3, (name, metrics)
+    assert "actor/kl_loss" in results["kl_loss"] and "actor/entropy" in results["kl_loss"]
+    assert "actor/kl_loss" not in results["grpo"]
+    assert "reward_kl_penalty" in results["kl_in_reward"]
+    assert "dapo/kept_groups_ratio" in results["dapo"] and "dapo/gen_batches" in results["dapo"]
+    assert results["dapo"]["dapo/gen_batches"] >= 1
