@@ -47,6 +47,7 @@ def warm_start(c: comp.Components, force: bool = False) -> Path:
 
 
 def run_training(cfg: RLConfig) -> dict[str, float]:
+    rewards = comp.build_rewards(cfg)  # first: a reward spec that does not import fails at once
     c = comp.prepare_inputs(cfg)
     if cfg.sft.steps > 0:
         c.model_dir = str(warm_start(c))
@@ -72,7 +73,7 @@ def run_training(cfg: RLConfig) -> dict[str, float]:
         ref=ref,
         engine=engine,
         replica=replica,
-        rewards=comp.build_rewards(cfg),
+        rewards=rewards,
         loader=loader,
         kl_ctrl=algorithms.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon),
         total_steps=total,

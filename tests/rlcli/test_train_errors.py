@@ -1,0 +1,83 @@
+"""`rlcli train` on bad input: exit code 2 and a message naming the file, row or key."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlcli.config import ModelBuildConfig
+from rlcli.data import arith_split
+from rlcli.model_builder import build_model_dir
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    train, _ = arith_split(num_max=10, num_val=10)
+    spec = ModelBuildConfig(hidden_size=128, num_layers=1, num_heads=2, num_kv_heads=2,
+                            intermediate_size=128)
+    out = tmp_path_factory.mktemp("model") / "tiny"
+    return build_model_dir(spec, out, [e.prompt_text + e.response_text for e in train], seed=0)
+
+
+def train(tmp_path: Path, model: Path, *overrides: str) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "rlcli.cli", "train", str(REPO / "recipes" / "quickstart.yaml"),
+            "data.synthetic=null", "model.build=false", f"model.path={model}", "sft.steps=0",
+            f"trainer.output_dir={tmp_path / 'run'}", "rollout.engine=hf", *overrides]
+    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def good_row(i: int) -> dict:
+    return {"data_source": "arith", "prompt": [{"role": "user", "content": f"Question: {i} + 1 = ? Answer:"}],
+            "reward_model": {"ground_truth": str(i + 1)}}
+
+
+def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for needle in needles:
+        assert needle in proc.stderr, (needle, proc.stderr[-3000:])
+
+
+def test_reward_function_that_does_not_import(tmp_path, model_dir):
+    rows = write_rows(tmp_path / "train.jsonl", [good_row(i) for i in range(8)])
+    proc = train(tmp_path, model_dir, f"data.train_files=[{rows}]", "reward.fn=no_such_module:score")
+    assert_user_error(proc, "no_such_module:score")
+
+
+def test_row_without_prompt(tmp_path, model_dir):
+    rows = [good_row(i) for i in range(8)]
+    del rows[2]["prompt"]
+    path = write_rows(tmp_path / "train.jsonl", rows)
+    proc = train(tmp_path, model_dir, f"data.train_files=[{path}]")
+    assert_user_error(proc, str(path), "line 3", "prompt")
+
+
+def test_missing_ground_truth(tmp_path, model_dir):
+    rows = [good_row(i) for i in range(8)]
+    rows[4]["reward_model"] = {}
+    path = write_rows(tmp_path / "train.jsonl", rows)
+    proc = train(tmp_path, model_dir, f"data.train_files=[{path}]")
+    assert_user_error(proc, str(path), "line 5", "ground_truth")
+
+
+def test_empty_dataset(tmp_path, model_dir):
+    path = write_rows(tmp_path / "train.jsonl", [])
+    proc = train(tmp_path, model_dir, f"data.train_files=[{path}]")
+    assert_user_error(proc, str(path))
+
+
+def test_model_path_that_is_not_a_model(tmp_path):
+    rows = write_rows(tmp_path / "train.jsonl", [good_row(i) for i in range(8)])
+    proc = train(tmp_path, tmp_path / "nowhere", f"data.train_files=[{rows}]")
+    assert_user_error(proc, "model.path", "nowhere")
