@@ -124,7 +124,8 @@ def config_validate(
     ),
 ):
     """Check a recipe without running it; exit code 2 and a message naming the key if it is wrong."""
-    from rlcli.config import derive_dp, load_config, validate
+    from rlcli.config import load_config
+    from rlcli.config_validation import derive_dp, validate
 
     cfg = load_config(recipe, overrides or [])
     if world_size is not None:

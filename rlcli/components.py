@@ -40,7 +40,7 @@ def prepare_inputs(cfg: RLConfig) -> Components:
     from rlcli.data import load_prompt_dataset
 
     mesh = init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, seed=cfg.trainer.seed)
-    from rlcli.config import validate
+    from rlcli.config_validation import validate
 
     validate(cfg, world_size=mesh.world_size)
     output_dir = Path(cfg.trainer.output_dir)

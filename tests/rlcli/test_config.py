@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rlcli.config import RLConfig, derive_dp, load_config, valid_keys
+from rlcli.config import RLConfig, load_config, valid_keys
+from rlcli.config_validation import derive_dp
 from rlcli.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,0 +1,132 @@
+"""Checks on a loaded config that need more than types: choices, relations between keys, and the
+parallel layout for a given world size. Every failure is a UserError naming the key."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rlcli.errors import UserError
+
+if TYPE_CHECKING:
+    from rlcli.config import ParallelConfig, RLConfig
+
+
+def derive_dp(cfg: ParallelConfig, world_size: int) -> int:
+    """Data-parallel size for ``world_size`` ranks; raises UserError for impossible layouts."""
+    for key in ("tp", "pp"):
+        if getattr(cfg, key) < 1:
+            raise UserError(f"parallel.{key} must be >= 1, got {getattr(cfg, key)}")
+    model_parallel = cfg.tp * cfg.pp
+    if world_size % model_parallel:
+        raise UserError(
+            f"world size {world_size} is not divisible by tp*pp = {model_parallel} "
+            f"(parallel.tp={cfg.tp}, parallel.pp={cfg.pp})"
+        )
+    dp = world_size // model_parallel
+    if cfg.dp is not None and cfg.dp != dp:
+        raise UserError(
+            f"parallel.dp={cfg.dp} does not match world size {world_size} / (tp*pp = {model_parallel}) = {dp}; "
+            "leave parallel.dp unset to derive it"
+        )
+    return dp
+
+
+def validate(cfg: RLConfig, world_size: int | None = None) -> None:
+    """Check choices and relations between keys; ``world_size`` also checks the parallel layout."""
+    _choice("rollout.engine", cfg.rollout.engine, ["vllm", "hf"])
+    _choice("model.dtype", cfg.model.dtype, ["float32", "bfloat16", "float16"])
+    _choice("actor.lr_decay_style", cfg.actor.lr_decay_style, ["constant", "linear", "cosine"])
+    _choice("algorithm.kl_ctrl.type", cfg.algorithm.kl_ctrl.type, ["fixed", "adaptive"])
+    _choice("data.synthetic", cfg.data.synthetic, [None, "arith"])
+    _choice(
+        "trainer.resume",
+        cfg.trainer.resume if cfg.trainer.resume in ("auto", "none") else "path",
+        ["auto", "none", "path"],
+    )
+    for backend in cfg.logging.backends:
+        _choice("logging.backends", backend, ["console", "tensorboard", "jsonl", "wandb"])
+    _check_algorithm_names(cfg)
+
+    positive = {
+        "data.train_batch_size": cfg.data.train_batch_size,
+        "data.max_prompt_length": cfg.data.max_prompt_length,
+        "rollout.n": cfg.rollout.n,
+        "rollout.tp": cfg.rollout.tp,
+        "rollout.max_tokens": cfg.rollout.max_tokens,
+        "rollout.sync_bucket_mb": cfg.rollout.sync_bucket_mb,
+        "actor.micro_batch_size": cfg.actor.micro_batch_size,
+        "actor.ppo_epochs": cfg.actor.ppo_epochs,
+        "checkpoint.keep_last": cfg.checkpoint.keep_last,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise UserError(f"{key} must be >= 1, got {value}")
+    if cfg.rollout.temperature < 0:
+        raise UserError(f"rollout.temperature must be >= 0, got {cfg.rollout.temperature}")
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise UserError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
+    if any(t < 0 for t in cfg.rollout.stop_token_ids):
+        raise UserError(
+            f"rollout.stop_token_ids must be token ids >= 0, got {cfg.rollout.stop_token_ids}"
+        )
+    if cfg.rollout.max_model_len is not None:
+        need = cfg.data.max_prompt_length + cfg.rollout.max_tokens
+        if cfg.rollout.max_model_len < need:
+            raise UserError(
+                f"rollout.max_model_len={cfg.rollout.max_model_len} is shorter than "
+                f"data.max_prompt_length + rollout.max_tokens = {need}"
+            )
+    mini = cfg.actor.ppo_mini_batch_size
+    if mini is not None and (mini < 1 or cfg.data.train_batch_size % mini):
+        raise UserError(
+            f"actor.ppo_mini_batch_size={mini} must divide data.train_batch_size="
+            f"{cfg.data.train_batch_size}"
+        )
+    if cfg.actor.clip_ratio_c <= 1:
+        raise UserError(f"actor.clip_ratio_c must be > 1 (dual-clip), got {cfg.actor.clip_ratio_c}")
+    if not cfg.model.path and not cfg.model.build:
+        raise UserError("model.path is empty: give a HuggingFace model directory (model.path=DIR)")
+    if world_size is not None:
+        derive_dp(cfg.parallel, world_size)
+        if world_size % cfg.rollout.tp:
+            raise UserError(
+                f"world size {world_size} is not divisible by rollout.tp={cfg.rollout.tp}"
+            )
+
+
+def _choice(key: str, value: Any, valid: list[Any]) -> None:
+    if value not in valid:
+        shown = ", ".join(repr(v) for v in valid)
+        raise UserError(f"{key}={value!r} is not valid; choose one of: {shown}")
+
+
+def _check_algorithm_names(cfg: RLConfig) -> None:
+    import algorithms
+
+    checks = [
+        (
+            "algorithm.adv_estimator",
+            cfg.algorithm.adv_estimator,
+            algorithms.get_advantage_estimator,
+        ),
+        ("actor.policy_loss", cfg.actor.policy_loss, algorithms.get_policy_loss),
+    ]
+    for key, name, lookup in checks:
+        try:
+            lookup(name)
+        except ValueError as err:
+            raise UserError(f"{key}: {err}") from None
+    for key, kind in (
+        ("actor.kl_loss_type", cfg.actor.kl_loss_type),
+        ("algorithm.kl_penalty", cfg.algorithm.kl_penalty),
+    ):
+        if kind.removesuffix("+") not in algorithms.KL_PENALTY_KINDS:  # "k3+": straight-through
+            raise UserError(
+                f"{key}={kind!r} is not valid; choose one of: "
+                f"{', '.join(algorithms.KL_PENALTY_KINDS)}"
+            )
+    if cfg.actor.loss_agg_mode not in algorithms.LOSS_AGG_MODES:
+        raise UserError(
+            f"actor.loss_agg_mode={cfg.actor.loss_agg_mode!r} is not valid; choose one of: "
+            f"{', '.join(algorithms.LOSS_AGG_MODES)}"
+        )
