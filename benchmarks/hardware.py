@@ -87,23 +87,24 @@ def load_average() -> list[float]:
 
 @torch.no_grad()
 def measure_matmul_flops(
-    size: int, dtype: torch.dtype, device: str, min_seconds: float = 1.0
+    size: int, dtype: torch.dtype, device: str, min_seconds: float = 3.0, group: int = 4
 ) -> float:
-    """Achieved FLOP/s of repeated [size, size] @ [size, size] matmuls: the practical dense
-    compute ceiling of this device, to set the training and rollout numbers against."""
+    """Best FLOP/s of groups of `group` [size, size] @ [size, size] matmuls over `min_seconds`:
+    the practical dense compute ceiling of this device, to set the training and rollout numbers
+    against. The best group, not the mean: on a shared machine a ceiling must not sink with
+    the neighbours' load."""
     a = torch.randn(size, size, dtype=dtype, device=device)
     b = torch.randn(size, size, dtype=dtype, device=device)
     torch.mm(a, b)  # first call pays for kernel selection / thread pool start
     _synchronize(device)
-    iterations, start = 0, time.perf_counter()
-    while True:
-        torch.mm(a, b)
-        iterations += 1
-        if iterations % 4 == 0:
-            _synchronize(device)
-            elapsed = time.perf_counter() - start
-            if elapsed >= min_seconds:
-                return 2 * size**3 * iterations / elapsed
+    best, start = float("inf"), time.perf_counter()
+    while time.perf_counter() - start < min_seconds:
+        group_start = time.perf_counter()
+        for _ in range(group):
+            torch.mm(a, b)
+        _synchronize(device)
+        best = min(best, time.perf_counter() - group_start)
+    return 2 * size**3 * group / best
 
 
 def _synchronize(device: str) -> None:

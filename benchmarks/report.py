@@ -295,15 +295,40 @@ def _memory_plot(ax, results: dict) -> None:
 
 
 def _notes(ax, results: dict) -> None:
+    """The run's conditions and the ratios against the alternative and the floor."""
     ax.set_axis_off()
-    hardware = results.get("device", {}).get("hardware", {})
+    device = results.get("device", {})
+    hardware = device.get("hardware", {})
     load = results.get("load_average", {})
     text = [
         f"device: {hardware.get('device_name', '?')} x{hardware.get('num_devices', 1)}",
         f"CPU cores: {hardware.get('cpu_cores', '?')}",
         f"load average start/end: {load.get('start', ['?'])[0]} / {load.get('end', ['?'])[0]}",
         f"whole run: {results.get('wall_seconds', 0):.0f} s",
+        f"measured matmul: {_flops(device.get('matmul_flops'))}",
+        "",
     ]
+    rollout, train, sync = results.get("rollout"), results.get("train"), results.get("sync")
+    if rollout:
+        text += [
+            f"rollout: vLLM / HF = {rollout['vllm_over_hf']:.2f}x",
+            f"  compute ceiling {_num(rollout.get('compute_ceiling_tokens_per_s'))} tokens/s",
+        ]
+    if sync:
+        largest = sync["sizes"][-1]
+        text += [
+            f"sync {largest['model']}: naive / reshard = "
+            f"{largest['naive']['seconds'] / largest['reshard']['seconds']:.2f}x",
+            f"  reshard / memcpy floor = "
+            f"{largest['reshard']['seconds'] / largest['memcpy']['seconds']:.1f}x",
+        ]
+    if train:
+        megatron = train["megatron"]
+        text += [
+            f"train: Megatron / HF+AdamW = {train['megatron_over_hf']:.2f}x",
+            f"  {_flops(megatron['flops_per_s'])}, MFU {_pct(megatron.get('mfu'))}, "
+            f"{_pct(megatron.get('matmul_fraction'))} of matmul",
+        ]
     if results.get("errors"):
         text.append("failed: " + ", ".join(sorted(results["errors"])))
     ax.text(0.0, 1.0, "\n".join(text), va="top", family="monospace", transform=ax.transAxes)

@@ -152,8 +152,8 @@ def _last_lines(text: str) -> str:
 
 def add_derived_figures(results: dict) -> None:
     """Ratios against the device: MFU (data-sheet peak, GPU only), the fraction of the measured
-    matmul FLOP/s, and the compute ceiling of rollout tokens/s (2 FLOPs per parameter per
-    new token at the measured matmul rate; attention and sampling not counted)."""
+    matmul FLOP/s, and the compute ceiling of rollout tokens/s (2 FLOPs per matmul parameter
+    per new token at the measured matmul rate; attention and sampling not counted)."""
     device = results.get("device", {})
     matmul = device.get("matmul_flops")
     peak = device.get("hardware", {}).get("peak_bf16_flops")
@@ -165,4 +165,4 @@ def add_derived_figures(results: dict) -> None:
             train[key]["matmul_fraction"] = flops / matmul if matmul else None
     rollout = results.get("rollout")
     if rollout and matmul:
-        rollout["compute_ceiling_tokens_per_s"] = matmul / (2 * rollout["params"])
+        rollout["compute_ceiling_tokens_per_s"] = matmul / (2 * rollout["matmul_params"])

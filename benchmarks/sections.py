@@ -90,6 +90,7 @@ def rollout_section(workload: Workload, work_dir: Path) -> dict:
     result: dict = {
         "model": w.rollout_model.name,
         "params": w.rollout_model.num_params(),
+        "matmul_params": w.rollout_model.num_matmul_params(),
         "prompts": w.rollout_prompts,
         "prompt_len": w.rollout_prompt_len,
         "n": w.rollout_n,

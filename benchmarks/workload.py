@@ -37,6 +37,12 @@ class ModelShape:
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + embeddings + h
 
+    def num_matmul_params(self) -> int:
+        """Parameters that take part in a matmul per token: all but an untied input embedding
+        (a table lookup)."""
+        lookup = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        return self.num_params() - lookup
+
 
 SMOKE = ModelShape("smoke-0.4M", 128, 2, 4, 2, 256, 512)
 CPU_5M = ModelShape("cpu-5M", 256, 4, 4, 2, 704, 4096)
@@ -122,7 +128,7 @@ def workload_for(mode: str, gpu_memory_gib: float = 80.0) -> Workload:
             sync_models=[CPU_5M, CPU_25M, CPU_60M], sync_bucket_mb=64, sync_repeats=3,
             train_model=CPU_25M, train_micro_batches=2, train_micro_batch_size=4,
             train_seq_len=128, train_steps=3,
-            grpo_steps=4,
+            grpo_steps=4, matmul_size=2048,
         )  # fmt: skip
     if mode == "gpu":
         return Workload(
