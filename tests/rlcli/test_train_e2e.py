@@ -128,3 +128,38 @@ def test_pp2_hf_engine(tmp_path):
     assert [r["step"] for r in steps] == [1, 2]
     for record in steps:
         check_step_metrics(record)
+
+
+def test_export_checkpoint_as_hf_model(tmp_path):
+    """A TP2 training checkpoint exports (at TP1) to a HF model that transformers loads."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    train(out, "parallel.tp=2", "rollout.engine=hf", "trainer.total_steps=1")
+    exported = tmp_path / "exported"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlcli.cli",
+            "export",
+            str(out / "checkpoints" / "step_000001"),
+            "--out",
+            str(exported),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before = load_file(out / "model" / "model.safetensors")
+    after = load_file(exported / "model.safetensors")
+    assert set(after) == set(before)
+    assert all(after[k].shape == before[k].shape for k in before)
+    assert any(not torch.equal(after[k], before[k]) for k in before)  # training moved weights
+    model = AutoModelForCausalLM.from_pretrained(exported)
+    logits = model(torch.tensor([[1, 2, 3]])).logits
+    assert torch.isfinite(logits).all()
