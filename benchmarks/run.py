@@ -126,9 +126,11 @@ def _run_child(
             if returncode != 0:
                 failure = f"the benchmark process exited with code {returncode}"
         except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
+            _stop(child)
             failure = f"the benchmark process timed out after {timeout_s} s"
+        except BaseException:  # Ctrl-C reaches only this process (the child has its own session)
+            _stop(child)
+            raise
     outcomes = json.loads(result_file.read_text()) if result_file.is_file() else {}
     finished: dict[str, tuple[dict | None, str | None]] = {}
     for name in names:
@@ -140,6 +142,12 @@ def _run_child(
         else:
             finished[name] = outcome["result"], None
     return finished
+
+
+def _stop(child: subprocess.Popen) -> None:
+    """Kill the child and everything it started (its session's process group)."""
+    os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
 
 
 def _tail(path: Path) -> str:
