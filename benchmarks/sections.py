@@ -147,6 +147,8 @@ def sync_section(workload: Workload, work_dir: Path) -> dict:
     `sync_repeats`). Peak memory is that process's RSS high-water mark (from wait4)."""
     rows = []
     for shape in workload.sync_models:
+        if shape.tie_word_embeddings:
+            raise ValueError(f"sync_bench.py builds untied models; {shape.name} is tied")
         json_file = work_dir / f"sync-{shape.name}.json"
         command = [
             sys.executable, str(REPO_ROOT / "benchmarks" / "sync_bench.py"),
@@ -156,8 +158,6 @@ def sync_section(workload: Workload, work_dir: Path) -> dict:
             "--ffn", str(shape.intermediate_size), "--vocab", str(shape.vocab_size),
             "--repeats", str(workload.sync_repeats), "--json", str(json_file),
         ]  # fmt: skip
-        if shape.tie_word_embeddings:
-            raise ValueError(f"sync_bench.py builds untied models; {shape.name} is tied")
         child = subprocess.Popen(command, cwd=work_dir)
         _, status, usage = os.wait4(child.pid, 0)  # reaps it, with its own resource usage
         child.returncode = os.waitstatus_to_exitcode(status)  # so Popen never waits again
