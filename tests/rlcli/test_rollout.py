@@ -71,6 +71,17 @@ def test_bad_model_path_names_model_path(tmp_path, kind):
         make_engine(kind, str(tmp_path / "no_such_model"))
 
 
+def test_vllm_missing_suggests_hf(model_dir, monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "vllm" else real_find_spec(name, *a),
+    )
+    with pytest.raises(UserError, match="rollout.engine=hf"):
+        make_engine("vllm", str(model_dir))
+
+
 @pytest.mark.parametrize(
     "change, key",
     [
