@@ -192,6 +192,11 @@ def check_sampling(
         raise UserError(f"rollout.temperature={sampling.temperature} must be >= 0 (0 is greedy)")
     if not 0 < sampling.top_p <= 1:
         raise UserError(f"rollout.top_p={sampling.top_p} must be in (0, 1] (1 disables it)")
+    if sampling.top_k > vocab_size or sampling.top_k < -1:
+        raise UserError(
+            f"rollout.top_k={sampling.top_k} must be -1 or 0 (off) or in 1..{vocab_size} "
+            "(the model's vocabulary size)"
+        )
     if sampling.max_tokens < 1:
         raise UserError(f"rollout.max_tokens={sampling.max_tokens} must be >= 1")
     bad_stops = [t for t in sampling.stop_token_ids if not 0 <= t < vocab_size]

@@ -88,6 +88,7 @@ def test_vllm_missing_suggests_hf(model_dir, monkeypatch):
         (dict(temperature=-0.5), "rollout.temperature"),
         (dict(top_p=0.0), "rollout.top_p"),
         (dict(top_p=1.5), "rollout.top_p"),
+        (dict(top_k=1000), "rollout.top_k"),
         (dict(max_tokens=0), "rollout.max_tokens"),
         (dict(stop_token_ids=[3, 251]), "rollout.stop_token_ids"),
         (dict(stop_token_ids=[-1]), "rollout.stop_token_ids"),
