@@ -130,6 +130,7 @@ def test_pp2_hf_engine(tmp_path):
         check_step_metrics(record)
 
 
+@pytest.mark.dist
 def test_export_checkpoint_as_hf_model(tmp_path):
     """A TP2 training checkpoint exports (at TP1) to a HF model that transformers loads."""
     import torch
