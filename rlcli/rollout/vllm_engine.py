@@ -37,6 +37,10 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 SLEEP_LEVEL = 1  # level 1 keeps non-parameter buffers (rotary caches) across sleep
 
+# vLLM keeps its parallel state in module globals, and an engine's shutdown destroys it: two
+# engines alive in one process would break each other.
+_engine_alive = False
+
 
 class VLLMEngine(RolloutEngine):
     def __init__(
@@ -81,11 +85,15 @@ class VLLMEngine(RolloutEngine):
             options.update(distributed_executor_backend="external_launcher")
             if self.num_replicas > 1:
                 options.update(data_parallel_size=self.num_replicas)
+        global _engine_alive
+        if _engine_alive:
+            raise RuntimeError("one vLLM engine per process: close() the other engine first")
         try:
             with _preserved_global_rng():  # vLLM reseeds the process-wide RNGs it shares
                 self._llm = LLM(**options)
         except Exception as error:
             raise _start_error(error, model_dir, self._on_gpu) from error
+        _engine_alive = True
 
     def generate(
         self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingConfig
@@ -141,7 +149,13 @@ class VLLMEngine(RolloutEngine):
         self._llm.reset_prefix_cache()
 
     def close(self) -> None:
-        self._llm = None  # vLLM frees its engine in the LLMEngine finalizer
+        """Shut vLLM down. Its shutdown tears down vLLM's process-wide distributed state and
+        calls torch.distributed.destroy_process_group(): under torchrun that is the trainer's
+        default group too, so close the engine only after the job's last collective."""
+        global _engine_alive
+        if self._llm is not None:
+            self._llm = None  # the LLMEngine finalizer shuts the engine core down
+            _engine_alive = False
 
 
 def _refresh_cpu_embedding_gemm(worker) -> None:

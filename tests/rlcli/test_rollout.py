@@ -169,6 +169,47 @@ def test_hf_engine_load_weights_with_tied_embeddings(tied_model_dir):
 # ---- vLLM engine ----------------------------------------------------------------------
 
 
+# One vLLM engine per process at a time (vLLM's parallel state is process-wide): the tests
+# that start their own engines run before the module's shared engine is created.
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    "options, key",
+    [
+        (dict(kv_cache_gb=1e-5, max_model_len=256), "rollout.kv_cache_gb"),
+        (dict(max_model_len=100_000), "rollout.max_model_len"),
+    ],
+)
+def test_vllm_start_errors_name_the_setting(model_dir, options, key):
+    if torch.cuda.is_available() and key == "rollout.kv_cache_gb":
+        key = "rollout.gpu_memory_utilization"
+    with pytest.raises(UserError, match=key.replace(".", r"\.")):
+        make_engine("vllm", str(model_dir), **options)
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_vllm_reload_with_tied_embeddings(tied_model_dir):
+    """Only model.embed_tokens is sent (as the resharder does): the LM head must follow it."""
+    engine = make_engine("vllm", str(tied_model_dir), kv_cache_gb=0.05, max_model_len=256)
+    try:
+        reference = perturbed_weights(tied_model_dir)
+        weights = [(k, v) for k, v in reference.state_dict().items() if k != "lm_head.weight"]
+        assert weights[0][0] == "model.embed_tokens.weight"
+        engine.load_weights(weights[:1])  # two calls: the embedding alone first
+        engine.load_weights(weights[1:])
+        sampled = SamplingConfig(temperature=0.8, max_tokens=16, seed=2)
+        for prompt, samples in zip(PROMPTS, engine.generate(PROMPTS, 2, sampled), strict=True):
+            for sample in samples:
+                expected = hf_reference_logprobs(reference, prompt, sample.token_ids, 0.8)
+                actual = torch.tensor(sample.logprobs)
+                torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+    finally:
+        engine.close()
+
+
 @pytest.fixture(scope="module")
 def vllm_engine(model_dir):
     engine = make_engine("vllm", str(model_dir), kv_cache_gb=0.05, max_model_len=256)
@@ -207,27 +248,6 @@ def test_vllm_matches_hf_greedy_and_logprobs_before_and_after_reload(vllm_engine
 
 @needs_vllm
 @pytest.mark.vllm
-def test_vllm_reload_with_tied_embeddings(tied_model_dir):
-    """Only model.embed_tokens is sent (as the resharder does): the LM head must follow it."""
-    engine = make_engine("vllm", str(tied_model_dir), kv_cache_gb=0.05, max_model_len=256)
-    try:
-        reference = perturbed_weights(tied_model_dir)
-        weights = [(k, v) for k, v in reference.state_dict().items() if k != "lm_head.weight"]
-        assert weights[0][0] == "model.embed_tokens.weight"
-        engine.load_weights(weights[:1])  # two calls: the embedding alone first
-        engine.load_weights(weights[1:])
-        sampled = SamplingConfig(temperature=0.8, max_tokens=16, seed=2)
-        for prompt, samples in zip(PROMPTS, engine.generate(PROMPTS, 2, sampled), strict=True):
-            for sample in samples:
-                expected = hf_reference_logprobs(reference, prompt, sample.token_ids, 0.8)
-                actual = torch.tensor(sample.logprobs)
-                torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
-    finally:
-        engine.close()
-
-
-@needs_vllm
-@pytest.mark.vllm
 def test_vllm_seeds_stop_tokens_and_sleep(vllm_engine):
     sampling = SamplingConfig(temperature=1.0, max_tokens=8, seed=5)
     first = vllm_engine.generate(PROMPTS, 4, sampling)
@@ -256,15 +276,6 @@ def test_vllm_seeds_stop_tokens_and_sleep(vllm_engine):
 
 @needs_vllm
 @pytest.mark.vllm
-@pytest.mark.parametrize(
-    "options, key",
-    [
-        (dict(kv_cache_gb=1e-5, max_model_len=256), "rollout.kv_cache_gb"),
-        (dict(max_model_len=100_000), "rollout.max_model_len"),
-    ],
-)
-def test_vllm_start_errors_name_the_setting(model_dir, options, key):
-    if torch.cuda.is_available() and key == "rollout.kv_cache_gb":
-        key = "rollout.gpu_memory_utilization"
-    with pytest.raises(UserError, match=key.replace(".", r"\.")):
-        make_engine("vllm", str(model_dir), **options)
+def test_second_vllm_engine_in_one_process_is_refused(vllm_engine, model_dir):
+    with pytest.raises(RuntimeError, match="one vLLM engine per process"):
+        make_engine("vllm", str(model_dir), kv_cache_gb=0.05, max_model_len=256)
