@@ -56,6 +56,8 @@ class HFEngine(RolloutEngine):
     def generate(
         self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingConfig
     ) -> list[list[Completion]]:
+        if not prompt_token_ids:  # a replica may get no prompts in a ragged last batch
+            return []
         base_seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(31)
         stops = sorted(set(self._stop_ids) | set(sampling.stop_token_ids))
         if sampling.temperature == 0 and n > 1:  # greedy: one completion per prompt, n copies

@@ -81,7 +81,8 @@ class VLLMEngine(RolloutEngine):
         # Uniprocess engines place themselves on device 0, so GPU replicas beyond one process,
         # and any TP > 1, join the torchrun world instead.
         world_size = self.num_replicas * tp
-        if tp > 1 or (self._on_gpu and world_size > 1):
+        self._joins_world = tp > 1 or (self._on_gpu and world_size > 1)
+        if self._joins_world:
             options.update(distributed_executor_backend="external_launcher")
             if self.num_replicas > 1:
                 options.update(data_parallel_size=self.num_replicas)
@@ -100,6 +101,9 @@ class VLLMEngine(RolloutEngine):
     ) -> list[list[Completion]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+
+        if not prompt_token_ids and not self._joins_world:
+            return []  # (ranks that share vLLM's DP / TP groups must all step the engine)
 
         base_seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(31)
         stops = sorted(set(self._stop_ids) | set(sampling.stop_token_ids))

@@ -131,6 +131,7 @@ def test_hf_engine_logprobs_match_forward_and_stop_tokens(model_dir):
     engine = make_engine("hf", str(model_dir))
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     sampling = SamplingConfig(temperature=0.7, max_tokens=12, seed=3)
+    assert engine.generate([], 3, sampling) == []
     results = engine.generate(PROMPTS, n=3, sampling=sampling)
     assert [len(r) for r in results] == [3, 3, 3]
     for prompt, samples in zip(PROMPTS, results, strict=True):
@@ -250,6 +251,7 @@ def test_vllm_matches_hf_greedy_and_logprobs_before_and_after_reload(vllm_engine
 @pytest.mark.vllm
 def test_vllm_seeds_stop_tokens_and_sleep(vllm_engine):
     sampling = SamplingConfig(temperature=1.0, max_tokens=8, seed=5)
+    assert vllm_engine.generate([], 4, sampling) == []
     first = vllm_engine.generate(PROMPTS, 4, sampling)
     again = vllm_engine.generate(PROMPTS, 4, sampling)
     assert [[s.token_ids for s in r] for r in first] == [[s.token_ids for s in r] for r in again]
