@@ -14,7 +14,7 @@ from benchmarks.hardware import peak_bf16_flops
 from benchmarks.memory import measure_peak_memory
 from benchmarks.report import PHASE_LABELS
 from benchmarks.run import SECTIONS, run_benchmark
-from benchmarks.workload import SMOKE, ensure_model, workload_for
+from benchmarks.workload import QWEN2_05B, QWEN2_15B, SMOKE, ensure_model, workload_for
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="no vLLM")
 
@@ -40,6 +40,12 @@ def test_peak_memory_sees_an_allocation_made_inside_the_phase():
         block = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MiB, touched
         del block
     assert memory.peak_gb - memory.start_gb >= 0.2
+
+
+def test_gpu_shapes_have_the_published_parameter_counts():
+    # Qwen2-0.5B and Qwen2-1.5B model cards / safetensors index: 494,032,768 and 1,543,714,304.
+    assert QWEN2_05B.num_params() == 494_032_768
+    assert QWEN2_15B.num_params() == 1_543_714_304
 
 
 def test_model_shape_counts_the_parameters_of_the_built_model(tmp_path):
