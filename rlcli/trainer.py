@@ -4,7 +4,8 @@ algorithm on one screen: generate, reward, log-probs, advantages, update, sync."
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,7 +34,6 @@ class Run:
     kl_ctrl: Any
     total_steps: int
     step: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def cfg(self) -> RLConfig:
@@ -44,8 +44,7 @@ def rl_step(run: Run) -> dict[str, float]:
     """One training step (DESIGN.md): each phase one call, timed."""
     cfg, mesh, timer = run.cfg, run.c.mesh, Timer()
     with timer("step"):
-        with timer("gen"):
-            samples, gen_metrics = collect_rollouts(run, timer)
+        samples, gen_metrics = collect_rollouts(run, timer)  # times "gen" and "reward"
         if not samples:  # DAPO: no informative group this step
             return {**gen_metrics, **timer.metrics()}
         with timer("gather"):
@@ -96,19 +95,27 @@ def collect_rollouts(run: Run, timer: Timer) -> tuple[list[Sample], dict[str, fl
     drawn = kept_groups = 0
     for round_index in range(dyn.max_gen_batches if dyn.enabled else 1):
         items = next(run.loader)
-        samples = generate_samples(
-            run.engine,
-            items,
-            cfg.rollout.n,
-            sampling_for(run, train=True),
-            run.replica,
-            group_offset=drawn,
-        )
+        with timer("gen"), awake(run.engine):
+            samples = generate_samples(
+                run.engine,
+                items,
+                cfg.rollout.n,
+                sampling_for(run, train=True),
+                run.replica,
+                group_offset=drawn,
+            )
+            if cfg.algorithm.adv_estimator == "remax":  # baseline: each prompt's greedy answer
+                greedy = generate_samples(
+                    run.engine, items, 1, sampling_for(run, train=False), run.replica, drawn
+                )
         drawn += len(items)
         with timer("reward"):
             reward_stats = score_samples(samples, run.rewards, run.c.tokenizer)
             if cfg.algorithm.adv_estimator == "remax":
-                add_greedy_baselines(run, items, samples, drawn - len(items))
+                score_samples(greedy, run.rewards, run.c.tokenizer)
+                baseline = {g.group: g.score for g in greedy}
+                for s in samples:
+                    s.extras["reward_baseline"] = baseline[s.group]
         if round_index == 0:
             metrics.update(rollout_metrics(samples, cfg.rollout.max_tokens))
             metrics.update(reward_stats)
@@ -129,15 +136,15 @@ def collect_rollouts(run: Run, timer: Timer) -> tuple[list[Sample], dict[str, fl
     return [s for g in kept for s in g], metrics
 
 
-def add_greedy_baselines(run: Run, items: list, samples: list[Sample], offset: int) -> None:
-    """ReMax: the reward of a greedy response is each prompt's baseline."""
-    greedy = generate_samples(
-        run.engine, items, 1, sampling_for(run, train=False), run.replica, group_offset=offset
-    )
-    score_samples(greedy, run.rewards, run.c.tokenizer)
-    baseline = {g.group: g.score for g in greedy}
-    for s in samples:
-        s.extras["reward_baseline"] = baseline[s.group]
+@contextmanager
+def awake(engine):
+    """The engine holds its KV cache only while it generates; on GPU, ``sleep`` hands the memory
+    back to Megatron for the log-prob and update phases (a no-op on CPU)."""
+    engine.wake_up()
+    try:
+        yield
+    finally:
+        engine.sleep()
 
 
 def sampling_for(run: Run, train: bool) -> SamplingConfig:
@@ -218,9 +225,14 @@ def validate(run: Run) -> dict[str, float]:
     if data is None:
         return {}
     start = time.perf_counter()
-    samples = generate_samples(
-        run.engine, list(data), run.cfg.rollout.val_n, sampling_for(run, train=False), run.replica
-    )
+    with awake(run.engine):
+        samples = generate_samples(
+            run.engine,
+            list(data),
+            run.cfg.rollout.val_n,
+            sampling_for(run, train=False),
+            run.replica,
+        )
     score_samples(samples, run.rewards, run.c.tokenizer)
     metrics = rollout_metrics(samples, run.cfg.rollout.max_tokens, prefix="val/")
     metrics["val/num_prompts"] = float(len(data))
