@@ -49,6 +49,7 @@ def test_reshard_into_rollout_tp1_engines(model_dir):
     layouts = ["1x1", "2x1", "1x2", "2x2"]
     output = run_torchrun(WORKER, 4, str(model_dir), "1", *layouts, timeout_s=900)
     assert _layouts_ok(output) == set(layouts), output[-3000:]
+    print("\n".join(re.findall(r"RESHARD_OK.*", output)))  # shown with pytest -s
 
 
 def test_reshard_into_rollout_tp2_engine_tied_embeddings(tied_model_dir):
@@ -56,3 +57,4 @@ def test_reshard_into_rollout_tp2_engine_tied_embeddings(tied_model_dir):
     layouts = ["1x1", "1x2"]
     output = run_torchrun(WORKER, 2, str(tied_model_dir), "2", *layouts, timeout_s=600)
     assert _layouts_ok(output) == set(layouts), output[-3000:]
+    print("\n".join(re.findall(r"RESHARD_OK.*", output)))  # shown with pytest -s
