@@ -12,6 +12,7 @@ non-default rope_theta.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +63,31 @@ def make_tiny_hf_model(
     return out_dir
 
 
+def run_process_group(
+    cmd: list[str], *, env: dict[str, str], cwd: str | os.PathLike, timeout_s: int
+) -> tuple[int, str]:
+    """Run `cmd` in its own session; on timeout kill the whole group (torchrun's workers too, which
+    `subprocess.run` would leave behind) and fail. Returns (returncode, stdout + stderr)."""
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(
+            f"{' '.join(cmd)} timed out after {timeout_s} s:\n{stderr[-6000:]}"
+        ) from None
+    return proc.returncode, stdout + stderr
+
+
 def run_torchrun(script: str | os.PathLike, nproc: int, *args: str, timeout_s: int = 600) -> str:
     """Run `script` under `torch.distributed.run --standalone --nproc_per_node nproc` with gloo-
     friendly settings (OMP_NUM_THREADS=1, repo on PYTHONPATH). Returns stdout+stderr; raises
@@ -74,9 +100,6 @@ def run_torchrun(script: str | os.PathLike, nproc: int, *args: str, timeout_s: i
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc_per_node={nproc}", str(script), *map(str, args)]
-    proc = subprocess.run(
-        cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s
-    )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-6000:]}"
+    returncode, output = run_process_group(cmd, env=env, cwd=REPO_ROOT, timeout_s=timeout_s)
+    assert returncode == 0, f"{' '.join(cmd)} failed ({returncode}):\n{output[-6000:]}"
     return output

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.parallel.dist_utils import run_process_group
+
 REPO = Path(__file__).resolve().parents[2]
 REWARD = Path(__file__).with_name("length_reward.py")
 
@@ -65,7 +67,7 @@ REQUIRED = [
 ]
 
 
-def train(out: Path, *overrides: str, nproc: int = 2) -> subprocess.CompletedProcess:
+def train(out: Path, *overrides: str, nproc: int = 2) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [
         sys.executable,
@@ -81,9 +83,8 @@ def train(out: Path, *overrides: str, nproc: int = 2) -> subprocess.CompletedPro
         f"trainer.output_dir={out}",
         *overrides,
     ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc
+    returncode, output = run_process_group(cmd, env=env, cwd=REPO, timeout_s=900)
+    assert returncode == 0, output[-8000:]
 
 
 def records(out: Path) -> list[dict]:
