@@ -45,32 +45,24 @@ def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
-def _relaunch_with_torchrun(nproc: int) -> None:
-    """Re-execute this very command under torchrun on ``nproc`` local processes."""
-    if nproc < 1:
-        raise UserError(f"--nproc must be >= 1, got {nproc}")
-    argv = [a for a in sys.argv[1:]]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "rlcli.cli",
-        *argv,
-    ]
-    os.execv(sys.executable, cmd)
+def _load_under_torchrun(recipe: Path, overrides: Optional[list[str]], nproc: int):
+    """The validated config; with ``--nproc N`` outside torchrun, first re-execute this very
+    command under torchrun on N local processes (each of which loads the config again)."""
+    from rlcli.config import load_config
+
+    cfg = load_config(recipe, overrides or [])
+    if nproc != 1 and not _under_torchrun():
+        from rlcli.launch import local_torchrun_command
+
+        cmd = local_torchrun_command(nproc, ["-m", "rlcli.cli", *sys.argv[1:]])
+        os.execv(cmd[0], cmd)
+    return cfg
 
 
 @app.command()
 def train(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES, nproc: int = NPROC):
     """Run RL post-training (GRPO, DAPO, PPO, ...) as the recipe says."""
-    from rlcli.config import load_config
-
-    cfg = load_config(recipe, overrides or [])
-    if nproc > 1 and not _under_torchrun():
-        _relaunch_with_torchrun(nproc)
+    cfg = _load_under_torchrun(recipe, overrides, nproc)
     from rlcli.loop import run_training
 
     run_training(cfg)
@@ -79,11 +71,7 @@ def train(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES, npr
 @app.command()
 def sft(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES, nproc: int = NPROC):
     """Supervised warm start: cross-entropy on the responses of the recipe's SFT data."""
-    from rlcli.config import load_config
-
-    cfg = load_config(recipe, overrides or [])
-    if nproc > 1 and not _under_torchrun():
-        _relaunch_with_torchrun(nproc)
+    cfg = _load_under_torchrun(recipe, overrides, nproc)
     from rlcli.loop import run_sft_only
 
     run_sft_only(cfg)
