@@ -83,7 +83,8 @@ def markdown_table(results: dict) -> str:
         f"### rlcli benchmark: {results['host']}, {results['date']} ({results['mode']} mode)",
         "",
         f"{hardware.get('device_name', 'unknown device')} x{hardware.get('num_devices', 1)}, "
-        f"{hardware.get('cpu_cores', '?')} CPU cores, torch {hardware.get('torch_version', '?')}; "
+        f"{hardware.get('cpu_cores', '?')} CPU cores ({_threads(results)}), "
+        f"torch {hardware.get('torch_version', '?')}; "
         f"load average {load.get('start', ['?'])[0]} at start, {load.get('end', ['?'])[0]} at "
         f"end; whole run {results.get('wall_seconds', 0):.0f} s.",
         "",
@@ -99,6 +100,11 @@ def markdown_table(results: dict) -> str:
     if errors:
         lines += ["", "Sections that failed: " + ", ".join(sorted(errors)) + " (see the JSON)."]
     return "\n".join(lines) + "\n"
+
+
+def _threads(results: dict) -> str:
+    threads = results.get("cpu_threads")
+    return "torch threads: default" if threads is None else f"torch threads: {threads}"
 
 
 def _rollout_rows(rollout: dict | None) -> list[str]:
@@ -302,7 +308,7 @@ def _notes(ax, results: dict) -> None:
     load = results.get("load_average", {})
     text = [
         f"device: {hardware.get('device_name', '?')} x{hardware.get('num_devices', 1)}",
-        f"CPU cores: {hardware.get('cpu_cores', '?')}",
+        f"CPU cores: {hardware.get('cpu_cores', '?')} ({_threads(results)})",
         f"load average start/end: {load.get('start', ['?'])[0]} / {load.get('end', ['?'])[0]}",
         f"whole run: {results.get('wall_seconds', 0):.0f} s",
         f"measured matmul: {_flops(device.get('matmul_flops'))}",

@@ -65,6 +65,7 @@ def device_section(workload: Workload, work_dir: Path) -> dict:
     flops = measure_matmul_flops(workload.matmul_size, dtype, _device())
     return {
         "hardware": hardware.to_dict(),
+        "torch_threads": torch.get_num_threads(),
         "matmul_flops": flops,
         "matmul_dtype": workload.dtype,
         "matmul_size": workload.matmul_size,

@@ -70,6 +70,7 @@ def test_smoke_benchmark_writes_json_markdown_and_chart(tmp_path):
     for key in ("mode", "load_average", "workload", "wall_seconds", *SECTIONS):
         assert key in results, key
     workload = workload_for("smoke")
+    assert results["device"]["torch_threads"] == results["cpu_threads"] >= 1  # reached the child
 
     rollout = results["rollout"]
     most_tokens = workload.rollout_prompts * workload.rollout_n * workload.rollout_max_tokens
