@@ -123,11 +123,11 @@ def workload_for(mode: str, gpu_memory_gib: float = 80.0) -> Workload:
     if mode == "cpu":
         return Workload(
             mode=mode, dtype="float32",
-            rollout_model=CPU_25M, rollout_prompts=16, rollout_prompt_len=32, rollout_n=4,
+            rollout_model=CPU_25M, rollout_prompts=32, rollout_prompt_len=32, rollout_n=4,
             rollout_max_tokens=64,
             sync_models=[CPU_5M, CPU_25M, CPU_60M], sync_bucket_mb=64, sync_repeats=3,
             train_model=CPU_25M, train_micro_batches=2, train_micro_batch_size=4,
-            train_seq_len=128, train_steps=2,
+            train_seq_len=128, train_steps=3,
             grpo_steps=4, matmul_size=2048,
         )  # fmt: skip
     if mode == "gpu":
