@@ -266,10 +266,11 @@ def _sync_plot(ax, sync: dict | None) -> None:
     title = "weight sync seconds vs model size"
     if not sync:
         return _missing(ax, title)
-    params = [size["params"] / 1e6 for size in sync["sizes"]]
+    sizes = _single_process_sizes(sync)
+    params = [size["params"] / 1e6 for size in sizes]
     for key, label, style in (("naive", "naive per-tensor", "o--"), ("reshard", "rlcli reshard",
                               "o-"), ("memcpy", "memcpy floor", "o:")):  # fmt: skip
-        ax.plot(params, [size[key]["seconds"] for size in sync["sizes"]], style, label=label)
+        ax.plot(params, [size[key]["seconds"] for size in sizes], style, label=label)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.minorticks_off()
@@ -278,6 +279,11 @@ def _sync_plot(ax, sync: dict | None) -> None:
     ax.set_ylabel("seconds")
     ax.legend()
     ax.set_title(title)
+
+
+def _single_process_sizes(sync: dict) -> list[dict]:
+    """The rows of the size sweep (not the 2-process layout variants)."""
+    return [size for size in sync["sizes"] if size.get("processes", 1) == 1]
 
 
 def _phase_plot(ax, grpo: dict | None) -> None:
@@ -323,7 +329,7 @@ def _notes(ax, results: dict) -> None:
             f"  compute ceiling {_num(rollout.get('compute_ceiling_tokens_per_s'))} tokens/s",
         ]
     if sync:
-        largest = sync["sizes"][-1]
+        largest = _single_process_sizes(sync)[-1]
         text += [
             f"sync {largest['model']}: naive / reshard = "
             f"{largest['naive']['seconds'] / largest['reshard']['seconds']:.2f}x",

@@ -79,6 +79,9 @@ class Workload:
     grpo_steps: int
     grpo_overrides: list[str] = field(default_factory=list)
     matmul_size: int = 1024
+    # bonus: the first sync size again from 2-process training layouts under torchrun
+    # ("tp" or "pp" -> that size 2); skipped where fewer than 2 cores / GPUs are present
+    sync_layouts: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -128,7 +131,7 @@ def workload_for(mode: str, gpu_memory_gib: float = 80.0) -> Workload:
             sync_models=[CPU_5M, CPU_25M, CPU_60M], sync_bucket_mb=64, sync_repeats=3,
             train_model=CPU_25M, train_micro_batches=2, train_micro_batch_size=4,
             train_seq_len=128, train_steps=3,
-            grpo_steps=4, matmul_size=2048,
+            grpo_steps=4, matmul_size=2048, sync_layouts=["tp", "pp"],
         )  # fmt: skip
     if mode == "gpu":
         return Workload(
@@ -139,7 +142,7 @@ def workload_for(mode: str, gpu_memory_gib: float = 80.0) -> Workload:
             sync_repeats=5,
             train_model=QWEN2_15B if gpu_memory_gib >= 40 else QWEN2_05B,
             train_micro_batches=4, train_micro_batch_size=4, train_seq_len=1024, train_steps=5,
-            grpo_steps=6, matmul_size=8192,
+            grpo_steps=6, matmul_size=8192, sync_layouts=["tp", "pp"],
         )  # fmt: skip
     raise ValueError(f"unknown benchmark mode {mode!r}; choose one of {MODES}")
 
