@@ -6,8 +6,6 @@ Mounted by rlcli.cli as ``app.command("benchmark")(benchmark_command)``.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -30,7 +28,6 @@ def benchmark_command(
     ),
 ) -> None:
     """Benchmark rollout, weight sync, the actor update and a short GRPO run; write a report."""
-    _import_benchmarks_from_checkout()
     from benchmarks.run import RESULTS_DIR, SECTIONS, run_benchmark
 
     unknown = [name for name in sections or [] if name not in SECTIONS]
@@ -49,17 +46,3 @@ def benchmark_command(
         failed = ", ".join(sorted(outputs.results["errors"]))
         typer.secho(f"benchmark sections failed: {failed}", err=True, fg=typer.colors.RED)
         raise typer.Exit(1)
-
-
-def _import_benchmarks_from_checkout() -> None:
-    """`benchmarks/` lives in the repository next to `rlcli/`; an installed rlcli whose package
-    list lacks it still finds it in the source checkout it was installed from (editable)."""
-    if importlib.util.find_spec("benchmarks") is not None:
-        return
-    checkout = Path(__file__).resolve().parents[2]
-    if not (checkout / "benchmarks" / "run.py").is_file():
-        raise UserError(
-            f"rlcli benchmark needs the benchmarks/ folder of the rlcli repository (not found "
-            f"beside {checkout / 'rlcli'}): run it from a source checkout (`make benchmark`)"
-        )
-    sys.path.insert(0, str(checkout))
