@@ -46,6 +46,12 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
     for backend in cfg.logging.backends:
         _choice("logging.backends", backend, ["console", "tensorboard", "jsonl", "wandb"])
     _check_algorithm_names(cfg)
+    if cfg.algorithm.adv_estimator == "gae":
+        raise UserError(
+            "algorithm.adv_estimator=gae needs a critic, and rlcli's trainer does not train one yet "
+            "(the critic model and value loss exist in parallel/ and algorithms/); use a "
+            "critic-free estimator: grpo, rloo, reinforce_plus_plus, remax, opo, gpg"
+        )
 
     positive = {
         "data.train_batch_size": cfg.data.train_batch_size,

@@ -57,6 +57,7 @@ def test_config_show_prints_resolved_override():
         (["rollout.engine=sglang"], ["rollout.engine='sglang' is not valid", "'vllm', 'hf'"]),
         (["algorithm.adv_estimator=nope"], ["algorithm.adv_estimator", "grpo"]),
         (["actor.ppo_mini_batch_size=3"], ["actor.ppo_mini_batch_size=3 must divide"]),
+        (["algorithm.adv_estimator=gae"], ["algorithm.adv_estimator=gae needs a critic"]),
     ],
 )
 def test_bad_overrides_exit_2_and_name_the_key(args, needles):
