@@ -19,16 +19,28 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     train, _ = arith_split(num_max=10, num_val=10)
-    spec = ModelBuildConfig(hidden_size=128, num_layers=1, num_heads=2, num_kv_heads=2,
-                            intermediate_size=128)
+    spec = ModelBuildConfig(
+        hidden_size=128, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=128
+    )
     out = tmp_path_factory.mktemp("model") / "tiny"
     return build_model_dir(spec, out, [e.prompt_text + e.response_text for e in train], seed=0)
 
 
 def train(tmp_path: Path, model: Path, *overrides: str) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "rlcli.cli", "train", str(REPO / "recipes" / "quickstart.yaml"),
-            "data.synthetic=null", "model.build=false", f"model.path={model}", "sft.steps=0",
-            f"trainer.output_dir={tmp_path / 'run'}", "rollout.engine=hf", *overrides]
+    args = [
+        sys.executable,
+        "-m",
+        "rlcli.cli",
+        "train",
+        str(REPO / "recipes" / "quickstart.yaml"),
+        "data.synthetic=null",
+        "model.build=false",
+        f"model.path={model}",
+        "sft.steps=0",
+        f"trainer.output_dir={tmp_path / 'run'}",
+        "rollout.engine=hf",
+        *overrides,
+    ]
     return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
@@ -38,8 +50,11 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
 
 
 def good_row(i: int) -> dict:
-    return {"data_source": "arith", "prompt": [{"role": "user", "content": f"Question: {i} + 1 = ? Answer:"}],
-            "reward_model": {"ground_truth": str(i + 1)}}
+    return {
+        "data_source": "arith",
+        "prompt": [{"role": "user", "content": f"Question: {i} + 1 = ? Answer:"}],
+        "reward_model": {"ground_truth": str(i + 1)},
+    }
 
 
 def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
@@ -51,7 +66,9 @@ def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
 
 def test_reward_function_that_does_not_import(tmp_path, model_dir):
     rows = write_rows(tmp_path / "train.jsonl", [good_row(i) for i in range(8)])
-    proc = train(tmp_path, model_dir, f"data.train_files=[{rows}]", "reward.fn=no_such_module:score")
+    proc = train(
+        tmp_path, model_dir, f"data.train_files=[{rows}]", "reward.fn=no_such_module:score"
+    )
     assert_user_error(proc, "no_such_module:score")
 
 
