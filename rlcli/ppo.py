@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import algorithms
 from parallel.mesh import Mesh
-from rlcli.batch import micro_batches, response_values
+from rlcli.batch import micro_batches, response_values, split_evenly
 from rlcli.config import RLConfig
 
 
@@ -130,22 +130,25 @@ SUMMED_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss")
 
 
 def update_actor(
-    policy, batch: dict[str, torch.Tensor], cfg: RLConfig, mesh: Mesh
+    policy, batch: dict[str, torch.Tensor], cfg: RLConfig, mesh: Mesh, fewest_groups: int
 ) -> dict[str, float]:
     """PPO epochs x mini-batches x micro-batches on this DP rank's share of the batch.
 
     ``batch`` holds this rank's whole groups; it is cut into the same number of mini-batches on
-    every DP rank (so optimizer steps line up), each a run of whole groups.
+    every DP rank (so optimizer steps line up), each a run of whole groups. ``fewest_groups`` is
+    the smallest share any DP rank holds: when DAPO keeps fewer groups than the configured
+    mini-batch count, fewer (larger) mini-batches are used rather than empty ones.
     """
     actor = cfg.actor
-    num_mini = cfg.data.train_batch_size // (actor.ppo_mini_batch_size or cfg.data.train_batch_size)
+    configured = cfg.data.train_batch_size // (
+        actor.ppo_mini_batch_size or cfg.data.train_batch_size
+    )
+    num_mini = max(1, min(configured, fewest_groups))
     groups = batch["group_index"]
-    group_ids = torch.unique_consecutive(groups).tolist()
-    per_mini = -(-len(group_ids) // num_mini)
     history: list[dict[str, Any]] = []
     for _ in range(actor.ppo_epochs):
-        for start in range(0, num_mini * per_mini, per_mini):
-            chosen = torch.isin(groups, torch.tensor(group_ids[start : start + per_mini]))
+        for chunk in split_evenly(torch.unique_consecutive(groups).tolist(), num_mini):
+            chosen = torch.isin(groups, torch.tensor(chunk))
             mini = {k: v[chosen] for k, v in batch.items()}
             denominator = _global_denominator(mini["response_mask"], cfg, mesh)
             result = policy.train_step(

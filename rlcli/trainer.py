@@ -45,10 +45,12 @@ def rl_step(run: Run) -> dict[str, float]:
     cfg, mesh, timer = run.cfg, run.c.mesh, Timer()
     with timer("step"):
         samples, gen_metrics = collect_rollouts(run, timer)  # times "gen" and "reward"
-        if not samples:  # DAPO: no informative group this step
-            return {**gen_metrics, **timer.metrics()}
+        parts = balance_groups(groups_of(samples), mesh.dp)  # the same on every rank
+        fewest_groups = min(len(part) for part in parts)
+        if fewest_groups == 0:  # DAPO kept fewer informative groups than there are DP ranks
+            return {**gen_metrics, **timer.metrics(), "actor/skipped_update": 1.0}
         with timer("gather"):
-            local = balance_groups(groups_of(samples), mesh.dp)[mesh.dp_rank]
+            local = parts[mesh.dp_rank]
             batch = collate([s for group in local for s in group], run.c.tokenizer.pad_token_id)
         mbs = cfg.actor.micro_batch_size
         with timer("old_log_prob"):
@@ -65,7 +67,7 @@ def rl_step(run: Run) -> dict[str, float]:
             adv_metrics = compute_advantages(global_batch, cfg, run.kl_ctrl)
             batch.update(take_local(global_batch, batch, mesh.dp_rank))
         with timer("update"):
-            update_metrics = update_actor(run.actor, batch, cfg, mesh)
+            update_metrics = update_actor(run.actor, batch, cfg, mesh, fewest_groups)
         with timer("sync"):
             sync_metrics = sync_weights(run)
     metrics = {**gen_metrics, **adv_metrics, **update_metrics, **sync_metrics}
