@@ -54,9 +54,23 @@ def _load_under_torchrun(recipe: Path, overrides: Optional[list[str]], nproc: in
     if nproc != 1 and not _under_torchrun():
         from rlcli.launch import local_torchrun_command
 
-        cmd = local_torchrun_command(nproc, ["-m", "rlcli.cli", *sys.argv[1:]])
+        cmd = local_torchrun_command(nproc, ["-m", "rlcli.cli", *_without_nproc(sys.argv[1:])])
         os.execv(cmd[0], cmd)
     return cfg
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """The command line minus ``--nproc N``: torchrun's own parser would take ``--nproc`` for an
+    abbreviation of its ``--nproc-per-node`` (and it is meaningless under torchrun anyway)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
 
 
 @app.command()

@@ -67,17 +67,18 @@ REQUIRED = [
 ]
 
 
-def train(out: Path, *overrides: str, nproc: int = 2) -> None:
+def train(out: Path, *overrides: str, nproc: int = 2, via_cli: bool = False) -> None:
+    """Run under torchrun, or let ``rlcli train --nproc`` start torchrun itself (``via_cli``)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    launcher = ["--nproc", str(nproc)] if via_cli else []
+    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd = [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
+        *([] if via_cli else torchrun),
         "-m",
         "rlcli.cli",
         "train",
+        *launcher,
         str(REPO / "recipes" / "quickstart.yaml"),
         *TINY,
         f"trainer.output_dir={out}",
@@ -122,8 +123,13 @@ def test_tp2_vllm_train_checkpoint_and_resume(tmp_path):
 @pytest.mark.dist
 def test_pp2_hf_engine(tmp_path):
     out = tmp_path / "run"
-    train(
-        out, "parallel.pp=2", "rollout.engine=hf", "trainer.total_steps=2", "checkpoint.save_freq=0"
+    train(  # through `rlcli train --nproc 2`, which starts torchrun itself
+        out,
+        "parallel.pp=2",
+        "rollout.engine=hf",
+        "trainer.total_steps=2",
+        "checkpoint.save_freq=0",
+        via_cli=True,
     )
     steps = records(out)
     assert [r["step"] for r in steps] == [1, 2]
