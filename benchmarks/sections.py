@@ -326,10 +326,8 @@ def _hf_training_steps(
 # ---------------------------------------------------------------------------------------------
 # a short real GRPO run
 
-# The trainer's phases in step order. Its `timing/reward` is measured inside `timing/gen`
-# (rewards are scored between sampling rounds), so generation proper is gen - reward.
+# The trainer's phases in step order; each is timed on its own (none nests in another).
 PHASE_ORDER = ("gen", "reward", "gather", "old_log_prob", "ref", "adv", "update", "sync")
-NESTED_PHASES = {"reward": "gen"}
 
 
 def grpo_section(workload: Workload, work_dir: Path) -> dict:
@@ -358,9 +356,6 @@ def grpo_section(workload: Workload, work_dir: Path) -> dict:
     }
     step_seconds = mean.pop("step")
     mean.pop("val", None)  # validation is outside the step
-    for inner, outer in NESTED_PHASES.items():
-        if inner in mean and outer in mean:
-            mean[outer] -= mean[inner]
     mean["other"] = max(0.0, step_seconds - sum(mean.values()))
     order = [*PHASE_ORDER, *sorted(set(mean) - set(PHASE_ORDER) - {"other"}), "other"]
     mean = {phase: mean[phase] for phase in order if phase in mean}
