@@ -114,12 +114,22 @@ def split_evenly(items: list[Any], num_chunks: int) -> list[list[Any]]:
 
 
 def micro_batches(
-    tensors: dict[str, torch.Tensor], micro_batch_size: int
+    tensors: dict[str, torch.Tensor], micro_batch_size: int, equal_sizes: bool = False
 ) -> list[dict[str, torch.Tensor]]:
-    """Split a collated batch along dim 0; every micro-batch keeps the same ``S`` and ``R``
-    (the pipeline schedule sends fixed-shape activations between stages)."""
+    """Split a collated batch along dim 0; every micro-batch keeps the same ``S`` and ``R``.
+
+    ``equal_sizes`` (needed by pipeline parallelism, whose stages exchange fixed-shape
+    activations) fills a short last micro-batch with copies of its first row whose
+    ``response_mask`` is zero: every loss and metric is masked, so they add nothing.
+    """
     batch = tensors["input_ids"].shape[0]
-    return [
+    parts = [
         {k: v[start : start + micro_batch_size] for k, v in tensors.items()}
         for start in range(0, batch, micro_batch_size)
     ]
+    missing = micro_batch_size - parts[-1]["input_ids"].shape[0]
+    if equal_sizes and missing > 0:
+        filler = {k: v[:1].expand(missing, *v.shape[1:]) for k, v in parts[-1].items()}
+        filler["response_mask"] = torch.zeros_like(filler["response_mask"])
+        parts[-1] = {k: torch.cat([v, filler[k]]) for k, v in parts[-1].items()}
+    return parts

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from parallel.mesh import Mesh
-from parallel.schedule import LossFn, forward_backward
+from parallel.schedule import LossFn, forward_log_probs
 from rlcli.batch import micro_batches, response_values
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -86,25 +86,26 @@ class MegatronPolicy:
         self, batch: dict[str, torch.Tensor], micro_batch_size: int, temperature: float = 1.0
     ) -> torch.Tensor:
         """Log-probs ``[B, R]`` of the response tokens under the current weights."""
-        outputs = forward_backward(
+        per_position = forward_log_probs(
             self.models,
             self.mesh,
-            micro_batches(_model_inputs(batch), micro_batch_size),
-            None,
-            forward_only=True,
-            temperature=temperature,
+            batch["input_ids"],
+            batch["attention_mask"],
+            micro_batch_size,
+            temperature,
         )
-        per_position = torch.cat([out["log_probs"].float().cpu() for out in outputs])
-        return response_values(per_position, batch["response_index"])
+        return response_values(per_position.cpu(), batch["response_index"])
 
     def train_step(
         self,
-        micro: list[dict[str, torch.Tensor]],
+        batch: dict[str, torch.Tensor],
+        micro_batch_size: int,
         loss_fn: LossFn,
         temperature: float = 1.0,
         compute_entropy: bool = False,
     ) -> dict[str, Any]:
-        """One optimizer step over ``micro`` (gradients summed over micro-batches, averaged over DP)."""
+        """One optimizer step over ``batch`` cut into micro-batches (gradients summed over
+        micro-batches, averaged over DP)."""
         from parallel.optim import train_step
 
         return train_step(
@@ -112,7 +113,7 @@ class MegatronPolicy:
             self.mesh,
             self.optimizer,
             self.scheduler,
-            micro,
+            micro_batches(batch, micro_batch_size, equal_sizes=self.mesh.pp > 1),
             loss_fn,
             temperature=temperature,
             compute_entropy=compute_entropy,
@@ -130,7 +131,3 @@ class MegatronPolicy:
             for model in self.models:
                 model.to(torch.cuda.current_device())
             self._offloaded = False
-
-
-def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}

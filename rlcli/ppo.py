@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import algorithms
 from parallel.mesh import Mesh
-from rlcli.batch import micro_batches, response_values, split_evenly
+from rlcli.batch import response_values, split_evenly
 from rlcli.config import RLConfig
 
 
@@ -152,7 +152,8 @@ def update_actor(
             mini = {k: v[chosen] for k, v in batch.items()}
             denominator = _global_denominator(mini["response_mask"], cfg, mesh)
             result = policy.train_step(
-                micro_batches(mini, actor.micro_batch_size),
+                mini,
+                actor.micro_batch_size,
                 make_actor_loss(cfg, denominator),
                 temperature=cfg.rollout.temperature or 1.0,
                 compute_entropy=actor.entropy_coeff != 0,

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from rlcli import components as comp
-from rlcli.batch import Sample, collate, micro_batches, response_values, split_evenly
+from rlcli.batch import Sample, collate, response_values, split_evenly
 from rlcli.data import read_sft_pairs
 from rlcli.errors import UserError
 
@@ -65,10 +65,8 @@ def sft_warm_start(c: comp.Components, files: list[str], out_dir: Path, log=prin
         chosen = [samples[i] for i in rng.choice(len(samples), cfg.sft.batch_size, replace=False)]
         local = split_evenly(chosen, mesh.dp)[mesh.dp_rank]
         batch = collate(local, c.tokenizer.pad_token_id)
-        tokens = torch.tensor(float(sum(len(s.response_ids) for s in chosen)))
-        result = actor.train_step(
-            micro_batches(batch, cfg.sft.micro_batch_size), make_sft_loss(float(tokens) / mesh.dp)
-        )
+        tokens = sum(len(s.response_ids) for s in chosen)  # of the whole batch, all DP ranks
+        result = actor.train_step(batch, cfg.sft.micro_batch_size, make_sft_loss(tokens / mesh.dp))
         if step % 50 == 0 or step == cfg.sft.steps:
             loss = sum(m["sft/loss"] for m in result["micro_batch_metrics"])
             log(

@@ -60,3 +60,14 @@ def test_micro_batches_keep_shapes():
     assert [p["input_ids"].shape[0] for p in parts] == [2, 2, 1]
     assert all(p["input_ids"].shape[1] == batch["input_ids"].shape[1] for p in parts)
     assert torch.equal(torch.cat([p["response_mask"] for p in parts]), batch["response_mask"])
+
+
+def test_equal_size_micro_batches_fill_with_masked_rows():
+    samples = [sample(g, [1, 2], [3] * (g + 1)) for g in range(5)]
+    batch = collate(samples, pad_id=0)
+    parts = micro_batches(batch, 2, equal_sizes=True)
+    assert [p["input_ids"].shape[0] for p in parts] == [2, 2, 2]
+    last = parts[-1]
+    assert torch.equal(last["input_ids"][1], last["input_ids"][0])  # a copy of a real row...
+    assert last["response_mask"][1].sum() == 0  # ...that no loss or metric counts
+    assert torch.equal(last["response_mask"][0], batch["response_mask"][4])

@@ -18,8 +18,8 @@ class RecordingPolicy:
     def __init__(self) -> None:
         self.steps: list[list[int]] = []
 
-    def train_step(self, micro, loss_fn, temperature=1.0, compute_entropy=False):
-        groups = torch.cat([mb["group_index"] for mb in micro]).tolist()
+    def train_step(self, batch, micro_batch_size, loss_fn, temperature=1.0, compute_entropy=False):
+        groups = batch["group_index"].tolist()
         self.steps.append(groups)
         return {"micro_batch_metrics": [{"actor/pg_loss": 0.0}], "grad_norm": 1.0, "lr": 1e-6}
 
