@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from parallel.mesh import Mesh, init_parallel
 from rlcli.config import RLConfig, to_dict
+from rlcli.config_validation import validate
 from rlcli.errors import UserError
 from rlcli.generation import ReplicaInfo
 from rlcli.policy import MegatronPolicy, OptimizerSettings
@@ -40,8 +41,6 @@ def prepare_inputs(cfg: RLConfig) -> Components:
     from rlcli.data import load_prompt_dataset
 
     mesh = init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, seed=cfg.trainer.seed)
-    from rlcli.config_validation import validate
-
     validate(cfg, world_size=mesh.world_size)
     output_dir = Path(cfg.trainer.output_dir)
     sft_files: list[str] = []

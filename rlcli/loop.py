@@ -149,10 +149,10 @@ def save(run: Run, ckpt: CheckpointManager) -> None:
 
 
 def copy_hf_metadata(model_dir: str, out: Path) -> None:
-    from parallel.convert.hf_io import TOKENIZER_FILES
+    from parallel.convert.hf_io import copy_tokenizer_files
 
-    out.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "generation_config.json", *TOKENIZER_FILES):
+    copy_tokenizer_files(model_dir, out)
+    for name in ("config.json", "generation_config.json"):
         if (Path(model_dir) / name).is_file():
             shutil.copy2(Path(model_dir) / name, out / name)
 

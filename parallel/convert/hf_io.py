@@ -192,11 +192,17 @@ def save_hf_checkpoint(
     if writer is not None:
         writer.close()
         hf_config.save_pretrained(out_dir)
-        for name in TOKENIZER_FILES if tokenizer_dir else ():
-            source = Path(tokenizer_dir) / name
-            if source.exists():
-                shutil.copy2(source, out_dir / name)
+        if tokenizer_dir:
+            copy_tokenizer_files(tokenizer_dir, out_dir)
     dist.barrier()
+
+
+def copy_tokenizer_files(source_dir: str | Path, out_dir: str | Path) -> None:
+    """Copy whichever of `TOKENIZER_FILES` exist in `source_dir` into `out_dir` (created)."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (Path(source_dir) / name).is_file():
+            shutil.copy2(Path(source_dir) / name, Path(out_dir) / name)
 
 
 class _ShardWriter:

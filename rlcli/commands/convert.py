@@ -86,7 +86,7 @@ def hf_to_mcore(
 
     from parallel.checkpoint import save_checkpoint
     from parallel.convert import load_hf_weights
-    from parallel.convert.hf_io import TOKENIZER_FILES
+    from parallel.convert.hf_io import copy_tokenizer_files
     from parallel.mesh import destroy_parallel, init_parallel
     from parallel.model import build_model
 
@@ -97,9 +97,7 @@ def hf_to_mcore(
     save_checkpoint(out / "model", models, mesh)
     if mesh.rank == 0:
         hf_config.save_pretrained(out / "hf")
-        for name in TOKENIZER_FILES:
-            if (model / name).exists():
-                (out / "hf" / name).write_bytes((model / name).read_bytes())
+        copy_tokenizer_files(model, out / "hf")
     _say(mesh, f"wrote Megatron checkpoint {out} (saved at tp={tp} pp={pp})")
     destroy_parallel()
 
