@@ -253,7 +253,10 @@ def train_section(workload: Workload, work_dir: Path) -> dict:
     }
 
     with measure_peak_memory() as memory:
-        seconds, params = _megatron_training_steps(model_dir, w.dtype, micro_batches, w.train_steps)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        seconds, params = _megatron_training_steps(
+            model_dir, w.dtype, batch, w.train_micro_batch_size, w.train_steps
+        )
         _free_memory()
     result["params"] = params
     result["megatron"] = {**_throughput(seconds, tokens_per_step, params),
@@ -271,7 +274,7 @@ def train_section(workload: Workload, work_dir: Path) -> dict:
 
 
 def _megatron_training_steps(
-    model_dir: Path, dtype: str, micro_batches: list[dict[str, torch.Tensor]], steps: int
+    model_dir: Path, dtype: str, batch: dict[str, torch.Tensor], micro_batch_size: int, steps: int
 ) -> tuple[list[float], int]:
     """rlcli's actor (`rlcli.policy.MegatronPolicy`: megatron-core GPTModel, DDP, distributed
     optimizer off, Adam, clipping at 1.0) on one process: seconds of each timed step, params."""
@@ -285,7 +288,7 @@ def _megatron_training_steps(
         use_distributed_optimizer=False,
     )  # fmt: skip
     actor = MegatronPolicy(mesh, str(model_dir), dtype, optim=settings)
-    seconds = _time_steps(lambda: actor.train_step(micro_batches, _nll_loss), steps)
+    seconds = _time_steps(lambda: actor.train_step(batch, micro_batch_size, _nll_loss), steps)
     params = len_unique_params(actor.models)
     destroy_parallel()
     return seconds, params
