@@ -11,10 +11,13 @@ Calling convention (the trainer calls every estimator the same way, with keyword
         reward_baselines=...,     # [batch]; reward of the greedy sample (remax)
         epsilon=1e-6,             # added to the group std (grpo)
         norm_adv_by_std=True,     # False turns grpo into Dr.GRPO
+        batch_sum=None,           # sums over the whole batch when this is one rank's share
     )
 
 Both outputs are ``[batch, response_len]`` and zero on padding. Every estimator accepts and
-ignores keyword arguments it does not use. The definitions follow verl's ``core_algos.py`` so runs
+ignores keyword arguments it does not use. Group estimators need whole groups; the batch-wide
+statistics (whitening, GPG's alpha) go through ``batch_sum`` (``algorithms.utils.BatchSum``), so
+each data-parallel rank can compute the advantages of its own groups. The definitions follow verl's ``core_algos.py`` so runs
 can be compared number for number. Outcome estimators return the advantages as the returns too.
 """
 
@@ -24,7 +27,13 @@ from collections.abc import Callable
 
 import torch
 
-from algorithms.utils import GroupIndex, group_ids_to_tensor, group_mean_std, masked_whiten
+from algorithms.utils import (
+    BatchSum,
+    GroupIndex,
+    group_ids_to_tensor,
+    group_mean_std,
+    masked_whiten,
+)
 
 AdvantageEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -91,6 +100,7 @@ def gae_advantages(
     values: torch.Tensor,
     gamma: float = 1.0,
     lam: float = 1.0,
+    batch_sum: BatchSum | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised Advantage Estimation (Schulman et al. 2016) for PPO with a critic.
@@ -111,7 +121,7 @@ def gae_advantages(
         advantages_reversed.append(running_advantage)
     advantages = torch.stack(advantages_reversed[::-1], dim=1)
     returns = advantages + values
-    return masked_whiten(advantages, mask) * mask, returns * mask
+    return masked_whiten(advantages, mask, batch_sum=batch_sum) * mask, returns * mask
 
 
 @register_advantage_estimator("grpo")
@@ -168,6 +178,7 @@ def reinforce_plus_plus_advantages(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     gamma: float = 1.0,
+    batch_sum: BatchSum | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025): discounted return-to-go per token, whitened over the whole batch.
@@ -181,7 +192,7 @@ def reinforce_plus_plus_advantages(
         running_return = token_level_rewards[:, t] + gamma * running_return
         returns[:, t] = running_return
         running_return = running_return * mask[:, t]
-    return masked_whiten(returns, mask) * mask, returns
+    return masked_whiten(returns, mask, batch_sum=batch_sum) * mask, returns
 
 
 @register_advantage_estimator("reinforce_plus_plus_baseline")
@@ -190,6 +201,7 @@ def reinforce_plus_plus_baseline_advantages(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     group_index: GroupIndex,
+    batch_sum: BatchSum | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline: subtract the group mean reward (0 for a group of one), broadcast to
@@ -198,7 +210,7 @@ def reinforce_plus_plus_baseline_advantages(
     mean, _, size = _group_stats(scores, group_index)
     centred = scores - torch.where(size > 1, mean, torch.zeros_like(mean))
     mask = response_mask.to(scores.dtype)
-    advantages = masked_whiten(_broadcast(centred, mask), mask) * mask
+    advantages = masked_whiten(_broadcast(centred, mask), mask, batch_sum=batch_sum) * mask
     return advantages, advantages
 
 
@@ -250,6 +262,7 @@ def gpg_advantages(
     response_mask: torch.Tensor,
     group_index: GroupIndex,
     f_norm: float = 1.0,
+    batch_sum: BatchSum | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GPG (Chu et al. 2025): ``alpha * (r - mean_group) / f_norm`` with
@@ -257,7 +270,9 @@ def gpg_advantages(
     no gradient. The group mean of a group of one is 0."""
     scores = _outcome_scores(token_level_rewards)
     mean, _, size = _group_stats(scores, group_index)
-    alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1)
+    total = batch_sum or (lambda tensor: tensor)
+    size_of_batch = total(torch.tensor(float(scores.shape[0]), device=scores.device))
+    alpha = size_of_batch / total(torch.count_nonzero(scores).float()).clamp(min=1)
     centred = scores - torch.where(size > 1, mean, torch.zeros_like(mean))
     advantages = _broadcast(alpha * centred / f_norm, response_mask)
     return advantages, advantages

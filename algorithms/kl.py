@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from algorithms.aggregation import agg_loss
-from algorithms.utils import masked_mean
+from algorithms.utils import BatchSum, masked_mean
 
 KL_PENALTY_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 
@@ -125,18 +125,27 @@ def apply_kl_penalty_to_rewards(
     response_mask: torch.Tensor,
     kl_ctrl: FixedKLController | AdaptiveKLController,
     kind: str = "kl",
+    batch_sum: BatchSum | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """KL folded into the reward (PPO/RLHF style): ``scores - kl_ctrl.value * kl * mask``.
 
     All inputs ``[batch, response_len]``. Returns ``(token_level_rewards, metrics)`` with
     ``reward_kl_penalty`` (per-sequence mean KL averaged over the batch) and
     ``reward_kl_penalty_coeff`` (the coefficient used). Then updates ``kl_ctrl`` with that KL and
-    ``n_steps = batch`` (as verl does), so call it once per training step.
+    ``n_steps = batch`` (as verl does), so call it once per training step. With ``batch_sum``
+    (this is one share of a split batch) the KL and ``n_steps`` are those of the whole batch.
     """
     mask = response_mask.to(token_level_scores.dtype)
     per_token_kl = kl_penalty(old_log_prob, ref_log_prob, kind) * mask
     beta = kl_ctrl.value
     token_level_rewards = token_level_scores - beta * per_token_kl
-    current_kl = masked_mean(per_token_kl, mask, dim=-1).mean().item()
-    kl_ctrl.update(current_kl=current_kl, n_steps=token_level_scores.shape[0])
+    per_sequence = masked_mean(per_token_kl, mask, dim=-1)
+    batch = token_level_scores.shape[0]
+    if batch_sum is not None:
+        count = batch_sum(torch.tensor(float(batch), device=per_sequence.device))
+        current_kl = (batch_sum(per_sequence.sum()) / count).item()
+        batch = int(count.item())
+    else:
+        current_kl = per_sequence.mean().item()
+    kl_ctrl.update(current_kl=current_kl, n_steps=batch)
     return token_level_rewards, {"reward_kl_penalty": current_kl, "reward_kl_penalty_coeff": beta}

@@ -7,12 +7,15 @@ be an int tensor, a numpy array (ints or strings, e.g. prompt uids) or a list.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 GroupIndex = torch.Tensor | np.ndarray | Sequence
+# Sums a tensor over the whole batch when the batch is split across processes (the caller passes
+# e.g. an all-reduce); the math here never sees a process group. None: this tensor IS the batch.
+BatchSum = Callable[[torch.Tensor], torch.Tensor]
 
 
 def masked_sum(
@@ -57,17 +60,34 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
 
 
 def masked_whiten(
-    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    batch_sum: BatchSum | None = None,
 ) -> torch.Tensor:
     """``(values - mean) / sqrt(var + 1e-8)`` with mean and unbiased var over the masked elements.
 
     With ``shift_mean=False`` the mean is added back (only the scale is normalised).
-    Output has the shape of ``values``; padding positions are not zeroed here.
+    Output has the shape of ``values``; padding positions are not zeroed here. ``batch_sum``
+    makes the statistics those of the whole batch when ``values`` is one share of it (the
+    same arithmetic as ``masked_mean`` / ``masked_var`` on the concatenated batch).
     """
-    mean = masked_mean(values, mask)
-    var = masked_var(values, mask)
+    total = batch_sum or _whole_batch
+    count = total(mask.sum())
+    mean = total(masked_sum(values, mask)) / (count + 1e-8)
+    var = total(masked_sum((values - mean) ** 2, mask)) / (count + 1e-8)
+    if count < 2:
+        raise ValueError(
+            f"masked_var(unbiased=True) needs at least 2 masked elements, got {int(count)}; "
+            "use a larger mini-batch"
+        )
+    var = var * count / (count - 1)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
+
+
+def _whole_batch(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def group_ids_to_tensor(

@@ -15,7 +15,7 @@ from pathlib import Path
 PHASE_LABELS = {
     "gen": "generation",
     "reward": "reward",
-    "gather": "gather",
+    "distribute": "distribute (DP share + collate)",
     "old_log_prob": "old log-probs",
     "ref": "reference log-probs",
     "adv": "advantages",

@@ -330,12 +330,12 @@ def _hf_training_steps(
 # a short real GRPO run
 
 # The trainer's phases in step order; each is timed on its own (none nests in another).
-PHASE_ORDER = ("gen", "reward", "gather", "old_log_prob", "ref", "adv", "update", "sync")
+PHASE_ORDER = ("gen", "reward", "distribute", "old_log_prob", "ref", "adv", "update", "sync")
 
 
 def grpo_section(workload: Workload, work_dir: Path) -> dict:
+    from rlcli.build import build_trainer
     from rlcli.config import load_config
-    from rlcli.loop import run_training
     from rlcli.metrics import METRICS_FILE_NAME, read_metrics_jsonl
 
     output_dir = work_dir / "grpo"
@@ -347,7 +347,7 @@ def grpo_section(workload: Workload, work_dir: Path) -> dict:
     cfg = load_config(QUICKSTART_RECIPE, [*overrides, f"trainer.output_dir={output_dir}"])
     with measure_peak_memory() as memory:
         start = time.perf_counter()
-        run_training(cfg)
+        build_trainer(cfg).fit()
         wall_seconds = time.perf_counter() - start
     records = [r for r in read_metrics_jsonl(output_dir / METRICS_FILE_NAME) if "timing/step" in r]
     if not records:

@@ -152,22 +152,39 @@ def forward_log_probs(
     padding hold meaningless values; mask them with ``attention_mask[:, 1:]``.
     """
     batch = input_ids.shape[0]
-    chunks = [
-        {"input_ids": ids, "attention_mask": mask}
-        for ids, mask in zip(
-            input_ids.split(micro_batch_size), attention_mask.split(micro_batch_size), strict=True
-        )
-    ]
-    # Pipeline p2p needs equal micro-batch sizes: fill the last one with copies of its first
-    # row (dropped again below).
-    if mesh.pp > 1 and chunks[-1]["input_ids"].shape[0] < micro_batch_size:
-        last = chunks[-1]
-        missing = micro_batch_size - last["input_ids"].shape[0]
-        chunks[-1] = {k: torch.cat([v, v[:1].expand(missing, -1)]) for k, v in last.items()}
+    chunks = micro_batches(
+        {"input_ids": input_ids, "attention_mask": attention_mask},
+        micro_batch_size,
+        equal_sizes=mesh.pp > 1,
+    )
     results = forward_backward(
         models, mesh, chunks, None, forward_only=True, temperature=temperature
     )
     return torch.cat([r["log_probs"] for r in results])[:batch]
+
+
+def micro_batches(
+    tensors: dict[str, torch.Tensor], micro_batch_size: int, equal_sizes: bool = False
+) -> list[dict[str, torch.Tensor]]:
+    """Split a batch of ``[B, ...]`` tensors along dim 0; every micro-batch keeps the same ``S``.
+
+    ``equal_sizes`` (pipeline parallelism: its stages exchange fixed-shape activations) fills a
+    short last micro-batch with copies of its first row; when the batch has a
+    ``response_mask`` the copies get a zero mask, so every loss and metric ignores them (callers
+    that read outputs per row cut them off at the batch size).
+    """
+    batch = next(iter(tensors.values())).shape[0]
+    parts = [
+        {k: v[start : start + micro_batch_size] for k, v in tensors.items()}
+        for start in range(0, batch, micro_batch_size)
+    ]
+    missing = micro_batch_size - batch % micro_batch_size if batch % micro_batch_size else 0
+    if equal_sizes and missing > 0:
+        filler = {k: v[:1].expand(missing, *v.shape[1:]) for k, v in parts[-1].items()}
+        if "response_mask" in filler:
+            filler["response_mask"] = torch.zeros_like(filler["response_mask"])
+        parts[-1] = {k: torch.cat([v, filler[k]]) for k, v in parts[-1].items()}
+    return parts
 
 
 def _unpadded_vocab_size(model: torch.nn.Module) -> int | None:
@@ -271,7 +288,8 @@ def _loss_closure(
             raise ValueError("compute_entropy=True needs a policy model, got a critic")
         outputs = {"values": model_output[:, :length].float()}
     else:
-        logits = model_output[:, : length - 1] / temperature
+        # float32 before the division: a bf16 quotient would round every logit once more.
+        logits = model_output[:, : length - 1].float() / temperature
         labels = input_ids[:, 1:]
         vocab_size = _unpadded_vocab_size(model)
         if compute_entropy:

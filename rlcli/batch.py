@@ -10,7 +10,7 @@ Layout (``B`` sequences, ``S`` = longest prompt + response, ``R`` = longest resp
 - ``response_mask [B, R]``: 1 on real response tokens. Every algorithm works on ``[B, R]``.
 
 Groups (all ``n`` samples of one prompt) stay whole: data-parallel ranks receive whole groups,
-balanced by token count, and mini-batches split along groups too.
+balanced by token count (``take_dp_share``), and mini-batches split along groups too.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ class Sample:
     finish_reason: str
     item: Any  # the PromptItem: data_source, ground_truth, extra_info
     score: float = 0.0
-    extras: dict[str, Any] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)  # the reward function's extra fields
+    reward_baseline: float = 0.0  # ReMax: the score of this prompt's greedy answer
 
     @property
     def num_tokens(self) -> int:
@@ -67,9 +68,7 @@ def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
         "engine_logprobs": engine_logprobs,
         "group_index": torch.tensor([s.group for s in samples], dtype=torch.long),
         "scores": torch.tensor([s.score for s in samples], dtype=torch.float32),
-        "reward_baselines": torch.tensor(
-            [float(s.extras.get("reward_baseline", 0.0)) for s in samples], dtype=torch.float32
-        ),
+        "reward_baselines": torch.tensor([s.reward_baseline for s in samples], dtype=torch.float32),
     }
 
 
@@ -102,6 +101,13 @@ def balance_groups(groups: list[list[Sample]], num_parts: int) -> list[list[list
     return parts
 
 
+def take_dp_share(samples: list[Sample], dp: int, dp_rank: int) -> tuple[list[Sample], int]:
+    """This data-parallel rank's whole groups of the step's samples, and the fewest groups any
+    DP rank holds. Every rank holds the same samples, so every rank computes the same split."""
+    parts = balance_groups(groups_of(samples), dp)
+    return [s for group in parts[dp_rank] for s in group], min(len(part) for part in parts)
+
+
 def split_evenly(items: list[Any], num_chunks: int) -> list[list[Any]]:
     """``num_chunks`` contiguous chunks whose sizes differ by at most one (some may be empty)."""
     base, extra = divmod(len(items), num_chunks)
@@ -111,25 +117,3 @@ def split_evenly(items: list[Any], num_chunks: int) -> list[list[Any]]:
         chunks.append(items[start : start + size])
         start += size
     return chunks
-
-
-def micro_batches(
-    tensors: dict[str, torch.Tensor], micro_batch_size: int, equal_sizes: bool = False
-) -> list[dict[str, torch.Tensor]]:
-    """Split a collated batch along dim 0; every micro-batch keeps the same ``S`` and ``R``.
-
-    ``equal_sizes`` (needed by pipeline parallelism, whose stages exchange fixed-shape
-    activations) fills a short last micro-batch with copies of its first row whose
-    ``response_mask`` is zero: every loss and metric is masked, so they add nothing.
-    """
-    batch = tensors["input_ids"].shape[0]
-    parts = [
-        {k: v[start : start + micro_batch_size] for k, v in tensors.items()}
-        for start in range(0, batch, micro_batch_size)
-    ]
-    missing = micro_batch_size - parts[-1]["input_ids"].shape[0]
-    if equal_sizes and missing > 0:
-        filler = {k: v[:1].expand(missing, *v.shape[1:]) for k, v in parts[-1].items()}
-        filler["response_mask"] = torch.zeros_like(filler["response_mask"])
-        parts[-1] = {k: torch.cat([v, filler[k]]) for k, v in parts[-1].items()}
-    return parts

@@ -77,16 +77,16 @@ def _without_nproc(argv: list[str]) -> list[str]:
 def train(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES, nproc: int = NPROC):
     """Run RL post-training (GRPO, DAPO, PPO, ...) as the recipe says."""
     cfg = _load_under_torchrun(recipe, overrides, nproc)
-    from rlcli.loop import run_training
+    from rlcli.build import build_trainer
 
-    run_training(cfg)
+    build_trainer(cfg).fit()
 
 
 @app.command()
 def sft(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES, nproc: int = NPROC):
     """Supervised warm start: cross-entropy on the responses of the recipe's SFT data."""
     cfg = _load_under_torchrun(recipe, overrides, nproc)
-    from rlcli.loop import run_sft_only
+    from rlcli.build import run_sft_only
 
     run_sft_only(cfg)
 
@@ -101,8 +101,8 @@ def export(
     ),
 ):
     """Write a training checkpoint's policy as a HuggingFace model directory."""
-    from rlcli.checkpointing import is_complete_checkpoint
     from rlcli.commands.convert import mcore_to_hf
+    from rlcli.run_checkpoint import is_complete_checkpoint
 
     if not is_complete_checkpoint(checkpoint):
         raise UserError(f"{checkpoint} is not a complete rlcli checkpoint (no COMPLETE marker)")

@@ -1,4 +1,4 @@
-"""The Megatron side of the loop: the trainable actor and the frozen reference policy.
+"""The Megatron side of the step: the trainable actor and the frozen reference policy.
 
 Both are megatron-core GPT models sharded over (TP, PP) and replicated over DP, built from a HF
 model directory. Everything here works on the collated batch layout of ``rlcli.batch``; results
@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from parallel.mesh import Mesh
-from parallel.schedule import LossFn, forward_log_probs
-from rlcli.batch import micro_batches, response_values
+from parallel.schedule import LossFn, forward_log_probs, micro_batches
+from rlcli.batch import response_values
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -7,16 +7,18 @@ an ordinary HF model directory, which RL (and the rollout engine) then start fro
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from rlcli import components as comp
 from rlcli.batch import Sample, collate, response_values, split_evenly
 from rlcli.data import read_sft_pairs
 from rlcli.errors import UserError
+from rlcli.inputs import RunInputs
+from rlcli.policy import MegatronPolicy
 
 
 def tokenize_pairs(pairs: list[tuple[str, str]], tokenizer) -> list[Sample]:
@@ -46,8 +48,15 @@ def make_sft_loss(denominator: float):
     return loss_fn
 
 
-def sft_warm_start(c: comp.Components, files: list[str], out_dir: Path, log=print) -> Path:
-    """Train ``sft.steps`` steps on ``files`` and save the model as HF into ``out_dir``."""
+def sft_warm_start(
+    c: RunInputs,
+    build_actor: Callable[[], MegatronPolicy],
+    files: list[str],
+    out_dir: Path,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """Train ``sft.steps`` steps on ``files`` from a fresh ``build_actor()`` (built once the
+    inputs are checked); save it as HF into ``out_dir``."""
     from parallel.convert import save_hf_checkpoint
 
     cfg, mesh = c.cfg, c.mesh
@@ -58,7 +67,7 @@ def sft_warm_start(c: comp.Components, files: list[str], out_dir: Path, log=prin
     samples = tokenize_pairs([pair for f in files for pair in read_sft_pairs(f)], c.tokenizer)
     if len(samples) < cfg.sft.batch_size:
         raise UserError(f"sft.batch_size={cfg.sft.batch_size} exceeds the {len(samples)} SFT pairs")
-    actor = comp.build_actor(c, total_steps=cfg.sft.steps, sft=True)
+    actor = build_actor()
     rng = np.random.default_rng(cfg.trainer.seed)
     start = time.perf_counter()
     for step in range(1, cfg.sft.steps + 1):

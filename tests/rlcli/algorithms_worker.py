@@ -6,15 +6,14 @@ the trainer needs no code change to run any algorithm in the registry."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
-import algorithms
-from rlcli import components as comp
+from rlcli.build import build_kl_controller, build_trainer, needs_reference
 from rlcli.config import load_config
 from rlcli.data import PromptLoader
-from rlcli.policy import MegatronPolicy
-from rlcli.trainer import Run, rl_step
+from rlcli.trainer import rl_step
 
 VARIANTS = {
     "grpo": [],
@@ -43,31 +42,24 @@ VARIANTS = {
 
 def main(recipe: str, out_json: str, *base: str) -> None:
     cfg = load_config(recipe, list(base))
-    c = comp.prepare_inputs(cfg)
-    actor = comp.build_actor(c, total_steps=len(VARIANTS))
-    ref = MegatronPolicy(c.mesh, c.model_dir, cfg.model.dtype)
-    engine, replica = comp.build_engine(c)
-    rewards = comp.build_rewards(cfg)
+    # One trainer from the factory (with a reference, which some variants need); each variant
+    # is the same trainer with another config, as a user would write another recipe.
+    trainer = build_trainer(cfg, reference=True, logger=False)
     results = {}
     for name, overrides in VARIANTS.items():
         variant = load_config(recipe, [*base, *overrides])
         variant.data = cfg.data  # the resolved file lists
-        c.cfg = variant
-        kl = variant.algorithm.kl_ctrl
-        run = Run(
-            c=c,
-            actor=actor,
-            ref=ref if comp.needs_reference(variant) else None,
-            engine=engine,
-            replica=replica,
-            rewards=rewards,
-            loader=PromptLoader(c.train_data, variant.data.train_batch_size, seed=1),
-            kl_ctrl=algorithms.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon),
+        run = dataclasses.replace(
+            trainer,
+            cfg=variant,
+            reference=trainer.reference if needs_reference(variant) else None,
+            loader=PromptLoader(trainer.loader.dataset, variant.data.train_batch_size, seed=1),
+            kl_ctrl=build_kl_controller(variant),
             total_steps=1,
             step=len(results),
         )
         results[name] = rl_step(run)
-    rewards.close()
+    trainer.rewards.close()
     with open(out_json, "w") as f:
         json.dump(results, f)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlcli.batch import Sample, balance_groups, collate, groups_of, micro_batches, response_values
+from rlcli.batch import Sample, balance_groups, collate, groups_of, response_values, take_dp_share
 
 
 def sample(group: int, prompt: list[int], response: list[int]) -> Sample:
@@ -53,21 +53,11 @@ def test_balance_groups_keeps_groups_whole_and_balances_tokens():
     assert abs(loads[0] - loads[1]) <= biggest_group and sum(loads) == total
 
 
-def test_micro_batches_keep_shapes():
-    samples = [sample(g, [1, 2], [3] * (g + 1)) for g in range(5)]
-    batch = collate(samples, pad_id=0)
-    parts = micro_batches(batch, 2)
-    assert [p["input_ids"].shape[0] for p in parts] == [2, 2, 1]
-    assert all(p["input_ids"].shape[1] == batch["input_ids"].shape[1] for p in parts)
-    assert torch.equal(torch.cat([p["response_mask"] for p in parts]), batch["response_mask"])
-
-
-def test_equal_size_micro_batches_fill_with_masked_rows():
-    samples = [sample(g, [1, 2], [3] * (g + 1)) for g in range(5)]
-    batch = collate(samples, pad_id=0)
-    parts = micro_batches(batch, 2, equal_sizes=True)
-    assert [p["input_ids"].shape[0] for p in parts] == [2, 2, 2]
-    last = parts[-1]
-    assert torch.equal(last["input_ids"][1], last["input_ids"][0])  # a copy of a real row...
-    assert last["response_mask"][1].sum() == 0  # ...that no loss or metric counts
-    assert torch.equal(last["response_mask"][0], batch["response_mask"][4])
+def test_take_dp_share_gives_each_rank_whole_groups_and_all_groups_once():
+    samples = [sample(g, [1] * (g + 1), [2, 3]) for g in range(5) for _ in range(2)]
+    shares = [take_dp_share(samples, 2, rank) for rank in range(2)]
+    assert {fewest for _, fewest in shares} == {2}  # 5 groups over 2 ranks: 3 and 2
+    groups = [s.group for mine, _ in shares for s in mine]
+    assert sorted(groups) == sorted(s.group for s in samples)
+    for mine, _ in shares:
+        assert all(sum(s.group == g for s in mine) == 2 for g in {s.group for s in mine})

@@ -1,4 +1,4 @@
-"""How update_actor cuts a DP rank's batch into mini-batches of whole groups."""
+"""How update_actor (rlcli.actor_update) cuts a DP rank's batch into whole-group mini-batches."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rlcli.actor_update import update_actor
 from rlcli.batch import Sample, collate
 from rlcli.config import load_config
-from rlcli.ppo import update_actor
 
 
 class RecordingPolicy:

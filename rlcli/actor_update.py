@@ -1,8 +1,8 @@
-"""Algorithm glue: rewards -> advantages -> PPO-style policy update over mini/micro-batches.
+"""The step's actor update: one PPO-style clipped update over mini/micro-batches, the same for
+every algorithm (the estimator and the policy loss are chosen by name in ``algorithms/``).
 
-The math lives in ``algorithms/`` (pure functions chosen by name); this module only arranges
-tensors and denominators so gradient accumulation over micro-batches and averaging over
-data-parallel ranks give exactly the full-batch loss.
+This module only arranges tensors and denominators so gradient accumulation over micro-batches
+and averaging over data-parallel ranks give exactly the full-batch loss.
 """
 
 from __future__ import annotations
@@ -10,64 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import algorithms
 from parallel.mesh import Mesh
+from parallel.schedule import LossFn
 from rlcli.batch import response_values, split_evenly
 from rlcli.config import RLConfig
-
-
-def token_level_scores(batch: dict[str, torch.Tensor], cfg: RLConfig) -> torch.Tensor:
-    """``[B, R]``: the outcome score on each response's last token (DAPO overlong shaping added)."""
-    mask = batch["response_mask"]
-    lengths = mask.sum(-1).long()
-    scores = batch["scores"].clone()
-    if cfg.algorithm.overlong.enabled:
-        scores += algorithms.overlong_penalty(
-            lengths,
-            cfg.rollout.max_tokens,
-            cfg.algorithm.overlong.buffer_len,
-            cfg.algorithm.overlong.penalty_factor,
-        )
-    token_scores = torch.zeros_like(mask)
-    last = (lengths - 1).clamp(min=0)
-    token_scores[torch.arange(len(lengths)), last] = scores * (lengths > 0)
-    return token_scores
-
-
-def compute_advantages(batch: dict[str, torch.Tensor], cfg: RLConfig, kl_ctrl) -> dict[str, float]:
-    """Adds ``token_level_rewards``, ``advantages`` and ``returns`` to ``batch`` (global batch)."""
-    algo = cfg.algorithm
-    rewards = token_level_scores(batch, cfg)
-    metrics: dict[str, float] = {}
-    if algo.use_kl_in_reward:
-        rewards, kl_metrics = algorithms.apply_kl_penalty_to_rewards(
-            rewards,
-            batch["old_log_probs"],
-            batch["ref_log_probs"],
-            batch["response_mask"],
-            kl_ctrl,
-            algo.kl_penalty,
-        )
-        metrics.update({k: float(v) for k, v in kl_metrics.items()})
-    estimator = algorithms.get_advantage_estimator(algo.adv_estimator)
-    advantages, returns = estimator(
-        token_level_rewards=rewards,
-        response_mask=batch["response_mask"],
-        group_index=batch["group_index"],
-        values=batch.get("values"),
-        gamma=algo.gamma,
-        lam=algo.lam,
-        reward_baselines=batch.get("reward_baselines"),
-        epsilon=algo.epsilon,
-        norm_adv_by_std=algo.norm_adv_by_std,
-    )
-    batch.update(token_level_rewards=rewards, advantages=advantages, returns=returns)
-    mask = batch["response_mask"]
-    metrics["critic/advantages_mean"] = algorithms.masked_mean(advantages, mask).item()
-    metrics["critic/advantages_abs_max"] = (advantages.abs() * mask).max().item()
-    return metrics
+from rlcli.dp_stats import DataParallelStats
+from rlcli.policy import MegatronPolicy
 
 
 def _global_denominator(mask: torch.Tensor, cfg: RLConfig, mesh: Mesh) -> torch.Tensor:
@@ -76,12 +26,10 @@ def _global_denominator(mask: torch.Tensor, cfg: RLConfig, mesh: Mesh) -> torch.
     denom = algorithms.agg_loss_denominator(
         mask, cfg.actor.loss_agg_mode, norm_length=cfg.rollout.max_tokens
     ).double()
-    if mesh.dp > 1:
-        dist.all_reduce(denom, group=mesh.dp_group)
-    return (denom / mesh.dp).float()
+    return (DataParallelStats(mesh).sum(denom) / mesh.dp).float()
 
 
-def make_actor_loss(cfg: RLConfig, denominator: torch.Tensor):
+def make_actor_loss(cfg: RLConfig, denominator: torch.Tensor) -> LossFn:
     """The per-micro-batch loss: policy loss (+ KL loss - entropy bonus), summed-to-exact."""
     actor = cfg.actor
     policy_loss = algorithms.get_policy_loss(actor.policy_loss)
@@ -130,7 +78,11 @@ SUMMED_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss")
 
 
 def update_actor(
-    policy, batch: dict[str, torch.Tensor], cfg: RLConfig, mesh: Mesh, fewest_groups: int
+    policy: MegatronPolicy,
+    batch: dict[str, torch.Tensor],
+    cfg: RLConfig,
+    mesh: Mesh,
+    fewest_groups: int,
 ) -> dict[str, float]:
     """PPO epochs x mini-batches x micro-batches on this DP rank's share of the batch.
 
@@ -159,8 +111,14 @@ def update_actor(
                 compute_entropy=actor.entropy_coeff != 0,
             )
             history.append(_reduce_step(result))
-    out = {k: sum(h[k] for h in history) / len(history) for k in history[0]} if history else {}
+    out = (
+        {k: sum(h[k] for h in history) / len(history) for k in history[0] if k != "skipped"}
+        if history
+        else {}
+    )
     out["actor/optimizer_steps"] = float(len(history))
+    # A step the optimizer refused (fp16 overflow, non-finite gradients) must not pass unseen.
+    out["actor/skipped_steps"] = float(sum(h.pop("skipped") for h in history))
     return out
 
 
@@ -173,4 +131,5 @@ def _reduce_step(result: dict[str, Any]) -> dict[str, float]:
         out[key] = sum(values) if key in SUMMED_METRICS else sum(values) / len(values)
     out["actor/grad_norm"] = float(result.get("grad_norm") or 0.0)
     out["actor/lr"] = float(result.get("lr") or 0.0)
+    out["skipped"] = float(bool(result.get("skipped", False)))
     return out

@@ -7,13 +7,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from rlcli.checkpointing import (
+from rlcli.errors import UserError
+from rlcli.run_checkpoint import (
     CheckpointManager,
     load_trainer_state,
     rng_state_file,
     save_trainer_state,
 )
-from rlcli.errors import UserError
 
 
 def _save(manager, step, payload="weights"):

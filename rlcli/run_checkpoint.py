@@ -1,4 +1,6 @@
-"""Checkpoint directories that are either complete or ignored, and the trainer's own state.
+"""Run-level checkpoints: directories that are either complete or ignored, the trainer's own
+state, and saving / resuming a run (the sharded model and optimizer I/O itself is
+``parallel.checkpoint``).
 
 Layout under the checkpoint root::
 
@@ -9,6 +11,10 @@ Layout under the checkpoint root::
         ...                 whatever the trainer wrote (e.g. megatron dist_checkpointing shards)
     .tmp-step_000020/       a save in progress (or one that crashed): never loaded
     latest                  text file naming the most recently committed step directory
+
+A run's checkpoint (``save_run``) holds ``model/`` (megatron dist_checkpointing: model, optimizer,
+scheduler), ``hf/`` (config and tokenizer, so it converts to HF on its own) and the trainer state
+(step, data position, KL coefficient, RNG states).
 
 A save writes everything into ``.tmp-step_N``; only after every rank finished writing does rank 0
 add the marker and rename the directory to ``step_N`` in one ``os.replace``. A crash at any point
@@ -27,13 +33,16 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
 from rlcli.errors import UserError
+
+if TYPE_CHECKING:  # the policy pulls in megatron; `rlcli export` only needs the directory rules
+    from rlcli.policy import MegatronPolicy
 
 COMPLETE_MARKER = "COMPLETE"
 LATEST_POINTER = "latest"
@@ -357,3 +366,61 @@ def _restore_rng_states(path: Path) -> None:
 def _cuda_index(key: str) -> int:
     """The device index of a ``torch_cuda_<index>`` key, -1 for other keys."""
     return int(key.rsplit("_", 1)[1]) if key.startswith("torch_cuda_") else -1
+
+
+def save_run(
+    ckpt: CheckpointManager,
+    step: int,
+    actor: MegatronPolicy,
+    model_dir: str,
+    state: Mapping[str, Any],
+    save_optimizer: bool,
+) -> None:
+    """Collective: commit ``step``'s checkpoint (model, optimizer, HF metadata, trainer state)."""
+    from parallel.checkpoint import save_checkpoint
+
+    with ckpt.saving(step, subdirs=("model",)) as directory:
+        save_checkpoint(
+            directory / "model",
+            actor.models,
+            actor.mesh,
+            optimizer=actor.optimizer if save_optimizer else None,
+            scheduler=actor.scheduler,
+        )
+        if actor.mesh.rank == 0:
+            copy_hf_metadata(model_dir, directory / "hf")
+        save_trainer_state(directory, state)
+
+
+def resume_run(
+    ckpt: CheckpointManager, resume: str | None, actor: MegatronPolicy, load_optimizer: bool
+) -> dict[str, Any] | None:
+    """Load the checkpoint ``trainer.resume`` names into ``actor``; its trainer state, or None
+    when the run starts fresh."""
+    from parallel.checkpoint import load_checkpoint
+
+    path = ckpt.resolve_resume(resume)
+    if path is None:
+        return None
+    state = load_trainer_state(path)
+    load_checkpoint(
+        path / "model",
+        actor.models,
+        actor.mesh,
+        optimizer=actor.optimizer if load_optimizer else None,
+        scheduler=actor.scheduler,
+    )
+    return state
+
+
+def copy_hf_metadata(model_dir: str, out: Path) -> None:
+    from parallel.convert.hf_io import copy_tokenizer_files
+
+    copy_tokenizer_files(model_dir, out)
+    for name in ("config.json", "generation_config.json"):
+        if (Path(model_dir) / name).is_file():
+            shutil.copy2(Path(model_dir) / name, out / name)
+
+
+def checkpoint_root(checkpoint_dir: str | None, output_dir: str) -> str:
+    return checkpoint_dir or os.path.join(output_dir, "checkpoints")

@@ -1,0 +1,78 @@
+"""The step's advantage phase: scores -> token rewards (KL-in-reward, DAPO overlong) ->
+advantages, on this data-parallel rank's whole groups.
+
+Each DP rank holds whole groups, so group estimators need nothing from other ranks; the
+batch-wide statistics some estimators and the KL controller need come from ``stats.sum``
+(an all-reduce), which makes the result equal to computing on the whole batch at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import algorithms
+from rlcli.config import RLConfig
+from rlcli.dp_stats import DataParallelStats
+
+KLController = algorithms.FixedKLController | algorithms.AdaptiveKLController
+
+
+def token_level_scores(batch: dict[str, torch.Tensor], cfg: RLConfig) -> torch.Tensor:
+    """``[B, R]``: the outcome score on each response's last token (DAPO overlong shaping added)."""
+    mask = batch["response_mask"]
+    lengths = mask.sum(-1).long()
+    scores = batch["scores"].clone()
+    if cfg.algorithm.overlong.enabled:
+        scores += algorithms.overlong_penalty(
+            lengths,
+            cfg.rollout.max_tokens,
+            cfg.algorithm.overlong.buffer_len,
+            cfg.algorithm.overlong.penalty_factor,
+        )
+    token_scores = torch.zeros_like(mask)
+    last = (lengths - 1).clamp(min=0)
+    token_scores[torch.arange(len(lengths)), last] = scores * (lengths > 0)
+    return token_scores
+
+
+def compute_advantages(
+    batch: dict[str, torch.Tensor],
+    cfg: RLConfig,
+    kl_ctrl: KLController,
+    stats: DataParallelStats,
+) -> dict[str, float]:
+    """Adds ``token_level_rewards``, ``advantages`` and ``returns`` (``[B, R]``) to ``batch``,
+    this rank's whole groups; returns batch-wide metrics."""
+    algo = cfg.algorithm
+    rewards = token_level_scores(batch, cfg)
+    metrics: dict[str, float] = {}
+    if algo.use_kl_in_reward:
+        rewards, kl_metrics = algorithms.apply_kl_penalty_to_rewards(
+            rewards,
+            batch["old_log_probs"],
+            batch["ref_log_probs"],
+            batch["response_mask"],
+            kl_ctrl,
+            algo.kl_penalty,
+            batch_sum=stats.sum,
+        )
+        metrics.update({k: float(v) for k, v in kl_metrics.items()})
+    estimator = algorithms.get_advantage_estimator(algo.adv_estimator)
+    advantages, returns = estimator(
+        token_level_rewards=rewards,
+        response_mask=batch["response_mask"],
+        group_index=batch["group_index"],
+        values=batch.get("values"),
+        gamma=algo.gamma,
+        lam=algo.lam,
+        reward_baselines=batch["reward_baselines"],
+        epsilon=algo.epsilon,
+        norm_adv_by_std=algo.norm_adv_by_std,
+        batch_sum=stats.sum,
+    )
+    batch.update(token_level_rewards=rewards, advantages=advantages, returns=returns)
+    mask = batch["response_mask"]
+    total = stats.sum(torch.stack([algorithms.masked_sum(advantages, mask), mask.sum()]))
+    metrics["critic/advantages_mean"] = (total[0] / (total[1] + 1e-8)).item()
+    metrics["critic/advantages_abs_max"] = stats.max((advantages.abs() * mask).max()).item()
+    return metrics

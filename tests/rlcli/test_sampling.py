@@ -1,0 +1,105 @@
+"""The step's rollout phase (rlcli.sampling) on the real HF engine: how it steps the engine.
+
+The engine's ``wake_up`` / ``sleep`` / ``generate`` are no-ops or cheap on CPU but countable: on
+GPU, sleep level 2 discards the weights, so ALL of a step's sampling rounds (DAPO) and ReMax's
+greedy baselines must run inside one awake block; and every rank of a replica must step the
+engine even when its share of prompts is empty.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rlcli.build import build_rewards
+from rlcli.config import load_config
+from rlcli.data import PromptLoader, load_prompt_dataset, read_sft_pairs, write_arith_dataset
+from rlcli.metrics import Timer
+from rlcli.model_builder import build_model_dir
+from rlcli.rollout.base import make_engine
+from rlcli.sampling import ReplicaInfo, collect_rollouts, generate_samples, sampling_params
+
+OVERRIDES = [
+    "model.spec.hidden_size=64",
+    "model.spec.num_layers=1",
+    "model.spec.num_heads=2",
+    "model.spec.num_kv_heads=2",
+    "model.spec.intermediate_size=64",
+    "data.train_batch_size=4",
+    "rollout.n=2",
+    "rollout.max_tokens=4",
+    "reward.num_workers=1",
+]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sampling")
+    paths = write_arith_dataset(str(root / "data"), num_val=8)
+    cfg = load_config(None, [f"model.path={root / 'model'}", *OVERRIDES])
+    corpus = [p + r for p, r in read_sft_pairs(paths["sft_train"])]
+    build_model_dir(cfg.model.spec, root / "model", corpus, seed=0)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(root / "model")
+    data = load_prompt_dataset(paths["train"], tokenizer, max_prompt_length=32)
+    engine = CountingEngine(make_engine("hf", str(root / "model")))
+    rewards = build_rewards(cfg)
+    yield cfg, tokenizer, data, engine, rewards
+    rewards.close()
+
+
+class CountingEngine:
+    """The real engine, with its calls counted in order."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.calls = engine, []
+
+    def wake_up(self) -> None:
+        self.calls.append("wake_up")
+        self.engine.wake_up()
+
+    def sleep(self) -> None:
+        self.calls.append("sleep")
+        self.engine.sleep()
+
+    def generate(self, prompts, n, sampling):
+        self.calls.append(f"generate({len(prompts)})")
+        return self.engine.generate(prompts, n, sampling)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [  # DAPO: a random model rarely gives a group with varying reward -> all 3 rounds
+            "algorithm.dynamic_sampling.enabled=true",
+            "algorithm.dynamic_sampling.max_gen_batches=3",
+        ],
+        ["algorithm.adv_estimator=remax"],
+    ],
+)
+def test_all_sampling_rounds_run_in_one_awake_block(setup, overrides):
+    cfg, tokenizer, data, engine, rewards = setup
+    cfg = load_config(None, [f"model.path={cfg.model.path}", *OVERRIDES, *overrides])
+    loader = PromptLoader(data, cfg.data.train_batch_size, seed=0)
+    engine.calls.clear()
+    replica = ReplicaInfo(index=0, count=1, is_leader=True)
+    samples, metrics = collect_rollouts(
+        cfg, engine, replica, iter(loader), rewards, tokenizer, 1, Timer()
+    )
+    assert engine.calls[0] == "wake_up" and engine.calls[-1] == "sleep"
+    assert engine.calls.count("wake_up") == engine.calls.count("sleep") == 1
+    generates = len(engine.calls) - 2
+    if cfg.algorithm.adv_estimator == "remax":
+        assert generates == 2  # the sampled answers and the greedy baselines
+        assert len({s.reward_baseline for s in samples}) >= 1
+    else:
+        assert generates == metrics["dapo/gen_batches"] == 3, metrics
+
+
+def test_a_replica_with_no_prompts_still_steps_the_engine(setup):
+    cfg, tokenizer, data, engine, _ = setup
+    engine.calls.clear()
+    sampling = sampling_params(cfg, tokenizer.eos_token_id, step=1, train=False)
+    # Replica 2 of 3 gets no prompt out of 2 (split_evenly gives 1, 1, 0).
+    samples = generate_samples(engine, list(data)[:2], 1, sampling, ReplicaInfo(2, 3, True))
+    assert samples == [] and engine.calls == ["generate(0)"]
