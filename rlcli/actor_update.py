@@ -97,7 +97,8 @@ def update_actor(
     )
     num_mini = max(1, min(configured, fewest_groups))
     groups = batch["group_index"]
-    history: list[dict[str, Any]] = []
+    history: list[dict[str, float]] = []
+    skipped = 0
     for _ in range(actor.ppo_epochs):
         for chunk in split_evenly(torch.unique_consecutive(groups).tolist(), num_mini):
             chosen = torch.isin(groups, torch.tensor(chunk))
@@ -111,14 +112,11 @@ def update_actor(
                 compute_entropy=actor.entropy_coeff != 0,
             )
             history.append(_reduce_step(result))
-    out = (
-        {k: sum(h[k] for h in history) / len(history) for k in history[0] if k != "skipped"}
-        if history
-        else {}
-    )
+            skipped += bool(result.get("skipped", False))
+    out = {k: sum(h[k] for h in history) / len(history) for k in history[0]} if history else {}
     out["actor/optimizer_steps"] = float(len(history))
     # A step the optimizer refused (fp16 overflow, non-finite gradients) must not pass unseen.
-    out["actor/skipped_steps"] = float(sum(h.pop("skipped") for h in history))
+    out["actor/skipped_steps"] = float(skipped)
     return out
 
 
@@ -131,5 +129,4 @@ def _reduce_step(result: dict[str, Any]) -> dict[str, float]:
         out[key] = sum(values) if key in SUMMED_METRICS else sum(values) / len(values)
     out["actor/grad_norm"] = float(result.get("grad_norm") or 0.0)
     out["actor/lr"] = float(result.get("lr") or 0.0)
-    out["skipped"] = float(bool(result.get("skipped", False)))
     return out

@@ -15,13 +15,20 @@ from rlcli.config import load_config
 class RecordingPolicy:
     """Stands in for MegatronPolicy.train_step: records the groups of each optimizer step."""
 
-    def __init__(self) -> None:
+    def __init__(self, refuse: tuple[int, ...] = ()) -> None:
         self.steps: list[list[int]] = []
+        self.refuse = refuse  # optimizer steps that report skipped=True
 
     def train_step(self, batch, micro_batch_size, loss_fn, temperature=1.0, compute_entropy=False):
         groups = batch["group_index"].tolist()
+        skipped = len(self.steps) in self.refuse
         self.steps.append(groups)
-        return {"micro_batch_metrics": [{"actor/pg_loss": 0.0}], "grad_norm": 1.0, "lr": 1e-6}
+        return {
+            "micro_batch_metrics": [{"actor/pg_loss": 0.0}],
+            "grad_norm": 1.0,
+            "lr": 1e-6,
+            "skipped": skipped,
+        }
 
 
 def batch_of(num_groups: int, n: int = 2) -> dict[str, torch.Tensor]:
@@ -55,3 +62,14 @@ def test_mini_batches_are_whole_groups_and_never_empty(num_groups, fewest, expec
     assert steps == expected
     for groups in policy.steps:  # both samples of every group travel together
         assert all(groups.count(g) == 2 for g in set(groups))
+
+
+def test_skipped_optimizer_steps_are_counted():
+    cfg = load_config(
+        None, ["model.path=/m", "data.train_batch_size=8", "actor.ppo_mini_batch_size=2"]
+    )
+    metrics = update_actor(
+        RecordingPolicy(refuse=(1, 3)), batch_of(8), cfg, SimpleNamespace(dp=1), 8
+    )
+    assert metrics["actor/optimizer_steps"] == 4.0
+    assert metrics["actor/skipped_steps"] == 2.0
