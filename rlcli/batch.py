@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from rlcli.data import PromptItem
+
 
 @dataclass
 class Sample:
@@ -30,7 +32,7 @@ class Sample:
     response_ids: list[int]
     engine_logprobs: list[float]
     finish_reason: str
-    item: Any  # the PromptItem: data_source, ground_truth, extra_info
+    item: PromptItem | None  # data_source, ground_truth, extra_info (None for SFT pairs)
     score: float = 0.0
     extras: dict[str, Any] = field(default_factory=dict)  # the reward function's extra fields
     reward_baseline: float = 0.0  # ReMax: the score of this prompt's greedy answer

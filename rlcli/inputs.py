@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -15,6 +15,9 @@ from rlcli.config_validation import validate
 from rlcli.data import PromptDataset
 from rlcli.errors import UserError
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 @dataclass
 class RunInputs:
@@ -22,7 +25,7 @@ class RunInputs:
     mesh: Mesh
     output_dir: Path
     model_dir: str
-    tokenizer: Any  # a transformers tokenizer
+    tokenizer: PreTrainedTokenizerBase
     train_data: PromptDataset
     val_data: PromptDataset | None
     sft_files: list[str]  # SFT pairs of the synthetic task (for the warm start)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,9 @@ from rlcli.data import PromptItem
 from rlcli.metrics import Timer
 from rlcli.rewards import RewardInput, RewardManager
 from rlcli.rollout.base import RolloutEngine, SamplingConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,9 @@ def generate_samples(
     return sorted((s for part in gathered for s in part or []), key=lambda s: s.group)
 
 
-def score_samples(samples: list[Sample], rewards: RewardManager, tokenizer) -> dict[str, float]:
+def score_samples(
+    samples: list[Sample], rewards: RewardManager, tokenizer: PreTrainedTokenizerBase
+) -> dict[str, float]:
     """Fill ``score`` / ``extras`` of every sample; returns failure counts as metrics.
 
     Every rank scores the same samples (rule-based rewards are cheap and this keeps ranks in
@@ -146,7 +151,7 @@ def collect_rollouts(
     replica: ReplicaInfo,
     loader: Iterator[list[PromptItem]],
     rewards: RewardManager,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     step: int,
     timer: Timer,
 ) -> tuple[list[Sample], dict[str, float]]:
@@ -215,7 +220,7 @@ def evaluate(
     replica: ReplicaInfo,
     data: Sequence[PromptItem],
     rewards: RewardManager,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     step: int,
 ) -> dict[str, float]:
     """Held-out accuracy: greedy (``rollout.val_temperature``) answers to ``data``, scored."""

@@ -9,7 +9,7 @@ built from the config by ``rlcli.build.build_trainer``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,12 +28,15 @@ from rlcli.rollout.base import RolloutEngine
 from rlcli.run_checkpoint import CheckpointManager, save_run
 from rlcli.sampling import ReplicaInfo, collect_rollouts, evaluate
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 @dataclass
 class Trainer:
     cfg: RLConfig
     mesh: Mesh
-    tokenizer: Any  # a transformers tokenizer (pad / eos ids, decoding for rewards)
+    tokenizer: PreTrainedTokenizerBase  # pad / eos ids, decoding responses for rewards
     model_dir: str  # the HF directory the run starts from (after any SFT warm start)
     actor: MegatronPolicy
     reference: MegatronPolicy | None  # frozen; only when a KL term needs it
