@@ -88,7 +88,9 @@ class RolloutConfig:
     enforce_eager: bool = True
     sync_bucket_mb: int = 64
     sleep_level: int = 1  # GPU vLLM: 1 offloads weights to host, 2 discards them (sync on wake)
-    load_format: Optional[str] = None  # vLLM start weights: dummy | auto; None: dummy on GPU
+    # vLLM start weights: dummy (no checkpoint read; the trainer syncs from Megatron right after
+    # the engine starts, which also proves the sync path) | auto (read model.path)
+    load_format: str = "dummy"
     val_temperature: float = 0.0  # greedy validation
     val_n: int = 1
 

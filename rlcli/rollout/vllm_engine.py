@@ -22,7 +22,8 @@ never wait for each other.
 * Weights at start (`load_format`): "dummy" starts without reading the checkpoint (random
   weights; every rank reading the full HF files at once is slow on shared filesystems); the
   trainer must then sync from Megatron before the first `generate` (the first sync proves the
-  path). "auto" reads the checkpoint. `load_format=None` picks "dummy" on GPU and "auto" on CPU.
+  path; it works on vLLM-CPU too, tested). "auto" reads the checkpoint. `load_format=None`
+  picks "dummy" on GPU and "auto" on CPU; the trainer passes rollout.load_format.
 * The KV cache on CPU is resident and sized by `rollout.kv_cache_gb`; on GPU it is
   `rollout.gpu_memory_utilization` of the device.
 """
@@ -94,7 +95,9 @@ class VLLMEngine(RolloutEngine):
         self._weights_stale = load_format == "dummy"
         self.calls: list[str] = []  # sleep / wake_up / load_weights / generate, in order
 
-        options: dict = dict(
+        options = replica_options(tp, self.num_replicas, self._on_gpu)
+        self._joins_world = "distributed_executor_backend" in options
+        options.update(
             model=model_dir,
             dtype=dtype,
             seed=seed,
@@ -102,20 +105,12 @@ class VLLMEngine(RolloutEngine):
             max_model_len=max_model_len,
             skip_tokenizer_init=True,  # token ids in and out; no tokenizer files needed
             logprobs_mode="processed_logprobs",  # log_softmax(logits / T), not raw logits
-            tensor_parallel_size=tp,
             load_format=load_format,
         )
         if self._on_gpu:
             options.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
         else:
             options.update(kv_cache_memory_bytes=int(kv_cache_gb * 2**30))
-        # Uniprocess engines place themselves on device 0, so GPU replicas beyond one process,
-        # and any TP > 1, join the torchrun world as independent "external DP" replicas (module
-        # docstring): tensor_parallel_size only, never data_parallel_size.
-        world_size = self.num_replicas * tp
-        self._joins_world = tp > 1 or (self._on_gpu and world_size > 1)
-        if self._joins_world:
-            options.update(distributed_executor_backend="external_launcher")
         global _engine_alive
         if _engine_alive:
             raise RuntimeError("one vLLM engine per process: close() the other engine first")
@@ -215,6 +210,20 @@ class VLLMEngine(RolloutEngine):
         if self._llm is not None:
             self._llm = None  # the LLMEngine finalizer shuts the engine core down
             _engine_alive = False
+
+
+def replica_options(tp: int, num_replicas: int, on_gpu: bool) -> dict:
+    """vLLM's parallel settings for one independent replica of `tp` ranks (module docstring).
+
+    Uniprocess engines place themselves on device 0, so GPU replicas beyond one process, and
+    any TP > 1, join the torchrun world through the external launcher, which lays it out as
+    independent replicas x TP. Never `data_parallel_size`: that fuses the replicas into one
+    vLLM data-parallel group that steps in lockstep.
+    """
+    options: dict = {"tensor_parallel_size": tp}
+    if tp > 1 or (on_gpu and num_replicas * tp > 1):
+        options["distributed_executor_backend"] = "external_launcher"
+    return options
 
 
 def _refresh_cpu_embedding_gemm(worker) -> None:

@@ -62,7 +62,8 @@ def _run_cli(ctx: Context, steps: int, output_dir: str, timeout_s: int) -> tuple
     if not transformer_engine_status()[0]:
         overrides.append("model.transformer_impl=local")  # no TE here: say so explicitly
     cmd = [sys.executable, "-m", "rlcli.cli", "train", "recipes/quickstart.yaml", *overrides]
-    env = {**os.environ, "PYTHONPATH": REPO_ROOT_ENV, "PYTHONUNBUFFERED": "1"}
+    path = os.pathsep.join(filter(None, [REPO_ROOT_ENV, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)  # the child builds its own world, not this process's
     start = time.perf_counter()

@@ -28,12 +28,12 @@ SMALL_GPU = dict(
     vocab_size=4099,
     max_position_embeddings=1024,
 )
-SMALL_CPU = dict(
-    hidden_size=64,
+SMALL_CPU = dict(  # head_dim 64: vLLM-CPU's bf16 attention has no kernel for 16
+    hidden_size=256,
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
-    intermediate_size=96,
+    intermediate_size=384,
     vocab_size=251,
     max_position_embeddings=256,
 )
@@ -55,6 +55,7 @@ class Context:
     mesh: Any = None
     small_model_dir: Path | None = None
     _tmp: Any = None
+    _engine: Any = None
     notes: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -106,9 +107,23 @@ class Context:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
+    def rollout_engine(self) -> Any:
+        """One engine for the whole check, as in training: vLLM's shutdown also destroys
+        torch.distributed's default group, so it is closed only at the very end."""
+        if self._engine is None:
+            from rlcli import rollout
+
+            options = dict(dtype="bfloat16", seed=0, max_model_len=256)
+            if self.engine == "vllm":
+                options.update(gpu_memory_utilization=0.3, kv_cache_gb=0.25)
+            self._engine = rollout.make_engine(self.engine, str(self.small_model_dir), **options)
+        return self._engine
+
     def close(self) -> None:
         from parallel.mesh import destroy_parallel
 
+        if self._engine is not None:
+            self._engine.close()
         destroy_parallel()
         if self._tmp is not None:
             shutil.rmtree(self.work, ignore_errors=True)
