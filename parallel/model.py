@@ -9,6 +9,7 @@ Public API (stable):
     build_model(hf_config, mesh, *, dtype=torch.float32, critic=False, sequence_parallel=False,
                 transformer_impl="auto") -> list[torch.nn.Module]
     resolve_transformer_impl(transformer_impl) -> "transformer_engine" | "local"
+    check_model_settings(transformer_impl, sequence_parallel, tp) -> resolved transformer_impl
     transformer_engine_status() -> (importable, reason)
     ModelConfigError(ValueError)   (message names the config key to change)
     ValueHead
@@ -117,6 +118,20 @@ def resolve_transformer_impl(transformer_impl: str = "auto") -> str:
             "materialises the full score matrix: short sequences only)"
         )
     return "local"
+
+
+def check_model_settings(transformer_impl: str, sequence_parallel: bool, tp: int) -> str:
+    """Startup check of model.transformer_impl and parallel.sequence_parallel (ModelConfigError
+    naming the key); returns the resolved transformer_impl. `build_model` calls it too."""
+    transformer_impl = resolve_transformer_impl(transformer_impl)
+    if sequence_parallel and tp > 1 and transformer_impl != "transformer_engine":
+        # megatron's local spec norm (torch RMSNorm) asserts it is not sequence-parallel
+        why = transformer_engine_status()[1] or "model.transformer_impl=local"
+        raise ModelConfigError(
+            f"parallel.sequence_parallel=true needs Transformer Engine ({why}); set "
+            "parallel.sequence_parallel=false or install the gpu extra"
+        )
+    return transformer_impl
 
 
 def _importable(module: str) -> bool:
@@ -301,14 +316,7 @@ def build_model(
     with `parallel.convert.load_hf_weights`. `critic=True` swaps the LM head for a ValueHead.
     `sequence_parallel=True` (TP > 1) needs Transformer Engine. Raises ModelConfigError for a
     setting this machine cannot build (see `resolve_transformer_impl`)."""
-    transformer_impl = resolve_transformer_impl(transformer_impl)
-    if sequence_parallel and mesh.tp > 1 and transformer_impl != "transformer_engine":
-        # megatron's local spec norm (torch RMSNorm) asserts it is not sequence-parallel
-        why = transformer_engine_status()[1] or "model.transformer_impl=local"
-        raise ModelConfigError(
-            f"parallel.sequence_parallel=true needs Transformer Engine ({why}); set "
-            "parallel.sequence_parallel=false or install the gpu extra"
-        )
+    transformer_impl = check_model_settings(transformer_impl, sequence_parallel, mesh.tp)
     config = transformer_config_from_hf(
         hf_config,
         tp=mesh.tp,

@@ -191,6 +191,9 @@ def test_sequence_parallel_without_te_names_the_key(fresh_te_status):
     config = Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
     with pytest.raises(pmodel.ModelConfigError, match="parallel.sequence_parallel"):
         pmodel.build_model(config, mesh, sequence_parallel=True)
+    with pytest.raises(pmodel.ModelConfigError, match="parallel.sequence_parallel"):
+        pmodel.check_model_settings("auto", sequence_parallel=True, tp=4)
+    assert pmodel.check_model_settings("auto", sequence_parallel=True, tp=1) == "local"
     # ... and it reaches the model config when asked for
     tc = pmodel.transformer_config_from_hf(config, tp=2, pp=1, sequence_parallel=True)
     assert tc.sequence_parallel
