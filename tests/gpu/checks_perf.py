@@ -111,9 +111,40 @@ def _peak_flops() -> float | None:
     return peak_bf16_flops(torch.cuda.get_device_name(0))
 
 
+class _CopyingConsumer:
+    """Takes weight buckets as an engine does: copies each tensor into its own preallocated
+    destination (allocated on first sight, outside the timed second sync)."""
+
+    def __init__(self) -> None:
+        self.targets: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in weights:
+            target = self.targets.get(name)
+            if target is None:
+                target = self.targets[name] = torch.empty_like(tensor)
+            target.copy_(tensor)
+
+
+def _sync_numbers(ctx: Context, actor) -> str:
+    from parallel.reshard import sync_weights
+    from tests.gpu.checks_engine import copy_floor_gbps
+
+    consumer = _CopyingConsumer()
+    sync_weights(actor.models, ctx.mesh, consumer, bucket_mb=512)  # allocates the targets
+    stats = sync_weights(actor.models, ctx.mesh, consumer, bucket_mb=512)
+    floor = copy_floor_gbps(stats.bytes)
+    return (
+        f"sync {stats.bytes / 1e9:.2f} GB in {stats.seconds * 1e3:.0f} ms = {stats.gbps:.0f} "
+        f"GB/s ({stats.gbps / floor * 100:.0f}% of the {floor:.0f} GB/s copy floor)"
+    )
+
+
 def check_throughput(ctx: Context) -> tuple[bool, str]:
     """fwd + bwd + AdamW (distributed optimizer, bf16, fp32 master) on 8 x 1024 tokens of random
-    ids, random weights; tokens/s and MFU against the data-sheet bf16 peak."""
+    ids, random weights; tokens/s and MFU against the data-sheet bf16 peak. Also the weight
+    sync of the same model (512 MB buckets) into a consumer that copies every tensor, in GB/s
+    against one device copy of the same bytes."""
     from transformers import Qwen2Config
 
     from parallel.model import transformer_engine_status
@@ -158,6 +189,7 @@ def check_throughput(ctx: Context) -> tuple[bool, str]:
             f"{name}: {tokens_per_s:,.0f} tokens/s, {flops / 1e12:.1f} TFLOP/s{mfu}, "
             f"{seconds * 1e3:.0f} ms/step, peak {peak_gb:.1f} GB"
             + ("" if finite else ", NON-FINITE LOSS")
+            + f"; {_sync_numbers(ctx, actor)}"
         )
         del actor, batch
         ctx.release_memory()
