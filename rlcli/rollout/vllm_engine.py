@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+from collections import deque
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -93,7 +94,8 @@ class VLLMEngine(RolloutEngine):
         self._weights_awake = True
         # Dummy weights, or weights discarded by a level-2 sleep: garbage until load_weights.
         self._weights_stale = load_format == "dummy"
-        self.calls: list[str] = []  # sleep / wake_up / load_weights / generate, in order
+        # The last calls of sleep / wake_up / load_weights / generate, in order (tests, logs).
+        self.calls: deque[str] = deque(maxlen=64)
 
         options = replica_options(tp, self.num_replicas, self._on_gpu)
         self._joins_world = "distributed_executor_backend" in options

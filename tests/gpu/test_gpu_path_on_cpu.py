@@ -84,7 +84,7 @@ def test_vllm_sleep_level_2_needs_a_sync_after_every_sleep_and_records_the_order
         engine.wake_up()
         again = engine.generate(PROMPTS, 1, greedy)
         assert [c[0].token_ids for c in again] == [c[0].token_ids for c in first]
-        assert engine.calls == [
+        assert list(engine.calls) == [
             "generate",
             "sleep",
             "wake_up",
