@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -67,20 +68,33 @@ def _run_cli(ctx: Context, steps: int, output_dir: str, timeout_s: int) -> tuple
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)  # the child builds its own world, not this process's
     start = time.perf_counter()
-    proc = subprocess.run(
-        cmd, cwd=REPO_ROOT_ENV, env=env, capture_output=True, text=True, timeout=timeout_s
+    # Own session: on a timeout the whole tree goes (the CLI's own children too).
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO_ROOT_ENV,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
-    return proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - start
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return -9, f"(killed after {timeout_s} s) {out}", time.perf_counter() - start
+    return proc.returncode, out, time.perf_counter() - start
 
 
 def check_cli_train_resume(ctx: Context) -> tuple[bool, str]:
     """`rlcli train recipes/quickstart.yaml` in bf16 for 4 steps (checkpoint at 2 and 4), then
     the same command to 6 steps: it must resume from step 4 by itself."""
     output_dir = str(ctx.work / "quickstart")
-    code, out, first_s = _run_cli(ctx, 4, output_dir, timeout_s=300)
+    code, out, first_s = _run_cli(ctx, 4, output_dir, timeout_s=110)
     if code != 0:
         return False, f"first run exited {code} after {first_s:.0f} s: ...{out[-1500:]}"
-    code, out2, second_s = _run_cli(ctx, 6, output_dir, timeout_s=300)
+    code, out2, second_s = _run_cli(ctx, 6, output_dir, timeout_s=80)
     if code != 0:
         return False, f"resumed run exited {code} after {second_s:.0f} s: ...{out2[-1500:]}"
     resumed = re.search(r"resumed from step (\d+)", out2)

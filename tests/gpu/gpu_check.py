@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 import traceback
@@ -39,6 +40,17 @@ CHECKS = [
     ("actor throughput and MFU (Qwen2-0.5B / 1.5B shapes)", check_throughput),
     ("memory per phase over three RL cycles (no growth)", check_memory_phases),
 ]
+
+
+CHECK_TIMEOUT_S = 200  # one check; the whole run must stay under 8 minutes on one GPU
+
+
+class CheckTimeout(Exception):
+    pass
+
+
+def _on_alarm(signum, frame) -> None:
+    raise CheckTimeout(f"the check ran over {CHECK_TIMEOUT_S} s and was stopped")
 
 
 class Log:
@@ -91,11 +103,14 @@ def main() -> int:
         if only and number not in only:
             continue
         t0 = time.perf_counter()
+        signal.signal(signal.SIGALRM, _on_alarm)
+        signal.alarm(CHECK_TIMEOUT_S)
         try:
             ok, detail = check(ctx)
         except Exception as error:  # noqa: BLE001 - report and go on to the next check
             ok, detail = False, _compact_traceback(error)
         finally:
+            signal.alarm(0)
             ctx.release_memory()
         status = "PASS" if ok else "FAIL"
         log(f"{number}. {status} {name} ({time.perf_counter() - t0:.1f} s): {detail}")
