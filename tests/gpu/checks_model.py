@@ -100,13 +100,17 @@ def check_actor(ctx: Context) -> tuple[bool, str]:
 
     # A fresh actor from other random weights takes the checkpoint and the same step.
     fresh = make_actor(ctx, hf_config, model_dir=None, distributed_optimizer=True, seed=99)
-    optimizer_kind = "dist-opt"
+    optimizer_kind, dist_resume_ok = "dist-opt", True
     try:
         load_checkpoint(ckpt, fresh.models, ctx.mesh, fresh.optimizer, fresh.scheduler)
-    except NotImplementedError:
-        # megatron-core restores distributed-optimizer state only with TE's / Apex's Adam:
+    except Exception as error:  # noqa: BLE001 - reported, then the plain optimizer is checked
+        # megatron-core restores distributed-optimizer state only with TE's / Apex's Adam
+        # (NotImplementedError up front); anything else is a failure worth seeing. Either way
         # repeat with the plain optimizer, which it restores everywhere.
-        optimizer_kind = "plain opt (dist-opt state needs TE/Apex Adam)"
+        known = isinstance(error, NotImplementedError)
+        dist_resume_ok = known
+        why = "needs TE/Apex Adam" if known else f"FAILED {type(error).__name__}: {error}"[:300]
+        optimizer_kind = f"plain opt (dist-opt state {why})"
         actor = make_actor(ctx, hf_config, model_dir=model_dir, distributed_optimizer=False)
         for _ in range(4):
             step(ctx, actor, batch)
@@ -144,4 +148,4 @@ def check_actor(ctx: Context) -> tuple[bool, str]:
         f"{reverted:.1e} without (checkpoint vs random init {scale:.1e}) "
         f"{'kept' if model_only_ok else 'REVERTED'}"
     )
-    return falls and resume_ok and model_only_ok, "; ".join(parts)
+    return falls and resume_ok and dist_resume_ok and model_only_ok, "; ".join(parts)
