@@ -271,3 +271,18 @@ def test_gpu_check_cpu_dry_run_passes(tmp_path):
     for number in (1, 2, 3, 5, 6):
         assert f"{number}. PASS" in log, log
     assert "with reload_master_weights" in log and "kept" in log
+
+
+@needs_vllm
+@pytest.mark.dist
+@pytest.mark.vllm
+def test_vllm_replicas_step_independently_under_torchrun(model_dir):
+    """4 ranks, rollout.tp=2: replica 0 generates three times while replica 1 never steps its
+    engine (point 2); with one vLLM data-parallel group replica 0 would hang."""
+    from tests.parallel.dist_utils import run_torchrun
+
+    out = run_torchrun(Path(__file__).with_name("replicas_worker.py"), 4, str(model_dir))
+    for rank in range(4):
+        replica = rank // 2
+        assert f"rank {rank} replica {replica} of 2: {[2, 2, 2] if replica == 0 else []}" in out
+        assert f"rank {rank} done" in out
