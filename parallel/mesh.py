@@ -2,7 +2,7 @@
 
 Public API (stable):
 
-    init_parallel(tp=1, pp=1, vpp=None, seed=1234, timeout_s=600) -> Mesh
+    init_parallel(tp=1, pp=1, vpp=None, seed=1234, timeout_s=1800) -> Mesh
     destroy_parallel() -> None
     ParallelLayoutError(ValueError)
     Mesh: frozen dataclass
@@ -124,7 +124,7 @@ def _check_layout(world_size: int, tp: int, pp: int, vpp: int | None) -> None:
 
 
 def init_parallel(
-    tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, timeout_s: int = 600
+    tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, timeout_s: int = 1800
 ) -> Mesh:
     """Initialise torch.distributed and megatron-core parallel state; see the module docstring.
 

@@ -4,9 +4,25 @@ Public API (stable):
 
     padded_vocab_size(vocab_size, tp) -> int
     transformer_config_from_hf(hf_config, *, tp, pp, vpp=None, dtype=torch.float32,
-                               sequence_parallel=False) -> TransformerConfig
-    build_model(hf_config, mesh, *, dtype=torch.float32, critic=False) -> list[torch.nn.Module]
+                               sequence_parallel=False, transformer_impl="local")
+        -> TransformerConfig
+    build_model(hf_config, mesh, *, dtype=torch.float32, critic=False, sequence_parallel=False,
+                transformer_impl="auto") -> list[torch.nn.Module]
+    resolve_transformer_impl(transformer_impl) -> "transformer_engine" | "local"
+    check_model_settings(transformer_impl, sequence_parallel, tp) -> resolved transformer_impl
+    transformer_engine_status() -> (importable, reason)
+    ModelConfigError(ValueError)   (message names the config key to change)
     ValueHead
+
+Transformer implementation (`model.transformer_impl`): "transformer_engine" uses TE's layers
+(fused attention, sequence parallelism, fused RoPE); "local" uses megatron's own torch layers,
+whose attention materialises the full [b, heads, s, s] score matrix (about 2 GB per layer at 5k
+tokens, micro-batch 2). "auto" takes TE when it imports and, on CPU, the local layers; on CUDA
+without a working TE it is an error, so a missing or broken TE never silently costs memory.
+TE is detected by importing it: a TE whose import fails (ABI mismatch with torch) is reported
+at startup with the import error, not deep inside the first forward.
+Fused kernels (gradient-accumulation, RoPE, bias-activation, masked-softmax fusion) are on
+exactly when their kernels are installed (see `fused_kernel_options`).
 
 Vocab padding rule: the embedding and output layer hold `padded_vocab_size(V, tp)` rows, V
 rounded up to a multiple of tp (each TP rank holds an equal slice). Rows >= V are zero on load
@@ -40,7 +56,8 @@ Forward call (megatron-core 0.16 - 0.19):
 
 from __future__ import annotations
 
-import importlib.util
+import functools
+import importlib
 from typing import Any
 
 import torch
@@ -56,7 +73,101 @@ from parallel.convert.registry import get_family
 from parallel.cpu_compat import device
 from parallel.mesh import Mesh, ParallelLayoutError
 
-HAVE_TRANSFORMER_ENGINE = importlib.util.find_spec("transformer_engine") is not None
+TRANSFORMER_IMPLS = ("auto", "transformer_engine", "local")
+
+
+class ModelConfigError(ValueError):
+    """A model setting this machine cannot run; the message names the config key."""
+
+
+@functools.cache
+def transformer_engine_status() -> tuple[bool, str]:
+    """(True, "") when `transformer_engine.pytorch` imports; else (False, why)."""
+    try:
+        importlib.import_module("transformer_engine.pytorch")
+    except ModuleNotFoundError as error:
+        if (error.name or "").startswith("transformer_engine"):
+            return False, "Transformer Engine is not installed"
+        return False, f"Transformer Engine is installed but fails to import: {error}"
+    except Exception as error:  # noqa: BLE001 - a broken TE raises anything (OSError, ImportError)
+        return False, f"Transformer Engine is installed but fails to import: {error}"
+    return True, ""
+
+
+def resolve_transformer_impl(transformer_impl: str = "auto") -> str:
+    """The layer implementation to build: "transformer_engine" or "local" (module docstring)."""
+    if transformer_impl not in TRANSFORMER_IMPLS:
+        raise ModelConfigError(
+            f"model.transformer_impl={transformer_impl!r}: choose one of {TRANSFORMER_IMPLS}"
+        )
+    if transformer_impl == "local":
+        return "local"
+    available, why = transformer_engine_status()
+    if available:
+        return "transformer_engine"
+    if transformer_impl == "transformer_engine":
+        raise ModelConfigError(
+            f"model.transformer_impl=transformer_engine but {why}; install the gpu extra "
+            "(pip install -e .[gpu]) or set model.transformer_impl=local"
+        )
+    if torch.cuda.is_available():
+        raise ModelConfigError(
+            f"{why}. On CUDA rlcli needs it for memory-efficient attention and sequence "
+            "parallelism: install the gpu extra (pip install -e .[gpu]), or set "
+            "model.transformer_impl=local to use megatron's local layers (attention then "
+            "materialises the full score matrix: short sequences only)"
+        )
+    return "local"
+
+
+def check_model_settings(transformer_impl: str, sequence_parallel: bool, tp: int) -> str:
+    """Startup check of model.transformer_impl and parallel.sequence_parallel (ModelConfigError
+    naming the key); returns the resolved transformer_impl. `build_model` calls it too."""
+    transformer_impl = resolve_transformer_impl(transformer_impl)
+    if sequence_parallel and tp > 1 and transformer_impl != "transformer_engine":
+        # megatron's local spec norm (torch RMSNorm) asserts it is not sequence-parallel
+        why = transformer_engine_status()[1] or "model.transformer_impl=local"
+        raise ModelConfigError(
+            f"parallel.sequence_parallel=true needs Transformer Engine ({why}); set "
+            "parallel.sequence_parallel=false or install the gpu extra"
+        )
+    return transformer_impl
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - a kernel extension that fails to load is absent
+        return False
+    return True
+
+
+def fused_kernel_options(transformer_impl: str) -> dict[str, bool]:
+    """Megatron's fusion switches, each on exactly when its kernel is installed (CUDA only).
+
+    gradient_accumulation_fusion: TE's linear layers, or apex's fused_weight_gradient_mlp_cuda
+    for the local ones; apply_rope_fusion: TE's fused RoPE; bias_activation_fusion: megatron's
+    own fused SwiGLU (torch.jit, any CUDA); masked_softmax_fusion: megatron's / apex's
+    scaled_upper_triang_masked_softmax_cuda (TE's attention fuses softmax itself).
+    """
+    if not torch.cuda.is_available():
+        return dict.fromkeys(
+            (
+                "gradient_accumulation_fusion",
+                "apply_rope_fusion",
+                "bias_activation_fusion",
+                "masked_softmax_fusion",
+            ),
+            False,
+        )
+    te = transformer_impl == "transformer_engine"
+    return {
+        "gradient_accumulation_fusion": te or _importable("fused_weight_gradient_mlp_cuda"),
+        "apply_rope_fusion": te,
+        "bias_activation_fusion": True,
+        "masked_softmax_fusion": _importable("scaled_upper_triang_masked_softmax_cuda"),
+    }
+
 
 # Llama 3.1-style RoPE scaling: megatron-core implements only these constants.
 _MEGATRON_LLAMA3_ROPE = {
@@ -104,8 +215,11 @@ def transformer_config_from_hf(
     vpp: int | None = None,
     dtype: torch.dtype = torch.float32,
     sequence_parallel: bool = False,
+    transformer_impl: str = "local",
 ) -> TransformerConfig:
-    """TransformerConfig equal in architecture to an HF Qwen2 / Llama config (dropout off)."""
+    """TransformerConfig equal in architecture to an HF Qwen2 / Llama config (dropout off).
+    `transformer_impl` is a resolved one ("transformer_engine" or "local"); it decides which
+    fused kernels are switched on."""
     family = get_family(hf_config.model_type)
     num_layers = hf_config.num_hidden_layers
     stages = pp * (vpp or 1)
@@ -149,6 +263,7 @@ def transformer_config_from_hf(
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         attention_softmax_in_fp32=True,
+        **fused_kernel_options(transformer_impl),
         **family.megatron_options(hf_config),
     )
 
@@ -181,9 +296,9 @@ class ValueHead(torch.nn.Module):
         return self.value(hidden_states).squeeze(-1), None
 
 
-def layer_spec(config: TransformerConfig):
-    """Transformer Engine layer spec when TE is installed, megatron's local spec otherwise."""
-    if HAVE_TRANSFORMER_ENGINE:
+def layer_spec(config: TransformerConfig, transformer_impl: str):
+    """Megatron's layer spec for a resolved `transformer_impl`."""
+    if transformer_impl == "transformer_engine":
         return get_gpt_layer_with_transformer_engine_spec()
     return get_gpt_layer_local_spec(normalization=config.normalization)
 
@@ -195,16 +310,13 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     critic: bool = False,
     sequence_parallel: bool = False,
+    transformer_impl: str = "auto",
 ) -> list[torch.nn.Module]:
     """GPTModel chunks for this rank (see module docstring); randomly initialised — load weights
     with `parallel.convert.load_hf_weights`. `critic=True` swaps the LM head for a ValueHead.
-    `sequence_parallel=True` (TP > 1) needs Transformer Engine."""
-    if sequence_parallel and mesh.tp > 1 and not HAVE_TRANSFORMER_ENGINE:
-        # megatron's local spec norm (torch RMSNorm) asserts it is not sequence-parallel
-        raise ValueError(
-            "sequence parallelism needs Transformer Engine (not installed); "
-            "set parallel.sequence_parallel to false"
-        )
+    `sequence_parallel=True` (TP > 1) needs Transformer Engine. Raises ModelConfigError for a
+    setting this machine cannot build (see `resolve_transformer_impl`)."""
+    transformer_impl = check_model_settings(transformer_impl, sequence_parallel, mesh.tp)
     config = transformer_config_from_hf(
         hf_config,
         tp=mesh.tp,
@@ -212,6 +324,7 @@ def build_model(
         vpp=mesh.vpp,
         dtype=dtype,
         sequence_parallel=sequence_parallel,
+        transformer_impl=transformer_impl,
     )
     tie = bool(getattr(hf_config, "tie_word_embeddings", False)) and not critic
     num_chunks = mesh.vpp or 1
@@ -220,7 +333,7 @@ def build_model(
         post_process = mesh.is_last_stage and vp_stage == num_chunks - 1
         chunk = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(config),
+            transformer_layer_spec=layer_spec(config, transformer_impl),
             vocab_size=padded_vocab_size(hf_config.vocab_size, mesh.tp),
             max_sequence_length=hf_config.max_position_embeddings,
             pre_process=mesh.is_first_stage and vp_stage == 0,
@@ -233,6 +346,10 @@ def build_model(
             chunk.output_layer = ValueHead(config)
         chunk.unpadded_vocab_size = hf_config.vocab_size
         chunk.hf_config = hf_config  # lets parallel.convert export without being handed it
-        chunk.to(device=device())
+        # Every parameter in the model dtype, as megatron's Float16Module makes it: megatron's
+        # local-spec norms are created in fp32 whatever params_dtype says, and a bf16 model
+        # with fp32 norms breaks the bf16 optimizers' checkpoints (their sharded state dicts
+        # assume one dtype per model).
+        chunk.to(device=device(), dtype=dtype)
         chunks.append(chunk)
     return chunks

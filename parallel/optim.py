@@ -203,3 +203,14 @@ def _mean_metrics(per_micro_batch: list[dict[str, float]]) -> dict[str, float]:
         / sum(1 for m in per_micro_batch if name in m)
         for name in sorted(names)
     }
+
+
+def reload_master_weights(optimizer: MegatronOptimizer) -> None:
+    """Copy the model's current weights into the optimizer's fp32 master copy.
+
+    bf16 / fp16 and distributed optimizers keep fp32 master weights and write them back into
+    the model after every step. After model weights were loaded without optimizer state (a
+    model-only resume, or new weights from elsewhere) call this, or the next step silently
+    reverts the model to the master copy's old values. A no-op for plain fp32 optimizers.
+    """
+    optimizer.reload_model_params()  # a ChainedOptimizer forwards it to each of its parts

@@ -128,9 +128,11 @@ def _gather_full(bucket: _Bucket, by_name: dict[str, ParamMapping], mesh: Mesh) 
     gathered = None
     if sharded:
         local = torch.cat([by_name[e.global_name].param.detach().reshape(-1) for e in sharded])
-        gathered = torch.empty(tp, local.numel(), dtype=local.dtype, device=local.device)
-        # Row views of one buffer: one collective (gloo lacks all_gather_into_tensor).
-        dist.all_gather(list(gathered.unbind(0)), local, group=mesh.tp_group)
+        gathered = torch.empty(tp * local.numel(), dtype=local.dtype, device=local.device)
+        # One collective straight into one flat buffer (NCCL's native all-gather; a list of
+        # outputs would cost NCCL an extra copy). gloo takes this flat form too.
+        dist.all_gather_into_tensor(gathered, local, group=mesh.tp_group)
+        gathered = gathered.view(tp, local.numel())
     total = sum(e.full_numel(tp) for e in bucket.entries)
     flat = torch.empty(total, dtype=bucket.dtype, device=device())
     offset, shard_offset = 0, 0

@@ -55,6 +55,9 @@ class ModelConfig:
     tokenizer_path: Optional[str] = None  # defaults to model.path
     dtype: str = "float32"  # float32 | bfloat16 | float16
     build: bool = False  # build model.spec locally into model.path when it does not exist yet
+    # auto | transformer_engine | local. auto: TE where it imports; on CUDA without a working TE
+    # startup fails unless local (memory-hungry attention) is chosen explicitly.
+    transformer_impl: str = "auto"
     spec: ModelBuildConfig = field(default_factory=ModelBuildConfig)
 
 
@@ -64,8 +67,9 @@ class ParallelConfig:
     pp: int = 1  # pipeline parallel size
     vpp: Optional[int] = None  # virtual pipeline stages per rank (interleaved schedule)
     dp: Optional[int] = None  # derived: world_size // (tp * pp); set it only to assert a value
-    sequence_parallel: bool = False
+    sequence_parallel: bool = False  # needs Transformer Engine and tp > 1
     use_distributed_optimizer: bool = False
+    timeout_minutes: int = 30  # process-group timeout (long rollouts, large checkpoint gathers)
 
 
 @dataclass
@@ -83,6 +87,10 @@ class RolloutConfig:
     kv_cache_gb: float = 1.0  # CPU only: resident KV cache per engine
     enforce_eager: bool = True
     sync_bucket_mb: int = 64
+    sleep_level: int = 1  # GPU vLLM: 1 offloads weights to host, 2 discards them (sync on wake)
+    # vLLM start weights: dummy (no checkpoint read; the trainer syncs from Megatron right after
+    # the engine starts, which also proves the sync path) | auto (read model.path)
+    load_format: str = "dummy"
     val_temperature: float = 0.0  # greedy validation
     val_n: int = 1
 

@@ -28,6 +28,9 @@ DEFAULT_SLURM_TEMPLATE = SLURM_TEMPLATE_DIR / "torchrun.sbatch.j2"
 _SLURM_TIME_RE = re.compile(r"^(?:(\d+)-)?(\d{1,3}):(\d{2}):(\d{2})$")
 # Names that end up on an #SBATCH line, which Slurm reads without any shell quoting.
 _SBATCH_WORD_RE = re.compile(r"^[A-Za-z0-9_.,:@+=/%-]+$")
+# torchrun restarts of a multi-node job (a node's failure restarts every rank; training then
+# resumes from its last checkpoint).
+DEFAULT_MAX_RESTARTS = 3
 
 
 def torchrun_prefix() -> list[str]:
@@ -83,6 +86,9 @@ class SlurmJob:
 
     ``gpus_per_node`` may be 0 for CPU clusters; ``nproc_per_node`` defaults to it (one rank per
     GPU). ``sbatch_options`` are extra ``#SBATCH`` flags such as ``--qos=high``.
+    ``network_interface`` (None: detected in the script) becomes NCCL_SOCKET_IFNAME and
+    GLOO_SOCKET_IFNAME; ``max_restarts`` is torchrun's; ``requeue`` asks Slurm for USR1
+    ``signal_seconds`` before preemption / the time limit and requeues the job then.
     """
 
     job_name: str
@@ -96,6 +102,10 @@ class SlurmJob:
     log_dir: Path = Path("slurm_logs")
     workdir: Path = field(default_factory=Path.cwd)
     sbatch_options: tuple[str, ...] = ()
+    network_interface: str | None = None
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    requeue: bool = True
+    signal_seconds: int = 120
 
     @property
     def processes_per_node(self) -> int:
@@ -107,6 +117,8 @@ class SlurmJob:
         _validate_positive("--gpus-per-node", self.gpus_per_node, minimum=0)
         _validate_positive("--nproc-per-node", self.nproc_per_node)
         _validate_positive("--cpus-per-task", self.cpus_per_task)
+        _validate_positive("--max-restarts", self.max_restarts, minimum=0)
+        _validate_sbatch_word("--network-interface", self.network_interface)
         if self.processes_per_node < 1:
             raise UserError(
                 "--gpus-per-node is 0 (a CPU job): give --nproc-per-node, the processes per node."
@@ -154,6 +166,10 @@ def render_sbatch_script(
         time=job.time,
         log_dir=str(job.log_dir.resolve()),
         sbatch_options=list(job.sbatch_options),
+        network_interface=job.network_interface,
+        max_restarts=job.max_restarts,
+        requeue=job.requeue,
+        signal_seconds=job.signal_seconds,
         workdir=shlex.quote(str(job.workdir.resolve())),
         torchrun=shlex.join(torchrun_prefix()),
         program=shlex.join(program_args),
@@ -190,7 +206,20 @@ def submit_sbatch(script_path: str | os.PathLike[str], env: Mapping[str, str] | 
     return completed.stdout.strip().split(";")[0]
 
 
-def local_torchrun_command(nproc: int, program_args: Sequence[str]) -> list[str]:
-    """``torchrun --standalone --nproc_per_node N <program_args>`` for one machine."""
+def local_torchrun_command(
+    nproc: int, program_args: Sequence[str], max_restarts: int = 0
+) -> list[str]:
+    """``torchrun --standalone --nproc_per_node N --max-restarts R <program_args>`` for one
+    machine. Locally R defaults to 0: a failure here is usually a bug or a config error, which
+    a restart would only repeat."""
     _validate_positive("--nproc", nproc)
-    return [*torchrun_prefix(), "--standalone", "--nproc_per_node", str(nproc), *program_args]
+    _validate_positive("--max-restarts", max_restarts, minimum=0)
+    return [
+        *torchrun_prefix(),
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        "--max-restarts",
+        str(max_restarts),
+        *program_args,
+    ]

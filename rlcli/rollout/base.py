@@ -82,6 +82,12 @@ class RolloutEngine(ABC):
     def close(self) -> None:
         """Free the engine; it cannot be used afterwards."""
 
+    @property
+    def needs_weight_sync(self) -> bool:
+        """True while the engine's weights are not the policy's (started with dummy weights, or
+        discarded by a level-2 sleep): the trainer must sync before the next `generate`."""
+        return False
+
 
 def read_hf_config(model_dir: str) -> dict:
     """config.json of an HF model directory; a UserError naming `model.path` when missing."""
@@ -118,11 +124,16 @@ def make_engine(
     kv_cache_gb: float = 1.0,
     enforce_eager: bool = True,
     max_model_len: int | None = None,
+    sleep_level: int = 1,
+    load_format: str | None = None,
 ) -> RolloutEngine:
     """Build the rollout engine `kind` ("vllm" or "hf") for the model in `model_dir`.
 
     Under torchrun every rank calls this: ranks form replicas of `tp` ranks (see
     `rollout_replicas`); `seed` is the run's seed, engines space their request seeds per replica.
+    vLLM only: `sleep_level` (rollout.sleep_level, 1 or 2) and `load_format` (rollout.load_format;
+    None: "dummy" on GPU, "auto" on CPU): see `vllm_engine`. With level 2 or dummy weights, sync
+    whenever `engine.needs_weight_sync` before `generate`.
     """
     if kind not in ENGINE_KINDS:
         raise UserError(f"rollout.engine={kind!r} is not an engine; choose one of {ENGINE_KINDS}")
@@ -144,6 +155,8 @@ def make_engine(
             kv_cache_gb=kv_cache_gb,
             enforce_eager=enforce_eager,
             max_model_len=max_model_len,
+            sleep_level=sleep_level,
+            load_format=load_format,
         )
     if tp != 1:
         raise UserError(

