@@ -5,7 +5,8 @@ Public API (stable):
     padded_vocab_size(vocab_size, tp) -> int
     transformer_config_from_hf(hf_config, *, tp, pp, vpp=None, dtype=torch.float32,
                                sequence_parallel=False) -> TransformerConfig
-    build_model(hf_config, mesh, *, dtype=torch.float32, critic=False) -> list[torch.nn.Module]
+    build_model(hf_config, mesh, *, dtype=torch.float32, critic=False, sequence_parallel=False,
+                recompute=None) -> list[torch.nn.Module]
     ValueHead
 
 Vocab padding rule: the embedding and output layer hold `padded_vocab_size(V, tp)` rows, V
@@ -104,8 +105,11 @@ def transformer_config_from_hf(
     vpp: int | None = None,
     dtype: torch.dtype = torch.float32,
     sequence_parallel: bool = False,
+    recompute: dict[str, Any] | None = None,
 ) -> TransformerConfig:
-    """TransformerConfig equal in architecture to an HF Qwen2 / Llama config (dropout off)."""
+    """TransformerConfig equal in architecture to an HF Qwen2 / Llama config (dropout off).
+    `recompute`: megatron's activation-recomputation fields (`recompute_granularity`,
+    `recompute_method`, `recompute_num_layers`), see `parallel.memory_plan.recompute_options`."""
     family = get_family(hf_config.model_type)
     num_layers = hf_config.num_hidden_layers
     stages = pp * (vpp or 1)
@@ -150,6 +154,7 @@ def transformer_config_from_hf(
         fp16=dtype == torch.float16,
         attention_softmax_in_fp32=True,
         **family.megatron_options(hf_config),
+        **(recompute or {}),
     )
 
 
@@ -195,10 +200,12 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     critic: bool = False,
     sequence_parallel: bool = False,
+    recompute: dict[str, Any] | None = None,
 ) -> list[torch.nn.Module]:
     """GPTModel chunks for this rank (see module docstring); randomly initialised — load weights
     with `parallel.convert.load_hf_weights`. `critic=True` swaps the LM head for a ValueHead.
-    `sequence_parallel=True` (TP > 1) needs Transformer Engine."""
+    `sequence_parallel=True` (TP > 1) needs Transformer Engine. `recompute`: activation
+    recomputation fields for TransformerConfig (see `transformer_config_from_hf`)."""
     if sequence_parallel and mesh.tp > 1 and not HAVE_TRANSFORMER_ENGINE:
         # megatron's local spec norm (torch RMSNorm) asserts it is not sequence-parallel
         raise ValueError(
@@ -212,6 +219,7 @@ def build_model(
         vpp=mesh.vpp,
         dtype=dtype,
         sequence_parallel=sequence_parallel,
+        recompute=recompute,
     )
     tie = bool(getattr(hf_config, "tie_word_embeddings", False)) and not critic
     num_chunks = mesh.vpp or 1
