@@ -220,20 +220,34 @@ def optimizer_bytes(model: TrainedModel, *, distributed: bool | None = None) -> 
     )
 
 
-def _layer_activation_bytes(model: TrainedModel, *, recompute_attention: bool) -> int:
-    """Saved activations of one layer for one micro-batch [KORT Table 2], generalised from GPT's
-    4h GeLU MLP and full multi-head attention to SwiGLU (fc1 out 2f, fc2 in f) and GQA (QKV out
-    (a + 2g) * d), without dropout masks (dropout is off). Terms outside TP regions (the two norm
-    inputs, QKV and fc1 inputs: 4 * s*b*h) divide by t only with sequence parallelism."""
+def layer_activation_bytes(model: TrainedModel, *, recompute_attention: bool) -> int:
+    """Bytes one transformer layer saves for backward for one micro-batch, after [KORT] Table 2,
+    generalised to SwiGLU (fc1 output 2f, fc2 input f) and GQA, without dropout masks (dropout
+    is off), per token:
+
+      Transformer Engine (fused norm+linear, flash attention): norms 2 x (input, normed output)
+        = 4h; attention q, k, v (a + 2g) * d and its output a * d; MLP 3f.
+      megatron's local spec (torch RMSNorm, unfused attention), counted tensor by tensor with
+        torch.autograd.graph.saved_tensors_hooks on a real layer: norms 2 x (input, normed,
+        weighted) = 6h; q, and k and v expanded to a heads for the bmm, and the output: 4 * a*d;
+        the softmax output a * s per token (the s^2 term); MLP 5f (fc1 out 2f, gate, up, silu
+        out, product).
+    Selective recomputation of core attention keeps only its inputs and output instead: the
+    roped q and k ((a + g) * d), v (a view that keeps the whole fused QKV output, (a + 2g) * d,
+    alive) and the output a * d. Terms over heads and ffn are inside TP regions (divide by t); the h terms
+    divide by t only with sequence parallelism."""
     s, b, e, t = model.seq_len, model.micro_batch_size, DTYPE_BYTES[model.dtype], model.tp
     sh = model.shape
-    outside = 4 * sh.hidden / (t if model.sequence_parallel else 1)
-    inside = ((sh.heads + 2 * sh.kv_heads) * sh.head_dim + 2 * sh.heads * sh.head_dim) / t
-    inside += 3 * sh.ffn / t
-    total = s * b * e * (outside + inside)
-    if not model.flash_attention and not recompute_attention:
-        total += 2 * sh.heads * s * s * b * e / t  # softmax output kept for backward [KORT]
-    return int(total)
+    qkv, attn_out = (sh.heads + 2 * sh.kv_heads) * sh.head_dim, sh.heads * sh.head_dim
+    if model.flash_attention:
+        outside, inside = 4 * sh.hidden, qkv + attn_out + 3 * sh.ffn
+    else:
+        outside = 6 * sh.hidden
+        kv = sh.kv_heads * sh.head_dim
+        attention = qkv + kv + 2 * attn_out if recompute_attention else 4 * attn_out + sh.heads * s
+        inside = attention + 5 * sh.ffn
+    outside /= t if model.sequence_parallel else 1
+    return int(s * b * e * (outside + inside / t))
 
 
 def logits_bytes(model: TrainedModel, micro_batch_size: int | None = None) -> int:
@@ -249,7 +263,7 @@ def logits_bytes(model: TrainedModel, micro_batch_size: int | None = None) -> in
 def activation_bytes(model: TrainedModel) -> int:
     """Peak saved activations of one training micro-batch schedule on the busiest stage [KORT]."""
     layers = model.shape.layers // model.pp
-    full_layer = _layer_activation_bytes(model, recompute_attention=model.recompute != "none")
+    full_layer = layer_activation_bytes(model, recompute_attention=model.recompute != "none")
     layer_input = (
         model.seq_len
         * model.micro_batch_size
@@ -276,7 +290,7 @@ def forward_only_bytes(model: TrainedModel, micro_batch_size: int) -> int:
     """Log-prob / value forward: nothing is saved for backward; one layer's working set and the
     logits of one micro-batch."""
     one = dataclasses.replace(model, micro_batch_size=micro_batch_size, recompute="none")
-    return _layer_activation_bytes(one, recompute_attention=False) + logits_bytes(one)
+    return layer_activation_bytes(one, recompute_attention=False) + logits_bytes(one)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,7 +29,9 @@ from transformers import AutoConfig
 from parallel.convert import load_hf_weights
 from parallel.memory_plan import (
     ModelShape,
+    TrainedModel,
     grad_numel_bytes,
+    layer_activation_bytes,
     optimizer_state_numel,
     recompute_options,
     stage_params,
@@ -186,6 +188,53 @@ def check_recompute(mesh, hf_config, hf_dir) -> dict:
     return numbers
 
 
+def measured_layer_activations(models, input_ids: torch.Tensor) -> int:
+    """Bytes the decoder layers save for backward in one forward (distinct storages, parameters
+    excluded), read with torch.autograd.graph.saved_tensors_hooks."""
+    params = {p.untyped_storage().data_ptr() for c in models for p in c.parameters()}
+    where, seen = ["outside"], {}
+    for chunk in models:
+        for layer in chunk.decoder.layers:
+            layer.register_forward_pre_hook(lambda *_: where.__setitem__(0, "layer"))
+            layer.register_forward_hook(lambda *_: where.__setitem__(0, "outside"))
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params and storage.data_ptr() not in seen:
+            seen[storage.data_ptr()] = storage.nbytes() if where[0] == "layer" else 0
+        return tensor
+
+    positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        models[0](input_ids, positions, attention_mask=None)
+    return sum(seen.values())
+
+
+def check_activation_estimate(mesh, hf_config, hf_dir) -> dict:
+    """memory_plan's per-layer activation bytes (local spec) against the saved tensors."""
+    shape = ModelShape.from_hf_config(json.loads((Path(hf_dir) / "config.json").read_text()))
+    input_ids = torch.randint(0, hf_config.vocab_size, (2, 48), generator=torch.Generator())
+    numbers = {}
+    for mode in ("none", "selective"):
+        torch.manual_seed(5)
+        models = build_model(hf_config, mesh, recompute=recompute_options(mode))
+        measured = measured_layer_activations(models, input_ids)
+        planned = TrainedModel(
+            shape,
+            dtype="float32",
+            tp=mesh.tp,
+            micro_batch_size=2,
+            seq_len=48,
+            flash_attention=False,
+        )
+        estimate = shape.layers * layer_activation_bytes(
+            planned, recompute_attention=mode != "none"
+        )
+        numbers[f"{mode}_measured_over_plan"] = measured / estimate
+        assert abs(measured / estimate - 1) < 0.10, numbers
+    return numbers
+
+
 def main() -> None:
     hf_dir = sys.argv[1]
     hf_config = AutoConfig.from_pretrained(hf_dir)
@@ -206,6 +255,7 @@ def main() -> None:
                     )
         if pp == 1:
             numbers = check_recompute(mesh, hf_config, hf_dir)
+            numbers.update(check_activation_estimate(mesh, hf_config, hf_dir))
             if dist.get_rank() == 0:
                 print(f"RECOMPUTE tp={tp} dp={mesh.dp}: {numbers}", flush=True)
         parallel_state.destroy_model_parallel()
