@@ -12,6 +12,7 @@ host <-> device copy). On CPU it runs the same steps and prints the plan and tra
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -20,6 +21,7 @@ from transformers import Qwen2Config
 
 from parallel.memory_plan import (
     KNOWN_SHAPES,
+    ModelShape,
     TrainedModel,
     activation_bytes,
     forward_only_bytes,
@@ -32,12 +34,16 @@ from parallel.model import HAVE_TRANSFORMER_ENGINE, build_model
 from parallel.offload import Offloader
 from parallel.optim import build_optimizer, train_step, wrap_for_training
 
-MICRO_BATCH, SEQ, MICRO_BATCHES = 4, 1024, 2
+MICRO_BATCH = int(os.environ.get("PROBE_MICRO_BATCH", 4))
+SEQ = int(os.environ.get("PROBE_SEQ", 1024))
+MICRO_BATCHES = 2
 CUDA = torch.cuda.is_available()
+# "tiny" (tests' shape) lets the probe itself be tried on CPU
+SHAPES = {**KNOWN_SHAPES, "tiny": ModelShape(64, 4, 4, 2, 16, 96, 251, False, True)}
 
 
 def hf_config(name: str) -> Qwen2Config:
-    s = KNOWN_SHAPES[name]
+    s = SHAPES[name]
     return Qwen2Config(
         hidden_size=s.hidden,
         num_hidden_layers=s.layers,
@@ -86,14 +92,14 @@ def probe(name: str, mesh) -> None:
     models = wrap_for_training(models, mesh)
     optimizer, scheduler = build_optimizer(models, lr=1e-5, total_steps=10)
     plan = TrainedModel(
-        KNOWN_SHAPES[name],
+        SHAPES[name],
         dtype="bfloat16",
         micro_batch_size=MICRO_BATCH,
         seq_len=SEQ,
         num_micro_batches=MICRO_BATCHES,
         flash_attention=HAVE_TRANSFORMER_ENGINE,
     )
-    vocab = KNOWN_SHAPES[name].vocab
+    vocab = SHAPES[name].vocab
     micro = [
         {
             "input_ids": torch.randint(0, vocab, (MICRO_BATCH, SEQ), device=mesh_device()),
@@ -135,9 +141,6 @@ def probe(name: str, mesh) -> None:
         f"(floor {h2d:.3f} s)",
         flush=True,
     )
-    del models, optimizer, offloader
-    if CUDA:
-        torch.cuda.empty_cache()
 
 
 def mesh_device() -> torch.device:
@@ -156,7 +159,9 @@ def report(name: str, what: str, measured: int, planned: int) -> None:
 def main() -> None:
     mesh = init_parallel(tp=1, pp=1, seed=1)
     for name in sys.argv[1:] or ["qwen2.5-0.5b", "qwen2.5-1.5b"]:
-        probe(name, mesh)
+        probe(name, mesh)  # its model and optimizer are freed on return
+        if CUDA:
+            torch.cuda.empty_cache()
     print("PROBE_OK", flush=True)
 
 
