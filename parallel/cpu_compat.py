@@ -27,6 +27,9 @@ What it redirects, and why (megatron-core 0.16 - 0.19 read as ground truth):
   all work is synchronous, so waiting is a no-op.
 * `torch.cuda.nvtx.range_push/range_pop` -> no-op (profiling markers).
 * `torch.Tensor.pin_memory()` / `pin_memory=True` -> ignored (pinning needs a CUDA context).
+* megatron's activation recomputation (`tensor_parallel.CheckpointFunction.backward`) re-runs
+  the forward inside autograd's backward, where torch does not carry torch-function modes over:
+  its backward enters the device mode again (else `device="cuda"` in the rerun fails).
 
 Use `device()` for the torch.device that training code should place tensors on.
 """
@@ -187,6 +190,14 @@ def enable_cpu_compat() -> None:
     cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
     cuda.nvtx.range_push = _noop
     cuda.nvtx.range_pop = _noop
+
+    checkpoint_backward = megatron_random.CheckpointFunction.backward
+
+    def _backward_on_cpu(ctx: Any, *args: Any) -> Any:
+        with _CudaToCpuMode():
+            return checkpoint_backward(ctx, *args)
+
+    megatron_random.CheckpointFunction.backward = staticmethod(_backward_on_cpu)
 
     # Entered and never exited: the mode stays on this thread's torch-function stack for the
     # life of the process, which is what "run megatron on CPU" means.

@@ -4,10 +4,10 @@ Public API (stable):
 
     padded_vocab_size(vocab_size, tp) -> int
     transformer_config_from_hf(hf_config, *, tp, pp, vpp=None, dtype=torch.float32,
-                               sequence_parallel=False, transformer_impl="local")
-        -> TransformerConfig
+                               sequence_parallel=False, transformer_impl="local",
+                               recompute=None) -> TransformerConfig
     build_model(hf_config, mesh, *, dtype=torch.float32, critic=False, sequence_parallel=False,
-                transformer_impl="auto") -> list[torch.nn.Module]
+                transformer_impl="auto", recompute=None) -> list[torch.nn.Module]
     resolve_transformer_impl(transformer_impl) -> "transformer_engine" | "local"
     check_model_settings(transformer_impl, sequence_parallel, tp) -> resolved transformer_impl
     transformer_engine_status() -> (importable, reason)
@@ -216,10 +216,13 @@ def transformer_config_from_hf(
     dtype: torch.dtype = torch.float32,
     sequence_parallel: bool = False,
     transformer_impl: str = "local",
+    recompute: dict[str, Any] | None = None,
 ) -> TransformerConfig:
     """TransformerConfig equal in architecture to an HF Qwen2 / Llama config (dropout off).
     `transformer_impl` is a resolved one ("transformer_engine" or "local"); it decides which
-    fused kernels are switched on."""
+    fused kernels are switched on. `recompute`: megatron's activation-recomputation fields
+    (`recompute_granularity`, `recompute_method`, `recompute_num_layers`), see
+    `parallel.memory_plan.recompute_options`."""
     family = get_family(hf_config.model_type)
     num_layers = hf_config.num_hidden_layers
     stages = pp * (vpp or 1)
@@ -265,6 +268,7 @@ def transformer_config_from_hf(
         attention_softmax_in_fp32=True,
         **fused_kernel_options(transformer_impl),
         **family.megatron_options(hf_config),
+        **(recompute or {}),
     )
 
 
@@ -311,11 +315,13 @@ def build_model(
     critic: bool = False,
     sequence_parallel: bool = False,
     transformer_impl: str = "auto",
+    recompute: dict[str, Any] | None = None,
 ) -> list[torch.nn.Module]:
     """GPTModel chunks for this rank (see module docstring); randomly initialised — load weights
     with `parallel.convert.load_hf_weights`. `critic=True` swaps the LM head for a ValueHead.
-    `sequence_parallel=True` (TP > 1) needs Transformer Engine. Raises ModelConfigError for a
-    setting this machine cannot build (see `resolve_transformer_impl`)."""
+    `sequence_parallel=True` (TP > 1) needs Transformer Engine. `recompute`: activation
+    recomputation fields for TransformerConfig. Raises ModelConfigError for a setting this
+    machine cannot build (see `resolve_transformer_impl`)."""
     transformer_impl = check_model_settings(transformer_impl, sequence_parallel, mesh.tp)
     config = transformer_config_from_hf(
         hf_config,
@@ -325,6 +331,7 @@ def build_model(
         dtype=dtype,
         sequence_parallel=sequence_parallel,
         transformer_impl=transformer_impl,
+        recompute=recompute,
     )
     tie = bool(getattr(hf_config, "tie_word_embeddings", False)) and not critic
     num_chunks = mesh.vpp or 1

@@ -16,6 +16,7 @@ import typer
 from rlcli.commands.benchmark import benchmark_command
 from rlcli.commands.convert import convert_app
 from rlcli.commands.launch import launch_app
+from rlcli.commands.plan import plan_command
 from rlcli.errors import USER_ERROR_EXIT_CODE, UserError
 
 app = typer.Typer(
@@ -33,6 +34,7 @@ app.add_typer(data_app, name="data")
 app.add_typer(launch_app, name="launch")
 app.add_typer(convert_app, name="convert")
 app.command("benchmark")(benchmark_command)
+app.command("plan")(plan_command)
 
 RECIPE = typer.Argument(..., help="Recipe YAML, e.g. recipes/quickstart.yaml")
 OVERRIDES = typer.Argument(None, help="Dot-list overrides, e.g. actor.lr=1e-5 parallel.tp=2")

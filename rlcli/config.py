@@ -118,6 +118,13 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
+    # Memory (see `rlcli plan`): move state to pinned host memory while vLLM generates
+    offload_params: bool = False  # weights: back before the log-prob forward
+    offload_grads: bool = False  # gradient buffers: back (zeroed) before the update
+    offload_optimizer: bool = False  # fp32 master weights + Adam moments: back before the update
+    recompute: str = "none"  # activation recomputation: none | selective | full
+    recompute_method: str = "uniform"  # full only: uniform | block (megatron-core's)
+    recompute_num_layers: int = 1  # full only: layers per group (uniform) / per stage (block)
 
 
 @dataclass

@@ -36,6 +36,8 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
     _choice("rollout.engine", cfg.rollout.engine, ["vllm", "hf"])
     _choice("model.dtype", cfg.model.dtype, ["float32", "bfloat16", "float16"])
     _choice("actor.lr_decay_style", cfg.actor.lr_decay_style, ["constant", "linear", "cosine"])
+    _choice("actor.recompute", cfg.actor.recompute, ["none", "selective", "full"])
+    _choice("actor.recompute_method", cfg.actor.recompute_method, ["uniform", "block"])
     _choice("algorithm.kl_ctrl.type", cfg.algorithm.kl_ctrl.type, ["fixed", "adaptive"])
     _choice("data.synthetic", cfg.data.synthetic, [None, "arith"])
     _choice(
@@ -62,6 +64,7 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
         "rollout.sync_bucket_mb": cfg.rollout.sync_bucket_mb,
         "actor.micro_batch_size": cfg.actor.micro_batch_size,
         "actor.ppo_epochs": cfg.actor.ppo_epochs,
+        "actor.recompute_num_layers": cfg.actor.recompute_num_layers,
         "checkpoint.keep_last": cfg.checkpoint.keep_last,
     }
     for key, value in positive.items():
