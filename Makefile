@@ -45,7 +45,7 @@ format: install
 	$(BIN)/ruff check --fix .
 
 benchmark: install
-	$(BIN)/rlcli benchmark
+	$(BIN)/python -m benchmarks
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -334,7 +334,7 @@ PHASE_ORDER = ("gen", "reward", "gather", "old_log_prob", "ref", "adv", "update"
 
 
 def grpo_section(workload: Workload, work_dir: Path) -> dict:
-    from rlcli.config import load_config
+    from rlcli.config_loader import load_config
     from rlcli.loop import run_training
     from rlcli.metrics import METRICS_FILE_NAME, read_metrics_jsonl
 

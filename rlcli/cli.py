@@ -1,4 +1,4 @@
-"""The ``rlcli`` command line: train, sft, config, convert, data, export, launch, benchmark.
+"""The ``rlcli`` command line: train, sft, config, convert, data, export, launch.
 
 Heavy imports (torch, megatron-core, vLLM) happen inside the commands, so ``rlcli --help`` and
 ``rlcli config show`` answer in a fraction of a second.
@@ -13,7 +13,6 @@ from typing import Optional
 
 import typer
 
-from rlcli.commands.benchmark import benchmark_command
 from rlcli.commands.convert import convert_app
 from rlcli.commands.launch import launch_app
 from rlcli.errors import USER_ERROR_EXIT_CODE, UserError
@@ -32,7 +31,6 @@ app.add_typer(config_app, name="config")
 app.add_typer(data_app, name="data")
 app.add_typer(launch_app, name="launch")
 app.add_typer(convert_app, name="convert")
-app.command("benchmark")(benchmark_command)
 
 RECIPE = typer.Argument(..., help="Recipe YAML, e.g. recipes/quickstart.yaml")
 OVERRIDES = typer.Argument(None, help="Dot-list overrides, e.g. actor.lr=1e-5 parallel.tp=2")
@@ -48,7 +46,7 @@ def _under_torchrun() -> bool:
 def _load_under_torchrun(recipe: Path, overrides: Optional[list[str]], nproc: int):
     """The validated config; with ``--nproc N`` outside torchrun, first re-execute this very
     command under torchrun on N local processes (each of which loads the config again)."""
-    from rlcli.config import load_config
+    from rlcli.config_loader import load_config
 
     cfg = load_config(recipe, overrides or [])
     if nproc != 1 and not _under_torchrun():
@@ -112,7 +110,8 @@ def export(
 @config_app.command("show")
 def config_show(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES):
     """Print the fully resolved config (defaults <- recipe <- overrides)."""
-    from rlcli.config import load_config, to_yaml
+    from rlcli.config import to_yaml
+    from rlcli.config_loader import load_config
 
     typer.echo(to_yaml(load_config(recipe, overrides or [])), nl=False)
 
@@ -126,7 +125,7 @@ def config_validate(
     ),
 ):
     """Check a recipe without running it; exit code 2 and a message naming the key if it is wrong."""
-    from rlcli.config import load_config
+    from rlcli.config_loader import load_config
     from rlcli.config_validation import derive_dp, validate
 
     cfg = load_config(recipe, overrides or [])

@@ -110,7 +110,8 @@ def needs_reference(cfg: RLConfig) -> bool:
 
 
 def build_engine(c: Components):
-    from rlcli.rollout.base import make_engine, rollout_replicas
+    from rlcli.rollout.base import rollout_replicas
+    from rlcli.rollout.factory import make_engine
 
     r = c.cfg.rollout
     index, count = rollout_replicas(c.mesh.world_size, c.mesh.rank, r.tp)

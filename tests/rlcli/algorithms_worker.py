@@ -11,7 +11,7 @@ import sys
 
 import algorithms
 from rlcli import components as comp
-from rlcli.config import load_config
+from rlcli.config_loader import load_config
 from rlcli.data import PromptLoader
 from rlcli.policy import MegatronPolicy
 from rlcli.trainer import Run, rl_step

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlcli.batch import Sample, collate
-from rlcli.config import load_config
+from rlcli.config_loader import load_config
 from rlcli.ppo import update_actor
 
 
