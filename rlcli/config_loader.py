@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import os
 from pathlib import Path
+from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -74,6 +75,33 @@ def _merge(base: DictConfig, update: DictConfig, source: str) -> DictConfig:
         raise UserError(f"{source}: {_omegaconf_message(err)}") from None
     except OmegaConfBaseException as err:
         raise UserError(f"{source}: {_omegaconf_message(err)}") from None
+    except TypeError:  # OmegaConf: "Cannot merge incompatible container types", no key named
+        found = _container_mismatch(
+            OmegaConf.to_container(base, resolve=False), OmegaConf.to_container(update)
+        )
+        key, expected, got = found or ("a value", "of the type its key declares", "another")
+        raise UserError(f"{source}: {key} must be {expected}, got {got}") from None
+
+
+_KINDS = {dict: "a mapping (key: value, e.g. '{method: strict}')", list: "a list ([a, b])"}
+
+
+def _container_mismatch(base: Any, update: Any, prefix: str = "") -> tuple[str, str, str] | None:
+    """The first key whose value in `update` is a list where `base` has a mapping, or the other
+    way round, with what was expected and what was given; None when there is none."""
+    for key, value in update.items():
+        have = base.get(key) if isinstance(base, dict) else None
+        name = f"{prefix}{key}"
+        for kind in (dict, list):
+            if isinstance(have, kind) and not isinstance(value, kind):
+                return name, _KINDS[kind], repr(value)
+        if isinstance(value, (dict, list)) and not isinstance(have, (dict, list, type(None))):
+            return name, f"a single value like {have!r}", repr(value)
+        if isinstance(have, dict) and isinstance(value, dict):
+            found = _container_mismatch(have, value, prefix=f"{name}.")
+            if found is not None:
+                return found
+    return None
 
 
 def _full_key(err: OmegaConfBaseException) -> str:
@@ -82,7 +110,7 @@ def _full_key(err: OmegaConfBaseException) -> str:
 
 
 def _omegaconf_message(err: OmegaConfBaseException) -> str:
-    msg = getattr(err, "msg", None) or str(err).splitlines()[0]
+    msg = (getattr(err, "msg", None) or str(err)).splitlines()[0]
     key = _full_key(err)
     return f"{key}: {msg}" if key else msg
 
