@@ -79,10 +79,11 @@ def _check_process_count(cfg: RLConfig, nproc: int) -> None:
 
 
 def check_model_dir(cfg: RLConfig) -> None:
-    """model.path must be an HF folder rlcli can load (unless model.build will create it)."""
-    path = Path(cfg.model.path)
-    if cfg.model.build and not path.exists():
+    """model.path must be an HF folder rlcli can load. With model.build the builder writes it
+    (and under torchrun rank 0 may be writing it right now), so it is not checked."""
+    if cfg.model.build:
         return
+    path = Path(cfg.model.path)
     from parallel.convert import hf_model_dir_problem
 
     problem = hf_model_dir_problem(path)
