@@ -45,7 +45,7 @@ format: install
 	$(BIN)/ruff check --fix .
 
 benchmark: install
-	$(BIN)/rlcli benchmark
+	$(BIN)/python -m benchmarks
 
 # One GPU, under 8 minutes (tests/gpu/gpu_check.py): one numbered PASS / FAIL line per check.
 # Without CUDA it says so and checks nothing. Runs with the venv's python when there is one,

@@ -20,7 +20,6 @@ estimator with the GRADIENT of ``k2``, which is the unbiased gradient of the KL 
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from algorithms.aggregation import agg_loss
@@ -91,7 +90,7 @@ class AdaptiveKLController:
     def update(self, current_kl: float, n_steps: int) -> None:
         """Move the coefficient towards keeping ``current_kl`` at the target; ``n_steps`` is the
         number of samples the KL was measured on (verl passes the batch size)."""
-        proportional_error = float(np.clip(current_kl / self.target - 1, -0.2, 0.2))
+        proportional_error = min(max(current_kl / self.target - 1, -0.2), 0.2)
         self.value *= 1 + proportional_error * n_steps / self.horizon
 
 

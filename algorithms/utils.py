@@ -8,11 +8,12 @@ be an int tensor, a numpy array (ints or strings, e.g. prompt uids) or a list.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
-import numpy as np
 import torch
 
-GroupIndex = torch.Tensor | np.ndarray | Sequence
+# A tensor, a list, or any array with ``tolist()`` (numpy), taken without importing numpy.
+GroupIndex = torch.Tensor | Sequence | Any
 # Sums a tensor over the whole batch when the batch is split across processes (the caller passes
 # e.g. an all-reduce); the math here never sees a process group. None: this tensor IS the batch.
 BatchSum = Callable[[torch.Tensor], torch.Tensor]
@@ -101,7 +102,8 @@ def group_ids_to_tensor(
         _, dense = torch.unique(group_index, return_inverse=True)
         return dense.to(device=device if device is not None else group_index.device)
     dense_of: dict = {}
-    dense = [dense_of.setdefault(gid, len(dense_of)) for gid in np.asarray(group_index).tolist()]
+    ids = group_index.tolist() if hasattr(group_index, "tolist") else list(group_index)
+    dense = [dense_of.setdefault(gid, len(dense_of)) for gid in ids]
     return torch.tensor(dense, dtype=torch.long, device=device)
 
 

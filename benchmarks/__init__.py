@@ -1,6 +1,7 @@
-"""`rlcli benchmark` / `make benchmark`: what rlcli costs, next to what a user would write instead
+"""`make benchmark` (`python -m benchmarks`): what rlcli costs, next to what a user would write instead
 and next to the physical floor, on whatever hardware is present.
 
+    __main__.py   the command line (--smoke, --section, --output-dir)
     run.py        orchestration: one fresh process per section, results -> JSON / Markdown / PNG
     sections.py   the four sections (rollout, sync, train, grpo), runnable as a child process
     workload.py   the fixed workloads (smoke / cpu / gpu) and the random HF models they use

@@ -335,7 +335,7 @@ PHASE_ORDER = ("gen", "reward", "distribute", "old_log_prob", "ref", "adv", "upd
 
 def grpo_section(workload: Workload, work_dir: Path) -> dict:
     from rlcli.build import build_trainer
-    from rlcli.config import load_config
+    from rlcli.config_loader import load_config
     from rlcli.metrics import METRICS_FILE_NAME, read_metrics_jsonl
 
     output_dir = work_dir / "grpo"

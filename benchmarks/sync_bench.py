@@ -81,9 +81,9 @@ def best_time(fn, repeats: int) -> float:
 
 def main() -> None:
     args = parse_args()
-    from parallel.convert import iter_hf_weights, load_hf_weights
+    from parallel.convert import iter_hf_weights
+    from parallel.hf_model import load_hf_model
     from parallel.mesh import destroy_parallel, init_parallel
-    from parallel.model import build_model
     from parallel.reshard import iter_inference_buckets, sync_weights
     from rlcli.rollout import make_engine
 
@@ -94,10 +94,7 @@ def main() -> None:
     num_params = [make_random_qwen2(args, model_dir) if mesh.rank == 0 else 0]
     dist.broadcast_object_list(num_params, src=0)
 
-    from transformers import AutoConfig
-
-    models = build_model(AutoConfig.from_pretrained(model_dir), mesh)
-    load_hf_weights(models, mesh, model_dir)
+    models = load_hf_model(model_dir, mesh)
     engine = make_engine(
         args.engine, model_dir, tp=args.rollout_tp, kv_cache_gb=0.05, max_model_len=128
     )

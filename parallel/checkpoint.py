@@ -20,7 +20,7 @@ What reshards:
     stores fp32 main parameters);
   * the scheduler: a small plain dict, stored once (rank 0) and read on every rank.
 
-Pitfalls (see DESIGN.md): the filesystem writer needs ``psutil`` and starts a
+Pitfalls: megatron-core's filesystem writer needs ``psutil`` and starts a
 ``multiprocessing`` Manager with the spawn method, so the entry script must be guarded by
 ``if __name__ == "__main__":``, or the child re-imports it and hangs.
 """

@@ -72,6 +72,7 @@ from megatron.core.transformer import TransformerConfig
 from parallel.convert.registry import get_family
 from parallel.cpu_compat import device
 from parallel.mesh import Mesh, ParallelLayoutError
+from parallel.vocab import padded_vocab_size
 
 TRANSFORMER_IMPLS = ("auto", "transformer_engine", "local")
 
@@ -175,11 +176,6 @@ _MEGATRON_LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
-
-
-def padded_vocab_size(vocab_size: int, tp: int) -> int:
-    """`vocab_size` rounded up to a multiple of `tp` (see module docstring)."""
-    return -(-vocab_size // tp) * tp
 
 
 def _rope_parameters(hf_config: Any) -> dict[str, Any]:

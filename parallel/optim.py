@@ -165,8 +165,8 @@ def train_step(
 ) -> dict[str, Any]:
     """One optimizer step over ``micro_batches`` (this rank's share of the batch).
 
-    Returns ``{"metrics": {name: mean over micro-batches}, "micro_batch_metrics": [...],
-    "grad_norm": float | None, "lr": float, "skipped": bool}``; ``skipped`` is True when
+    Returns ``{"micro_batch_metrics": [...], "grad_norm": float | None, "lr": float,
+    "skipped": bool}`` (the caller reduces the per-micro-batch metrics); ``skipped`` is True when
     the step was not applied (fp16 overflow, or NaN / inf gradients).
     """
     for chunk in models:
@@ -188,20 +188,10 @@ def train_step(
     if applied:
         scheduler.step(increment=1)
     return {
-        "metrics": _mean_metrics(micro_batch_metrics),
         "micro_batch_metrics": micro_batch_metrics,
         "grad_norm": None if grad_norm is None else float(grad_norm),
         "lr": lr,
         "skipped": not applied,
-    }
-
-
-def _mean_metrics(per_micro_batch: list[dict[str, float]]) -> dict[str, float]:
-    names = {name for metrics in per_micro_batch for name in metrics}
-    return {
-        name: sum(m[name] for m in per_micro_batch if name in m)
-        / sum(1 for m in per_micro_batch if name in m)
-        for name in sorted(names)
     }
 
 

@@ -143,7 +143,8 @@ def build_kl_controller(cfg: RLConfig) -> KLController:
 
 
 def build_engine(inputs: RunInputs) -> tuple[RolloutEngine, ReplicaInfo]:
-    from rlcli.rollout.base import make_engine, rollout_replicas
+    from rlcli.rollout.base import rollout_replicas
+    from rlcli.rollout.factory import make_engine
 
     cfg, mesh = inputs.cfg, inputs.mesh
     r = cfg.rollout

@@ -1,24 +1,17 @@
 """Typed configuration: one dataclass per component, defaults in code, recipes hold what differs.
 
 A recipe is a YAML file whose top-level keys are the sections below; command-line overrides are
-OmegaConf dot-lists (``actor.lr=1e-5``). :func:`load_config` merges defaults <- recipe <- overrides
-and turns every mistake into a :class:`~rlcli.errors.UserError` that names the key, file or line.
+OmegaConf dot-lists (``actor.lr=1e-5``). ``rlcli.config_loader.load_config`` merges defaults <-
+recipe <- overrides, validates (``rlcli.config_validation``) and turns every mistake into a
+:class:`~rlcli.errors.UserError` that names the key, file or line.
 """
 
 from __future__ import annotations
 
-import difflib
-import os
 from dataclasses import dataclass, field, fields, is_dataclass
-from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
-
-from rlcli.config_validation import validate
-from rlcli.errors import UserError
+from omegaconf import OmegaConf
 
 
 @dataclass
@@ -28,7 +21,6 @@ class DataConfig:
     prompt_key: str = "prompt"
     max_prompt_length: int = 256  # longer prompts are dropped (and counted)
     train_batch_size: int = 8  # prompts per step (each sampled rollout.n times)
-    val_batch_size: Optional[int] = None  # None: the whole validation set at once
     shuffle: bool = True
     apply_chat_template: Optional[bool] = None  # None: when the tokenizer has a chat template
     synthetic: Optional[str] = None  # "arith": write the quickstart task under trainer.output_dir
@@ -133,14 +125,6 @@ class RefConfig:
 
 
 @dataclass
-class CriticConfig:
-    lr: float = 1e-5
-    cliprange_value: float = 0.5
-    micro_batch_size: int = 8
-    grad_clip: float = 1.0
-
-
-@dataclass
 class KLControlConfig:
     type: str = "fixed"  # fixed | adaptive
     kl_coef: float = 0.001
@@ -230,84 +214,12 @@ class RLConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
-    critic: CriticConfig = field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading
-
-
-def load_config(recipe: str | os.PathLike | None, overrides: list[str] = ()) -> RLConfig:
-    """Merge defaults <- recipe YAML <- dot-list overrides, validate, and return a typed config."""
-    merged = OmegaConf.structured(RLConfig)
-    if recipe is not None:
-        merged = _merge(merged, _read_recipe(Path(recipe)), source=str(recipe))
-    if overrides:
-        merged = _merge(merged, _parse_overrides(overrides), source="command line")
-    try:
-        OmegaConf.resolve(merged)
-        cfg: RLConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
-    except OmegaConfBaseException as err:
-        raise UserError(f"cannot resolve the config: {_omegaconf_message(err)}") from None
-    validate(cfg)
-    return cfg
-
-
-def _read_recipe(path: Path) -> DictConfig:
-    if not path.is_file():
-        raise UserError(f"recipe file not found: {path}")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(err, "problem", None) or str(err)
-        raise UserError(f"invalid YAML in {path}{where}: {problem}") from None
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise UserError(f"{path}: a recipe must be a mapping of sections (data:, model:, ...)")
-    return OmegaConf.create(raw)
-
-
-def _parse_overrides(overrides: list[str]) -> DictConfig:
-    for item in overrides:
-        key = item.split("=", 1)[0]
-        if "=" not in item or not key:
-            raise UserError(f"override {item!r} must look like key=value (e.g. actor.lr=1e-5)")
-    try:
-        return OmegaConf.from_dotlist(list(overrides))
-    except OmegaConfBaseException as err:
-        raise UserError(f"cannot parse overrides {list(overrides)}: {err}") from None
-
-
-def _merge(base: DictConfig, update: DictConfig, source: str) -> DictConfig:
-    try:
-        return OmegaConf.merge(base, update)  # type: ignore[return-value]
-    except ConfigKeyError as err:
-        full_key = _full_key(err)
-        raise UserError(f"{source}: unknown config key '{full_key}'{_suggest(full_key)}") from None
-    except ValidationError as err:
-        raise UserError(f"{source}: {_omegaconf_message(err)}") from None
-    except OmegaConfBaseException as err:
-        raise UserError(f"{source}: {_omegaconf_message(err)}") from None
-
-
-def _full_key(err: OmegaConfBaseException) -> str:
-    key = getattr(err, "full_key", None) or getattr(err, "key", None) or ""
-    return str(key)
-
-
-def _omegaconf_message(err: OmegaConfBaseException) -> str:
-    msg = getattr(err, "msg", None) or str(err).splitlines()[0]
-    key = _full_key(err)
-    return f"{key}: {msg}" if key else msg
 
 
 def valid_keys(node: type = RLConfig, prefix: str = "") -> list[str]:
@@ -320,19 +232,6 @@ def valid_keys(node: type = RLConfig, prefix: str = "") -> list[str]:
         if is_dataclass(default):
             keys.extend(valid_keys(type(default), prefix=name + "."))
     return keys
-
-
-def _suggest(full_key: str) -> str:
-    candidates = valid_keys()
-    close = difflib.get_close_matches(full_key, candidates, n=1, cutoff=0.5)
-    if not close:  # a typo in the last part: compare within the same section
-        section, _, leaf = full_key.rpartition(".")
-        siblings = [k.rpartition(".")[2] for k in candidates if k.rpartition(".")[0] == section]
-        close = [
-            f"{section}.{m}" if section else m
-            for m in difflib.get_close_matches(leaf, siblings, n=1)
-        ]
-    return f"; did you mean '{close[0]}'?" if close else ""
 
 
 def to_dict(cfg: RLConfig) -> dict[str, Any]:

@@ -65,11 +65,15 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
         "actor.micro_batch_size": cfg.actor.micro_batch_size,
         "actor.ppo_epochs": cfg.actor.ppo_epochs,
         "actor.recompute_num_layers": cfg.actor.recompute_num_layers,
+        "rollout.val_n": cfg.rollout.val_n,
+        "sft.batch_size": cfg.sft.batch_size,
+        "sft.micro_batch_size": cfg.sft.micro_batch_size,
         "checkpoint.keep_last": cfg.checkpoint.keep_last,
     }
     for key, value in positive.items():
         if value < 1:
             raise UserError(f"{key} must be >= 1, got {value}")
+    _check_schedules(cfg)
     if cfg.rollout.temperature < 0:
         raise UserError(f"rollout.temperature must be >= 0, got {cfg.rollout.temperature}")
     if not 0 < cfg.rollout.top_p <= 1:
@@ -101,6 +105,45 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
             raise UserError(
                 f"world size {world_size} is not divisible by rollout.tp={cfg.rollout.tp}"
             )
+
+
+def _check_schedules(cfg: RLConfig) -> None:
+    """Step counts and controller settings that would otherwise fail deep inside megatron-core's
+    LR scheduler or the KL controller, after minutes of work."""
+    total = cfg.trainer.total_steps
+    if total is not None and total < 1:
+        raise UserError(f"trainer.total_steps must be >= 1 (or null: epochs), got {total}")
+    for key, value in (
+        ("actor.lr_warmup_steps", cfg.actor.lr_warmup_steps),
+        ("sft.lr_warmup_steps", cfg.sft.lr_warmup_steps),
+        ("sft.steps", cfg.sft.steps),
+    ):
+        if value < 0:
+            raise UserError(f"{key} must be >= 0, got {value}")
+    if total is not None and cfg.actor.lr_warmup_steps >= total:
+        raise UserError(
+            f"actor.lr_warmup_steps={cfg.actor.lr_warmup_steps} must be smaller than "
+            f"trainer.total_steps={total} (the warmup is part of the run)"
+        )
+    if cfg.sft.steps and cfg.sft.lr_warmup_steps >= cfg.sft.steps:
+        raise UserError(
+            f"sft.lr_warmup_steps={cfg.sft.lr_warmup_steps} must be smaller than "
+            f"sft.steps={cfg.sft.steps}"
+        )
+    kl = cfg.algorithm.kl_ctrl
+    if kl.type == "adaptive":
+        if kl.horizon < 1:
+            raise UserError(
+                f"algorithm.kl_ctrl.horizon={kl.horizon} must be >= 1 with "
+                "algorithm.kl_ctrl.type=adaptive (samples over which the KL coefficient adapts)"
+            )
+        if kl.target_kl <= 0:
+            raise UserError(
+                f"algorithm.kl_ctrl.target_kl={kl.target_kl} must be > 0 with "
+                "algorithm.kl_ctrl.type=adaptive"
+            )
+    if kl.kl_coef < 0:
+        raise UserError(f"algorithm.kl_ctrl.kl_coef must be >= 0, got {kl.kl_coef}")
 
 
 def _choice(key: str, value: Any, valid: list[Any]) -> None:

@@ -1,4 +1,4 @@
-"""Training metrics: per-phase timers, reduction across micro-batches, and one logger that writes
+"""Training metrics: per-phase timers and one logger that writes
 to the console, TensorBoard, a JSON-lines file and (optionally) Weights & Biases.
 
 Only rank 0 writes anything; other ranks may call the same methods, which do nothing, so the
@@ -15,7 +15,7 @@ import sys
 import time
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,6 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
-from rich.table import Table
 
 from rlcli.errors import UserError
 
@@ -57,7 +56,7 @@ class Timer:
     """Accumulates wall-clock seconds per phase name.
 
     ``with timer("gen"): ...`` adds the block's duration to ``timing/gen``; a phase entered twice
-    in one step is summed. :meth:`pop_metrics` returns the totals and starts the next step.
+    in one step is summed; the trainer makes one Timer per step.
     """
 
     def __init__(self) -> None:
@@ -75,26 +74,6 @@ class Timer:
         """``{"timing/<phase>": seconds}`` accumulated so far."""
         return {f"timing/{phase}": seconds for phase, seconds in self._seconds.items()}
 
-    def pop_metrics(self) -> dict[str, float]:
-        """Like :meth:`metrics`, then resets every phase to zero."""
-        result = self.metrics()
-        self._seconds.clear()
-        return result
-
-
-def reduce_metrics(metrics_list: Iterable[Mapping[str, float]]) -> dict[str, float]:
-    """Mean per key over a list of metric dicts (e.g. one per micro-batch).
-
-    A key missing from some dicts is averaged over the dicts that have it.
-    """
-    sums: dict[str, float] = defaultdict(float)
-    counts: dict[str, int] = defaultdict(int)
-    for metrics in metrics_list:
-        for key, value in metrics.items():
-            sums[key] += float(value)
-            counts[key] += 1
-    return {key: sums[key] / counts[key] for key in sums}
-
 
 def _format_value(value: float) -> str:
     if not math.isfinite(value):
@@ -104,18 +83,6 @@ def _format_value(value: float) -> str:
     if float(value).is_integer() and abs(value) < 1e5:
         return str(int(value))
     return f"{value:.4g}"
-
-
-def format_metrics_table(metrics: Mapping[str, float], title: str = "metrics") -> str:
-    """Render ``metrics`` as an aligned two-column text table (for end-of-run summaries)."""
-    table = Table(title=title, show_header=True, header_style="bold")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for key in sorted(metrics):
-        table.add_row(key, _format_value(float(metrics[key])))
-    buffer = io.StringIO()
-    Console(file=buffer, width=100, force_terminal=False, color_system=None).print(table)
-    return buffer.getvalue()
 
 
 def console_summary(metrics: Mapping[str, float]) -> str:

@@ -44,15 +44,11 @@ class MegatronPolicy:
         dtype: str = "float32",
         optim: OptimizerSettings | None = None,
     ) -> None:
-        from transformers import AutoConfig
-
-        from parallel.convert import load_hf_weights
-        from parallel.model import build_model
+        from parallel.hf_model import load_hf_model
 
         self.mesh = mesh
-        self.hf_config = AutoConfig.from_pretrained(hf_dir)
-        models = build_model(self.hf_config, mesh, dtype=DTYPES[dtype])
-        load_hf_weights(models, mesh, hf_dir)
+        models = load_hf_model(hf_dir, mesh, dtype=DTYPES[dtype])
+        self.hf_config = models[0].hf_config
         self.optimizer = self.scheduler = None
         if optim is None:
             for model in models:

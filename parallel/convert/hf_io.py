@@ -13,6 +13,8 @@ Public API (stable):
         owning pipeline stage inside the PP group). Tensors are on `cpu_compat.device()`, in the
         model's dtype. The simple per-tensor path: export, tests, and the "naive" baseline for
         the bucketed resharder.
+    hf_model_dir_problem(hf_dir) -> str | None
+        Why a folder would not load (no config.json, unsupported family, no safetensors).
     save_hf_checkpoint(models, mesh, out_dir, hf_config, tokenizer_dir=None) -> None
         Collective. Rank 0 writes safetensors (one file, or shards of <= 4 GiB plus
         model.safetensors.index.json) and config.json, and copies the tokenizer files of
@@ -95,6 +97,38 @@ def _hf_config_of(models: Sequence[torch.nn.Module], hf_config: Any) -> Any:
     if hf_config is not None:
         return hf_config
     return unwrap_chunk(models[0]).hf_config
+
+
+def hf_model_dir_problem(hf_dir: str | Path) -> str | None:
+    """What keeps `hf_dir` from loading into Megatron, in words, or None when it looks loadable:
+    no config.json, a `model_type` with no family in `parallel/convert/`, or no safetensors
+    weights (PyTorch ``*.bin`` files are not read: they are pickles)."""
+    from parallel.convert.registry import supported_model_types
+
+    path = Path(hf_dir)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        return f"{path} is not a HuggingFace model directory (no config.json)"
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
+        return f"{config_file} is not a JSON object: {error}"
+    supported = supported_model_types()
+    if model_type not in supported:
+        return (
+            f"{config_file} has model_type {model_type!r}, which has no weight mapping; "
+            f"supported model families: {', '.join(supported)} (a new family is one file in "
+            "parallel/convert/)"
+        )
+    if not any(path.glob("*.safetensors")):
+        if any(path.glob("*.bin")):
+            return (
+                f"{path} has only PyTorch *.bin weights; rlcli reads safetensors. Convert once "
+                'with: python -c "from transformers import AutoModelForCausalLM as M; '
+                f"M.from_pretrained('{path}').save_pretrained('{path}')\""
+            )
+        return f"{path} has no *.safetensors weights"
+    return None
 
 
 def _load_hf_config(hf_dir: str | Path) -> Any:

@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-import parallel.model as model_lib  # module import: parallel.model imports this package too
 from parallel.convert.registry import Rule, get_family
+from parallel.vocab import padded_vocab_size
 
 # Critic head: generic, not family-specific.
 VALUE_HEAD_RULES = {
@@ -74,7 +74,7 @@ class _Geometry:
             head_dim=head_dim,
             ffn=hf_config.intermediate_size,
             vocab=hf_config.vocab_size,
-            padded_vocab=model_lib.padded_vocab_size(hf_config.vocab_size, tp),
+            padded_vocab=padded_vocab_size(hf_config.vocab_size, tp),
         )
 
 

@@ -16,6 +16,7 @@ import importlib
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
 
 
@@ -49,11 +50,11 @@ _FAMILIES: dict[str, ModelFamily] | None = None
 
 
 def _discover() -> dict[str, ModelFamily]:
-    import parallel.convert as package
-
+    # Family modules import this one (for ModelFamily / Rule); finding them by file keeps the
+    # registry from importing its own package back.
     families: dict[str, ModelFamily] = {}
-    for info in pkgutil.iter_modules(package.__path__):
-        module = importlib.import_module(f"{package.__name__}.{info.name}")
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        module = importlib.import_module(f"{__package__}.{info.name}")
         family = getattr(module, "FAMILY", None)
         if isinstance(family, ModelFamily):
             for model_type in family.model_types:

@@ -1,1 +1,1 @@
-"""Typer sub-apps that rlcli.cli mounts (``rlcli launch ...``)."""
+"""Every ``rlcli`` command, one module per command group; ``rlcli.cli`` assembles them."""

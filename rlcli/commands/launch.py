@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 from pathlib import Path
@@ -10,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from rlcli.commands.relaunch import run_torchrun
 from rlcli.errors import UserError
 from rlcli.launch import (
     DEFAULT_SLURM_TEMPLATE,
@@ -121,5 +121,4 @@ def launch_local(
     if dry_run:
         typer.echo(shlex.join(command))
         return
-    # Replaces this process: torchrun's exit status becomes the command's.
-    os.execv(command[0], command)
+    raise typer.Exit(run_torchrun(command))

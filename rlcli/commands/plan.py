@@ -205,7 +205,7 @@ def plan_command(
     import dataclasses
 
     from parallel.memory_plan import plan_memory
-    from rlcli.config import load_config
+    from rlcli.config_loader import load_config
 
     if nodes < 1 or gpus_per_node < 1 or gpu_memory_gb <= 0:
         raise UserError("--nodes, --gpus-per-node and --gpu-memory-gb must be positive")

@@ -52,11 +52,20 @@ def read_rows(path: str) -> Iterator[tuple[RowLocation, dict[str, Any]]]:
 
 
 def _read_jsonl(path: str) -> Iterator[tuple[RowLocation, dict[str, Any]]]:
-    with open(path, encoding="utf-8") as file:
-        for line_number, line in enumerate(file, start=1):
+    # Bytes, decoded line by line, so that a file that is not UTF-8 is reported at its line.
+    with open(path, "rb") as file:
+        for line_number, raw in enumerate(file, start=1):
+            location = RowLocation(path, is_jsonl=True, position=line_number)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise UserError(
+                    f"{location}: not UTF-8 text (byte {raw[error.start]:#04x} at column "
+                    f"{error.start + 1}); JSONL files must be UTF-8, e.g. convert with "
+                    f"`iconv -f latin1 -t utf-8`"
+                ) from None
             if not line.strip():
                 continue
-            location = RowLocation(path, is_jsonl=True, position=line_number)
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as error:

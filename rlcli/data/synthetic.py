@@ -1,4 +1,4 @@
-"""The quickstart task (DESIGN.md): ``"Question: A + B = ? Answer:"`` -> ``" #### <A+B>"``.
+"""The quickstart task: ``"Question: A + B = ? Answer:"`` -> ``" #### <A+B>"``.
 
 All ordered pairs (A, B) with A, B in ``0 .. num_max-1`` are shuffled with ``seed``; the first
 ``num_val`` are held out. The same split is written as RL prompt rows in the verl schema

@@ -5,10 +5,9 @@ from rlcli.rollout.base import (
     Completion,
     RolloutEngine,
     SamplingConfig,
-    check_sampling,
-    make_engine,
     rollout_replicas,
 )
+from rlcli.rollout.factory import make_engine
 from rlcli.rollout.metrics import logprob_mismatch
 
 __all__ = [
@@ -16,7 +15,6 @@ __all__ = [
     "Completion",
     "RolloutEngine",
     "SamplingConfig",
-    "check_sampling",
     "logprob_mismatch",
     "make_engine",
     "rollout_replicas",

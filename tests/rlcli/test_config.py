@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rlcli.config import RLConfig, load_config, valid_keys
+from rlcli.config import RLConfig, valid_keys
+from rlcli.config_loader import load_config
 from rlcli.config_validation import derive_dp
 from rlcli.errors import UserError
 

@@ -11,9 +11,7 @@ from rlcli.errors import UserError
 from rlcli.metrics import (
     MetricsLogger,
     Timer,
-    format_metrics_table,
     read_metrics_jsonl,
-    reduce_metrics,
 )
 
 
@@ -27,13 +25,8 @@ def test_timer_sums_repeated_phases_and_times_failing_blocks(monkeypatch):
         pass
     with pytest.raises(ValueError), timer("update"):
         raise ValueError("boom")
-    assert timer.pop_metrics() == {"timing/gen": 1.75, "timing/update": 0.125}
-    assert timer.pop_metrics() == {}
-
-
-def test_reduce_metrics_means_each_key_over_the_dicts_that_have_it():
-    reduced = reduce_metrics([{"loss": 1.0, "kl": 0.5}, {"loss": 2.0}, {"loss": 6.0, "kl": 1.5}])
-    assert reduced == {"loss": 3.0, "kl": 1.0}
+    assert timer.metrics() == {"timing/gen": 1.75, "timing/update": 0.125}
+    assert Timer().metrics() == {}
 
 
 def test_jsonl_records_every_step_and_counts_non_finite_values(tmp_path):
@@ -147,13 +140,3 @@ def test_wandb_chosen_but_missing_names_the_config_key(tmp_path, monkeypatch):
 def test_unknown_backend_lists_the_valid_ones(tmp_path):
     with pytest.raises(UserError, match="logging.backends.*'mlflow'.*console, tensorboard"):
         MetricsLogger(tmp_path, backends=("mlflow",))
-
-
-def test_format_metrics_table_lists_every_metric():
-    table = format_metrics_table({"reward/mean": 0.5, "timing/step": 0.0001, "x": float("nan")})
-    rows = {
-        line.split("│")[1].strip(): line.split("│")[2].strip()
-        for line in table.splitlines()
-        if line.count("│") == 3 and "metric" not in line
-    }
-    assert rows == {"reward/mean": "0.5", "timing/step": "1.000e-04", "x": "nan"}

@@ -9,7 +9,7 @@ import torch
 
 from rlcli.actor_update import update_actor
 from rlcli.batch import Sample, collate
-from rlcli.config import load_config
+from rlcli.config_loader import load_config
 
 
 class RecordingPolicy:

@@ -11,7 +11,6 @@ import torch
 from rlcli.errors import UserError
 from rlcli.rollout import (
     SamplingConfig,
-    check_sampling,
     logprob_mismatch,
     make_engine,
     rollout_replicas,
@@ -80,29 +79,6 @@ def test_vllm_missing_suggests_hf(model_dir, monkeypatch):
     )
     with pytest.raises(UserError, match="rollout.engine=hf"):
         make_engine("vllm", str(model_dir))
-
-
-@pytest.mark.parametrize(
-    "change, key",
-    [
-        (dict(temperature=-0.5), "rollout.temperature"),
-        (dict(top_p=0.0), "rollout.top_p"),
-        (dict(top_p=1.5), "rollout.top_p"),
-        (dict(top_k=1000), "rollout.top_k"),
-        (dict(max_tokens=0), "rollout.max_tokens"),
-        (dict(stop_token_ids=[3, 251]), "rollout.stop_token_ids"),
-        (dict(stop_token_ids=[-1]), "rollout.stop_token_ids"),
-        (dict(max_tokens=100), "rollout.max_model_len"),
-    ],
-)
-def test_check_sampling_names_the_key(change, key):
-    check_sampling(
-        SamplingConfig(max_tokens=32), vocab_size=251, max_model_len=128, max_prompt_len=64
-    )
-    with pytest.raises(UserError, match=key.replace(".", r"\.")):
-        check_sampling(
-            SamplingConfig(**change), vocab_size=251, max_model_len=128, max_prompt_len=64
-        )
 
 
 def test_rollout_replicas():

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 
 from rlcli.build import build_rewards
-from rlcli.config import load_config
+from rlcli.config_loader import load_config
 from rlcli.data import PromptLoader, load_prompt_dataset, read_sft_pairs, write_arith_dataset
 from rlcli.metrics import Timer
 from rlcli.model_builder import build_model_dir
-from rlcli.rollout.base import make_engine
+from rlcli.rollout.factory import make_engine
 from rlcli.sampling import ReplicaInfo, collect_rollouts, generate_samples, sampling_params
 
 OVERRIDES = [

@@ -98,3 +98,27 @@ def test_model_path_that_is_not_a_model(tmp_path):
     rows = write_rows(tmp_path / "train.jsonl", [good_row(i) for i in range(8)])
     proc = train(tmp_path, tmp_path / "nowhere", f"data.train_files=[{rows}]")
     assert_user_error(proc, "model.path", "nowhere")
+
+
+def write_latin1_rows(path: Path) -> Path:
+    rows = [json.dumps(good_row(i)) for i in range(8)]
+    rows[5] = rows[5].replace("Question:", "Qu\u00e9stion:")
+    path.write_bytes("\n".join(rows).encode("latin-1") + b"\n")
+    return path
+
+
+def test_jsonl_that_is_not_utf8(tmp_path, model_dir):
+    path = write_latin1_rows(tmp_path / "train.jsonl")
+    proc = train(tmp_path, model_dir, f"data.train_files=[{path}]")
+    assert_user_error(proc, str(path), "line 6", "not UTF-8")
+
+
+@pytest.mark.dist
+def test_user_error_in_the_ranks_of_nproc_2(tmp_path, model_dir):
+    """Under --nproc 2 the data is read by the ranks: the parent prints their message once and
+    exits 2, with no torchrun ChildFailedError report."""
+    path = write_latin1_rows(tmp_path / "train.jsonl")
+    proc = train(tmp_path, model_dir, f"data.train_files=[{path}]", "--nproc", "2")
+    assert_user_error(proc, str(path), "line 6", "not UTF-8")
+    assert "ChildFailedError" not in proc.stderr + proc.stdout
+    assert proc.stderr.count("not UTF-8") == 1, proc.stderr[-3000:]

@@ -1,7 +1,8 @@
-"""``rlcli benchmark``: rlcli against the simplest alternative and the physical floor, on this
-machine's hardware; writes ``benchmarks/results/<date>-<host>.{json,md,png}`` (see benchmarks/).
+"""``python -m benchmarks`` (what ``make benchmark`` runs): rlcli against the simplest alternative
+and the physical floor on this machine's hardware; writes
+``benchmarks/results/<date>-<host>.{json,md,png}``.
 
-Mounted by rlcli.cli as ``app.command("benchmark")(benchmark_command)``.
+The benchmark sits above the product: it imports rlcli, and rlcli never imports it.
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ from typing import Optional
 
 import typer
 
-from rlcli.errors import UserError
+from benchmarks.run import RESULTS_DIR, SECTIONS, run_benchmark
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 
-def benchmark_command(
+@app.command()
+def benchmark(
     smoke: bool = typer.Option(
         False, "--smoke", help="Tiny sizes, 1-2 iterations: checks the code, not the speed."
     ),
@@ -28,11 +32,12 @@ def benchmark_command(
     ),
 ) -> None:
     """Benchmark rollout, weight sync, the actor update and a short GRPO run; write a report."""
-    from benchmarks.run import RESULTS_DIR, SECTIONS, run_benchmark
-
     unknown = [name for name in sections or [] if name not in SECTIONS]
     if unknown:
-        raise UserError(f"--section {unknown[0]!r} is not a section; choose from {list(SECTIONS)}")
+        raise typer.BadParameter(
+            f"{unknown[0]!r} is not a section; choose from {list(SECTIONS)}",
+            param_hint="--section",
+        )
     outputs = run_benchmark(
         smoke=smoke,
         output_dir=output_dir or RESULTS_DIR,
@@ -46,3 +51,7 @@ def benchmark_command(
         failed = ", ".join(sorted(outputs.results["errors"]))
         typer.secho(f"benchmark sections failed: {failed}", err=True, fg=typer.colors.RED)
         raise typer.Exit(1)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,36 @@
+"""``rlcli data gsm8k|arith``: datasets in the prompt schema rlcli trains on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+data_app = typer.Typer(
+    help="Prepare datasets in the prompt schema rlcli trains on.", no_args_is_help=True
+)
+
+
+@data_app.command("gsm8k")
+def data_gsm8k(
+    input: Path = typer.Option(..., "--input", help="GSM8K raw JSONL (question / answer rows)."),
+    output: Path = typer.Option(..., "--output", help="Output directory."),
+):
+    """Turn GSM8K's raw rows into rlcli's (verl's) prompt schema."""
+    from rlcli.data.gsm8k import convert_gsm8k
+
+    counts = convert_gsm8k(str(input), str(output))
+    typer.echo(f"wrote {output}: {counts}")
+
+
+@data_app.command("arith")
+def data_arith(
+    output: Path = typer.Option(..., "--output", help="Output directory."),
+    num_max: int = typer.Option(50, help="Operands are drawn from 0..num_max-1."),
+    num_val: int = typer.Option(200, help="Held-out pairs."),
+):
+    """Write the quickstart's synthetic addition task (train and held-out JSONL)."""
+    from rlcli.data.synthetic import write_arith_dataset
+
+    paths = write_arith_dataset(str(output), num_max=num_max, num_val=num_val)
+    typer.echo(f"wrote {paths}")

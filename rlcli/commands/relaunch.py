@@ -1,0 +1,102 @@
+"""Running this command again on N local processes under torchrun: the one relaunch helper that
+``train``/``sft --nproc``, ``launch local`` and ``convert --tp/--pp`` share.
+
+torchrun runs inside this (parent) process, so that its failure report can be turned into what a
+user needs: when a rank stops on a user error it writes the message to a file in a folder the
+parent names (``RLCLI_USER_ERROR_DIR``) and exits 2; the parent prints each distinct message once
+and exits 2, instead of torchrun's ChildFailedError traceback. Any other rank failure ends the
+parent with exit code 1 and a line naming the ranks (their own tracebacks are printed above it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import NoReturn
+
+import typer
+
+from rlcli.errors import USER_ERROR_EXIT_CODE
+from rlcli.launch import local_torchrun_command, torchrun_prefix
+
+USER_ERROR_DIR_ENV = "RLCLI_USER_ERROR_DIR"
+
+
+def under_torchrun() -> bool:
+    """True in a process that torchrun (or torch.distributed.run) started."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def relaunch_under_torchrun(nproc: int, cli_args: list[str]) -> NoReturn:
+    """Run ``rlcli CLI_ARGS`` on `nproc` local processes under torchrun, then exit with the
+    code `run_torchrun` gives. `cli_args` must not contain ``--nproc`` (see `without_nproc`)."""
+    command = local_torchrun_command(nproc, ["-m", "rlcli.cli", *cli_args])
+    raise SystemExit(run_torchrun(command))
+
+
+def run_torchrun(command: list[str]) -> int:
+    """Run a torchrun command line (``rlcli.launch`` builds them) in this process; the exit code:
+    0, 2 after printing the ranks' user errors, or 1 after naming the ranks that failed."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    prefix = torchrun_prefix()
+    if command[: len(prefix)] != prefix:
+        raise ValueError(f"not a torchrun command line: {command}")
+    # The failure is reported below in a few words; torchrun's own log would repeat it at length.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory(prefix="rlcli-errors-") as error_dir:
+        os.environ[USER_ERROR_DIR_ENV] = error_dir
+        try:
+            run(parse_args(command[len(prefix) :]))
+        except ChildFailedError as failed:
+            messages = _user_errors(Path(error_dir))
+            codes = {rank: failure.exitcode for rank, failure in failed.failures.items()}
+            if messages or USER_ERROR_EXIT_CODE in codes.values():
+                for message in messages:
+                    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+                return USER_ERROR_EXIT_CODE
+            shown = ", ".join(f"rank {rank} (exit code {code})" for rank, code in codes.items())
+            typer.secho(f"error: {shown} failed; see the output above", err=True)
+            return 1
+        finally:
+            del os.environ[USER_ERROR_DIR_ENV]
+    return 0
+
+
+def report_user_error_to_parent(message: str) -> bool:
+    """In a rank started by `run_torchrun`: leave `message` for the parent to print and return
+    True. Elsewhere (a single process, or torchrun started by hand or by sbatch): False."""
+    folder = os.environ.get(USER_ERROR_DIR_ENV)
+    if not folder or not under_torchrun() or not os.path.isdir(folder):
+        return False
+    rank = os.environ.get("RANK", "0")
+    Path(folder, f"rank{int(rank):05d}.txt").write_text(message)
+    return True
+
+
+def _user_errors(folder: Path) -> list[str]:
+    """The distinct messages the ranks left, in rank order (ranks usually fail alike)."""
+    messages: list[str] = []
+    for path in sorted(folder.glob("rank*.txt")):
+        text = path.read_text()
+        if text not in messages:
+            messages.append(text)
+    return messages
+
+
+def without_nproc(argv: list[str]) -> list[str]:
+    """The command line minus ``--nproc N``: torchrun's own parser would take ``--nproc`` for an
+    abbreviation of its ``--nproc-per-node`` (and it is meaningless under torchrun anyway)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out

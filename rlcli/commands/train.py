@@ -1,0 +1,91 @@
+"""``rlcli train`` and ``rlcli sft``: load and check the config, start torchrun for ``--nproc N``,
+then hand the config to the trainer.
+
+Heavy imports (torch, megatron-core, vLLM) happen inside the commands, so ``rlcli --help`` stays
+fast.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from rlcli.commands.relaunch import relaunch_under_torchrun, under_torchrun, without_nproc
+from rlcli.config import RLConfig
+from rlcli.errors import UserError
+
+RECIPE = typer.Argument(..., help="Recipe YAML, e.g. recipes/quickstart.yaml")
+OVERRIDES = typer.Argument(None, help="Dot-list overrides, e.g. actor.lr=1e-5 parallel.tp=2")
+NPROC = typer.Option(
+    1, "--nproc", help="Processes to start on this machine with torchrun (ignored under torchrun)."
+)
+
+
+def train(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES, nproc: int = NPROC):
+    """Run RL post-training (GRPO, DAPO, PPO, ...) as the recipe says."""
+    cfg = _load_for_run(recipe, overrides, nproc)
+    from rlcli.build import build_trainer
+
+    build_trainer(cfg).fit()
+
+
+def sft(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES, nproc: int = NPROC):
+    """Supervised warm start: cross-entropy on the responses of the recipe's SFT data."""
+    cfg = _load_for_run(recipe, overrides, nproc)
+    from rlcli.build import run_sft_only
+
+    run_sft_only(cfg)
+
+
+def _load_for_run(recipe: Path, overrides: Optional[list[str]], nproc: int) -> RLConfig:
+    """The validated config, checked against the number of processes and the model folder;
+    with ``--nproc N`` outside torchrun, this command is first run again under torchrun on N
+    local processes (each of which loads the config again) and this process exits with their
+    outcome."""
+    from rlcli.config_loader import load_config
+
+    cfg = load_config(recipe, overrides or [])
+    if under_torchrun():
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    else:
+        if nproc < 1:
+            raise UserError(f"--nproc must be >= 1, got {nproc}")
+        _check_process_count(cfg, nproc)
+        world_size = nproc
+    from rlcli.config_validation import validate
+
+    validate(cfg, world_size=world_size)
+    check_model_dir(cfg)
+    if nproc != 1 and not under_torchrun():
+        relaunch_under_torchrun(nproc, without_nproc(sys.argv[1:]))
+    return cfg
+
+
+def _check_process_count(cfg: RLConfig, nproc: int) -> None:
+    """Name ``--nproc`` when the layout needs more processes than this command starts."""
+    par = cfg.parallel
+    need = math.lcm(par.tp * par.pp, cfg.rollout.tp)
+    if nproc % need:
+        raise UserError(
+            f"parallel.tp={par.tp} x parallel.pp={par.pp} (rollout.tp={cfg.rollout.tp}) needs a "
+            f"multiple of {need} processes and this command starts {nproc}: add --nproc {need} "
+            "(or start it under torchrun)"
+        )
+
+
+def check_model_dir(cfg: RLConfig) -> None:
+    """model.path must be an HF folder rlcli can load. With model.build the builder writes it
+    (and under torchrun rank 0 may be writing it right now), so it is not checked."""
+    if cfg.model.build:
+        return
+    path = Path(cfg.model.path)
+    from parallel.convert import hf_model_dir_problem
+
+    problem = hf_model_dir_problem(path)
+    if problem is not None:
+        raise UserError(f"model.path={cfg.model.path}: {problem}")
