@@ -10,6 +10,7 @@ The chunks are plain (not DDP-wrapped) and carry ``chunk.hf_config``; wrap them 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,13 +20,19 @@ from parallel.model import build_model
 
 
 def load_hf_model(
-    hf_dir: str | Path, mesh: Mesh, *, dtype: torch.dtype = torch.float32, critic: bool = False
+    hf_dir: str | Path,
+    mesh: Mesh,
+    *,
+    dtype: torch.dtype = torch.float32,
+    critic: bool = False,
+    **build_options: Any,
 ) -> list[torch.nn.Module]:
     """Megatron chunks of this rank for the HF model in `hf_dir`, weights loaded (a critic's
-    value head keeps its initialisation when the checkpoint has none)."""
+    value head keeps its initialisation when the checkpoint has none). `build_options` go to
+    `parallel.model.build_model` (sequence_parallel, transformer_impl, recompute)."""
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
-    models = build_model(hf_config, mesh, dtype=dtype, critic=critic)
+    models = build_model(hf_config, mesh, dtype=dtype, critic=critic, **build_options)
     load_hf_weights(models, mesh, hf_dir)
     return models

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import algorithms
 from rlcli.advantages import KLController
@@ -43,9 +44,11 @@ def build_trainer(cfg: RLConfig, reference: bool | None = None, logger: bool = T
     actor = build_actor(inputs, total_steps=total)
     ref = None
     if needs_reference(cfg) if reference is None else reference:
-        ref = MegatronPolicy(mesh, inputs.model_dir, cfg.model.dtype)
+        ref = MegatronPolicy(
+            mesh, inputs.model_dir, cfg.model.dtype, model_options=model_options(cfg)
+        )
         if cfg.ref.offload:
-            ref.offload()
+            ref.offload(params=True)
     say(mesh, f"starting the {cfg.rollout.engine} engine (rollout.tp={cfg.rollout.tp})")
     engine, replica = build_engine(inputs)
     trainer = Trainer(
@@ -130,7 +133,30 @@ def build_actor(inputs: RunInputs, total_steps: int, sft: bool = False) -> Megat
         decay_style=actor.lr_decay_style,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
     )
-    return MegatronPolicy(inputs.mesh, inputs.model_dir, cfg.model.dtype, optim=settings)
+    return MegatronPolicy(
+        inputs.mesh,
+        inputs.model_dir,
+        cfg.model.dtype,
+        optim=settings,
+        model_options=model_options(cfg, recompute=True),
+    )
+
+
+def model_options(cfg: RLConfig, recompute: bool = False) -> dict[str, Any]:
+    """``parallel.model.build_model``'s layout options from the config (recomputation only
+    matters for a model that trains)."""
+    options: dict[str, Any] = {
+        "sequence_parallel": cfg.parallel.sequence_parallel,
+        "transformer_impl": cfg.model.transformer_impl,
+    }
+    if recompute:
+        from parallel.memory_plan import recompute_options
+
+        a = cfg.actor
+        options["recompute"] = recompute_options(
+            a.recompute, a.recompute_method, a.recompute_num_layers
+        )
+    return options
 
 
 def needs_reference(cfg: RLConfig) -> bool:
@@ -159,6 +185,8 @@ def build_engine(inputs: RunInputs) -> tuple[RolloutEngine, ReplicaInfo]:
         kv_cache_gb=r.kv_cache_gb,
         enforce_eager=r.enforce_eager,
         max_model_len=r.max_model_len or (cfg.data.max_prompt_length + r.max_tokens),
+        sleep_level=r.sleep_level,
+        load_format=r.load_format,
     )
     replica = ReplicaInfo(index=index, count=count, is_leader=mesh.rank % r.tp == 0)
     return engine, replica

@@ -37,6 +37,13 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
     _choice("model.dtype", cfg.model.dtype, ["float32", "bfloat16", "float16"])
     _choice("actor.lr_decay_style", cfg.actor.lr_decay_style, ["constant", "linear", "cosine"])
     _choice("actor.recompute", cfg.actor.recompute, ["none", "selective", "full"])
+    _choice(
+        "model.transformer_impl",
+        cfg.model.transformer_impl,
+        ["auto", "transformer_engine", "local"],
+    )
+    _choice("rollout.sleep_level", cfg.rollout.sleep_level, [1, 2])
+    _choice("rollout.load_format", cfg.rollout.load_format, ["auto", "dummy"])
     _choice("actor.recompute_method", cfg.actor.recompute_method, ["uniform", "block"])
     _choice("algorithm.kl_ctrl.type", cfg.algorithm.kl_ctrl.type, ["fixed", "adaptive"])
     _choice("data.synthetic", cfg.data.synthetic, [None, "arith"])

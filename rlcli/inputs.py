@@ -42,7 +42,13 @@ def prepare_inputs(cfg: RLConfig) -> RunInputs:
 
     from rlcli.data import load_prompt_dataset
 
-    mesh = init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, seed=cfg.trainer.seed)
+    mesh = init_parallel(
+        cfg.parallel.tp,
+        cfg.parallel.pp,
+        cfg.parallel.vpp,
+        seed=cfg.trainer.seed,
+        timeout_s=cfg.parallel.timeout_minutes * 60,
+    )
     validate(cfg, world_size=mesh.world_size)
     output_dir = Path(cfg.trainer.output_dir)
     sft_files: list[str] = []
@@ -57,8 +63,10 @@ def prepare_inputs(cfg: RLConfig) -> RunInputs:
         cfg.data.val_files = cfg.data.val_files or [str(data_dir / "val.jsonl")]
         sft_files = [str(data_dir / "sft_train.jsonl")]
     model_dir = cfg.model.path
-    if cfg.model.build and not Path(model_dir, "config.json").exists():
-        if mesh.rank == 0:
+    if cfg.model.build:
+        # Only rank 0 looks: another rank could see a half-written config.json and skip the
+        # barrier rank 0 waits in.
+        if mesh.rank == 0 and not Path(model_dir, "config.json").exists():
             _build_model(cfg, model_dir, sft_files)
         barrier()
     if not Path(model_dir, "config.json").is_file():

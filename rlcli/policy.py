@@ -13,8 +13,10 @@ from typing import Any
 import torch
 
 from parallel.mesh import Mesh
+from parallel.offload import Offloader, TransferStats
 from parallel.schedule import LossFn, forward_log_probs, micro_batches
 from rlcli.batch import response_values
+from rlcli.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,11 +45,18 @@ class MegatronPolicy:
         hf_dir: str,
         dtype: str = "float32",
         optim: OptimizerSettings | None = None,
+        model_options: dict[str, Any] | None = None,
     ) -> None:
+        """``model_options``: ``parallel.model.build_model``'s layout options (sequence_parallel,
+        transformer_impl, recompute); a setting this machine cannot build is a UserError."""
         from parallel.hf_model import load_hf_model
+        from parallel.model import ModelConfigError
 
         self.mesh = mesh
-        models = load_hf_model(hf_dir, mesh, dtype=DTYPES[dtype])
+        try:
+            models = load_hf_model(hf_dir, mesh, dtype=DTYPES[dtype], **(model_options or {}))
+        except ModelConfigError as err:
+            raise UserError(str(err)) from None
         self.hf_config = models[0].hf_config
         self.optimizer = self.scheduler = None
         if optim is None:
@@ -75,7 +84,7 @@ class MegatronPolicy:
                 decay_style=optim.decay_style,
             )
         self.models = models
-        self._offloaded = False
+        self.offloader = Offloader(models, self.optimizer)
 
     @torch.no_grad()
     def log_probs(
@@ -115,15 +124,16 @@ class MegatronPolicy:
             compute_entropy=compute_entropy,
         )
 
-    def offload(self) -> None:
-        """Move the (frozen) weights to host memory between uses; a no-op without CUDA."""
-        if torch.cuda.is_available() and not self._offloaded:
-            for model in self.models:
-                model.to("cpu")
-            self._offloaded = True
+    def offload(
+        self, *, params: bool = False, grads: bool = False, optimizer: bool = False
+    ) -> TransferStats:
+        """Free the chosen device memory between phases (pinned host copies on GPU; gradients are
+        discarded, the next update zeroes them anyway). ``onload`` before the next use."""
+        return self.offloader.offload(
+            params=params, grads=grads, optimizer=optimizer, discard_grads=True
+        )
 
-    def onload(self) -> None:
-        if self._offloaded:
-            for model in self.models:
-                model.to(torch.cuda.current_device())
-            self._offloaded = False
+    def onload(
+        self, *, params: bool = False, grads: bool = False, optimizer: bool = False
+    ) -> TransferStats:
+        return self.offloader.onload(params=params, grads=grads, optimizer=optimizer)

@@ -410,6 +410,12 @@ def resume_run(
         optimizer=actor.optimizer if load_optimizer else None,
         scheduler=actor.scheduler,
     )
+    if not load_optimizer and actor.optimizer is not None:
+        from parallel.optim import reload_master_weights
+
+        # bf16 / distributed optimizers keep fp32 master weights; without this the first step
+        # writes the pre-resume weights back over the loaded ones.
+        reload_master_weights(actor.optimizer)
     return state
 
 

@@ -69,8 +69,10 @@ class Trainer:
     def _fit(self) -> dict[str, float]:
         cfg = self.cfg
         before: dict[str, float] = {}
+        # The engine starts with dummy (or the HF directory's) weights: the first sync both
+        # gives it the policy's weights (a resumed checkpoint's too) and proves the path.
+        sync_rollout_weights(self)
         if self.resumed_from is not None:
-            sync_rollout_weights(self)  # the engine started from the HF weights
             say(self.mesh, f"resumed from step {self.resumed_from}")
         elif cfg.trainer.val_before_train:
             before = self.evaluate()
@@ -136,7 +138,10 @@ def rl_step(t: Trainer) -> dict[str, float]:
     """One training step: each phase one call, timed, named after what it does."""
     cfg, timer = t.cfg, Timer()
     mbs, temperature = cfg.actor.micro_batch_size, cfg.rollout.temperature or 1.0
+    moved = {"offload": 0, "onload": 0}
     with timer("step"):
+        with timer("offload"):  # the engine generates in the device memory the actor frees
+            moved["offload"] += t.actor.offload(**actor_offload(cfg)).bytes
         # rollout + reward (timed inside): every rank ends with ALL scored samples, exchanged once
         samples, metrics = collect_rollouts(
             cfg, t.engine, t.replica, t.loader, t.rewards, t.tokenizer, t.step, timer
@@ -144,28 +149,41 @@ def rl_step(t: Trainer) -> dict[str, float]:
         with timer("distribute"):  # this DP rank's whole groups; from here on nothing moves
             mine, fewest_groups = take_dp_share(samples, t.mesh.dp, t.mesh.dp_rank)
             if fewest_groups == 0:  # DAPO kept fewer informative groups than there are DP ranks
+                t.actor.onload(params=True, grads=True, optimizer=True)
                 return {**metrics, **timer.metrics(), "actor/skipped_update": 1.0}
             batch = collate(mine, t.tokenizer.pad_token_id)
+        with timer("onload"):
+            moved["onload"] += t.actor.onload(params=True).bytes
         with timer("old_log_prob"):
             batch["old_log_probs"] = t.actor.log_probs(batch, mbs, temperature)
         if t.reference is not None:
             with timer("ref"):
-                t.reference.onload()
+                t.reference.onload(params=True)
                 batch["ref_log_probs"] = t.reference.log_probs(batch, mbs, temperature)
-                t.reference.offload()
+                if cfg.ref.offload:
+                    t.reference.offload(params=True)
         # A critic adds its phase here: with timer("values"): batch["values"] = critic.values(...)
         with timer("adv"):
             metrics.update(compute_advantages(batch, cfg, t.kl_ctrl, t.stats))
         # ... and its update here: with timer("update_critic"): metrics.update(update_critic(...))
+        with timer("onload"):
+            moved["onload"] += t.actor.onload(grads=True, optimizer=True).bytes
         with timer("update"):
             metrics.update(update_actor(t.actor, batch, cfg, t.mesh, fewest_groups))
         with timer("sync"):
             metrics.update(sync_rollout_weights(t))
     metrics.update(batch_metrics(batch, t))
     metrics.update(timer.metrics())
+    metrics.update({f"{kind}/bytes_gb": nbytes / 1e9 for kind, nbytes in moved.items()})
     metrics["perf/tokens_per_s"] = metrics.pop("perf/tokens") / max(metrics["timing/step"], 1e-9)
     metrics["perf/peak_memory_gb"] = peak_memory_gb()
     return metrics
+
+
+def actor_offload(cfg: RLConfig) -> dict[str, bool]:
+    """What of the actor leaves the device while the engine generates (``actor.offload_*``)."""
+    a = cfg.actor
+    return {"params": a.offload_params, "grads": a.offload_grads, "optimizer": a.offload_optimizer}
 
 
 def sync_rollout_weights(t: Trainer) -> dict[str, float]:

@@ -18,9 +18,6 @@ CONFIG_MODULES = {"rlcli/config.py", "rlcli/config_loader.py", "rlcli/config_val
 READ_GENERICALLY = {
     # Only asserts the derived data-parallel size; read by derive_dp in config_validation.
     "parallel.dp",
-    # TEMPORARY until the sequence-parallel wiring (parallel.model, another branch) is merged;
-    # the lead removes this entry after the merge.
-    "parallel.sequence_parallel",
 }
 
 
