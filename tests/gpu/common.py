@@ -214,7 +214,8 @@ def step(ctx: Context, actor: Actor, batch: list[dict[str, torch.Tensor]]) -> fl
     from parallel.optim import train_step
 
     result = train_step(actor.models, ctx.mesh, actor.optimizer, actor.scheduler, batch, nll_loss)
-    return float(result["metrics"]["loss"])
+    losses = [float(m["loss"]) for m in result["micro_batch_metrics"]]
+    return sum(losses) / len(losses)
 
 
 def synchronize() -> None:
