@@ -30,7 +30,7 @@ from parallel.memory_plan import (
     weight_bytes,
 )
 from parallel.mesh import init_parallel
-from parallel.model import HAVE_TRANSFORMER_ENGINE, build_model
+from parallel.model import build_model, transformer_engine_status
 from parallel.offload import Offloader
 from parallel.optim import build_optimizer, train_step, wrap_for_training
 
@@ -88,7 +88,7 @@ def loss_fn(outputs: dict, micro_batch: dict):
 
 def probe(name: str, mesh) -> None:
     torch.manual_seed(0)
-    models = build_model(hf_config(name), mesh, dtype=torch.bfloat16)
+    models = build_model(hf_config(name), mesh, dtype=torch.bfloat16, transformer_impl="local")
     models = wrap_for_training(models, mesh)
     optimizer, scheduler = build_optimizer(models, lr=1e-5, total_steps=10)
     plan = TrainedModel(
@@ -97,7 +97,7 @@ def probe(name: str, mesh) -> None:
         micro_batch_size=MICRO_BATCH,
         seq_len=SEQ,
         num_micro_batches=MICRO_BATCHES,
-        flash_attention=HAVE_TRANSFORMER_ENGINE,
+        flash_attention=transformer_engine_status()[0],
     )
     vocab = SHAPES[name].vocab
     micro = [
