@@ -250,14 +250,29 @@ def layer_activation_bytes(model: TrainedModel, *, recompute_attention: bool) ->
     return int(s * b * e * (outside + inside / t))
 
 
-def logits_bytes(model: TrainedModel, micro_batch_size: int | None = None) -> int:
-    """The output layer's logits on the last stage plus the fp32 log-softmax of this TP rank's
-    vocabulary slice (parallel.logprobs keeps both for backward)."""
+# Bytes per entry of this TP rank's [tokens, V/tp] logits at the log-prob peak. Forward only:
+# the logits in the model dtype (2), then three float32 tensors alive together: the cast, the
+# division by the temperature and the exponentials of the softmax (parallel.schedule,
+# parallel.logprobs): 2 + 3 * 4 = 14. Training adds, during backward, the recomputed
+# exponentials, the float32 gradient and its cast back to the model dtype while the saved
+# float32 logits are still held: about 22. Measured on one H200 (bf16, 4 x 1024 tokens, vocab
+# 151,936, local layers): the forward-only peaks of the Qwen2.5-0.5B and 1.5B shapes imply 13.7
+# and 13.4 bytes per entry, the update peaks 25.9 and 21.8 (gpu-check's memory probe).
+LOGIT_BYTES_FORWARD = 14
+LOGIT_BYTES_TRAINING = 22
+
+
+def logits_bytes(
+    model: TrainedModel, micro_batch_size: int | None = None, training: bool = True
+) -> int:
+    """The output layer's logits on the last stage and the float32 work of the vocab-parallel
+    log-softmax for one micro-batch (see the constants above); a critic's values are [s, b]."""
     b = micro_batch_size or model.micro_batch_size
     vocab_slice = padded_vocab(model.shape.vocab, model.tp) // model.tp
     if model.critic:
         return model.seq_len * b * 4
-    return model.seq_len * b * vocab_slice * (DTYPE_BYTES[model.dtype] + 4)
+    per_entry = LOGIT_BYTES_TRAINING if training else LOGIT_BYTES_FORWARD
+    return model.seq_len * b * vocab_slice * per_entry
 
 
 def activation_bytes(model: TrainedModel) -> int:
@@ -290,7 +305,9 @@ def forward_only_bytes(model: TrainedModel, micro_batch_size: int) -> int:
     """Log-prob / value forward: nothing is saved for backward; one layer's working set and the
     logits of one micro-batch."""
     one = dataclasses.replace(model, micro_batch_size=micro_batch_size, recompute="none")
-    return layer_activation_bytes(one, recompute_attention=False) + logits_bytes(one)
+    return layer_activation_bytes(one, recompute_attention=False) + logits_bytes(
+        one, training=False
+    )
 
 
 # ---------------------------------------------------------------------------------------------
