@@ -13,9 +13,11 @@ import shutil
 from pathlib import Path
 
 PHASE_LABELS = {
+    "offload": "actor offload",
     "gen": "generation",
     "reward": "reward",
     "distribute": "distribute (DP share + collate)",
+    "onload": "actor onload",
     "old_log_prob": "old log-probs",
     "ref": "reference log-probs",
     "adv": "advantages",

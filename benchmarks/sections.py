@@ -330,7 +330,18 @@ def _hf_training_steps(
 # a short real GRPO run
 
 # The trainer's phases in step order; each is timed on its own (none nests in another).
-PHASE_ORDER = ("gen", "reward", "distribute", "old_log_prob", "ref", "adv", "update", "sync")
+PHASE_ORDER = (
+    "offload",
+    "gen",
+    "reward",
+    "distribute",
+    "onload",
+    "old_log_prob",
+    "ref",
+    "adv",
+    "update",
+    "sync",
+)
 
 
 def grpo_section(workload: Workload, work_dir: Path) -> dict:
