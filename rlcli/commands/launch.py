@@ -43,6 +43,19 @@ def _default_job_name(recipe: Path) -> str:
     return "rlcli-" + re.sub(r"[^A-Za-z0-9_.-]", "_", recipe.stem)
 
 
+def _configured_max_restarts(recipe: Path, overrides: list[str]) -> Optional[int]:
+    """``trainer.max_restarts`` from the recipe and overrides (the ranks check the full config
+    when the job starts; here only this key matters)."""
+    from omegaconf import OmegaConf
+
+    try:
+        merged = OmegaConf.merge(OmegaConf.load(recipe), OmegaConf.from_dotlist(overrides))
+        value = OmegaConf.select(merged, "trainer.max_restarts")
+    except Exception as err:  # a broken recipe is reported by the run itself, with its line
+        raise UserError(f"{recipe}: cannot read trainer.max_restarts ({err})") from None
+    return None if value is None else int(value)
+
+
 @launch_app.command("slurm")
 def launch_slurm(
     recipe: Path = RECIPE,
@@ -87,9 +100,7 @@ def launch_slurm(
     """Render an sbatch script that runs `rlcli train` under torchrun on every node; submit it."""
     recipe = _checked_recipe(recipe)
     if max_restarts is None:
-        from rlcli.config_loader import load_config
-
-        configured = load_config(recipe, overrides or []).trainer.max_restarts
+        configured = _configured_max_restarts(recipe, overrides or [])
         max_restarts = DEFAULT_MAX_RESTARTS if configured is None else configured
     job = SlurmJob(
         job_name=job_name or _default_job_name(recipe),
