@@ -222,3 +222,25 @@ def test_rank_killed_mid_run_restarts_and_finishes(tmp_path):
     assert "resumed from step 2" in output
     if first_step_after is not None:
         print(f"restart-to-first-step: {first_step_after - killed_at:.1f} s")
+
+
+@pytest.mark.dist
+def test_a_user_error_is_not_retried_by_torchrun_restarts(tmp_path):
+    """A reward that fails on every sample stops the run with exit 2 and its own message, once:
+    the ranks ask torchrun to stop instead of being restarted --max-restarts times."""
+    out = tmp_path / "run"
+    code, output = finish(
+        rlcli_train(
+            out,
+            f"reward.fn={HERE / 'failing_reward.py'}:compute_score",
+            "trainer.total_steps=2",
+            "--max-restarts",
+            "3",
+            nproc=2,
+        )
+    )
+    assert code == 2, output[-5000:]
+    assert "reward.max_failure_rate=0.5" in output
+    assert "TypeError: compute_score() got an unexpected keyword argument" in output
+    assert "ChildFailedError" not in output
+    assert output.count("building actor") == 1  # one start, no restarts
