@@ -51,7 +51,7 @@ def _configured_max_restarts(recipe: Path, overrides: list[str]) -> Optional[int
     try:
         merged = OmegaConf.merge(OmegaConf.load(recipe), OmegaConf.from_dotlist(overrides))
         value = OmegaConf.select(merged, "trainer.max_restarts")
-    except Exception as err:  # a broken recipe is reported by the run itself, with its line
+    except Exception as err:  # not YAML, or a value that is not a number
         raise UserError(f"{recipe}: cannot read trainer.max_restarts ({err})") from None
     return None if value is None else int(value)
 

@@ -244,3 +244,17 @@ def test_a_user_error_is_not_retried_by_torchrun_restarts(tmp_path):
     assert "TypeError: compute_score() got an unexpected keyword argument" in output
     assert "ChildFailedError" not in output
     assert output.count("building actor") == 1  # one start, no restarts
+
+
+def test_logprob_diff_over_the_limit_warns_or_stops(tmp_path):
+    """fp32 on CPU agrees to ~1e-7 per token; a limit below that trips the check."""
+    limit = ["rollout.max_logprob_diff=1e-12", "trainer.total_steps=1"]
+    code, output = finish(rlcli_train(tmp_path / "warn", *limit))
+    assert code == 0, output[-3000:]
+    assert "warning: step 1: the trainer's and the engine's log-probs" in output
+    assert "rollout.max_logprob_diff=1e-12" in output
+    stop = [*limit, "rollout.logprob_diff_action=stop"]
+    code, output = finish(rlcli_train(tmp_path / "stop", *stop))
+    assert code == 2, output[-3000:]
+    assert "step 1:" in output and "rollout.logprob_diff_action=stop" in output
+    assert "Traceback" not in output
