@@ -33,13 +33,20 @@ def rlcli_train(out: Path, *overrides: str, env: dict | None = None, nproc: int 
     cmd += [str(REPO / "recipes" / "quickstart.yaml"), *HF, f"trainer.output_dir={out}"]
     cmd += list(overrides)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.Popen(
-        cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    # Output goes to a file, not a pipe: a test that polls the run does not read a pipe, and a
+    # full pipe would block the ranks.
+    log = open(out.parent / f"{out.name}-{time.monotonic_ns()}.log", "w+")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+    proc.log = log  # type: ignore[attr-defined]
+    return proc
 
 
 def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
-    output, _ = proc.communicate(timeout=timeout)
+    proc.wait(timeout=timeout)
+    log = proc.log  # type: ignore[attr-defined]
+    log.seek(0)
+    output = log.read()
+    log.close()
     return proc.returncode, output
 
 
