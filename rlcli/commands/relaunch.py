@@ -56,6 +56,9 @@ def run_torchrun(command: list[str]) -> int:
     # The failure is reported below in a few words; torchrun's own log would repeat it at length.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # torchrun shares its rendezvous TCP store with the workers across restarts, so a restarted
+    # group reads the dead group's gloo addresses (connection refused); a store per attempt.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     with tempfile.TemporaryDirectory(prefix="rlcli-errors-") as error_dir:
         os.environ[USER_ERROR_DIR_ENV] = error_dir
         try:
