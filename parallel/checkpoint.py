@@ -83,8 +83,13 @@ def load_checkpoint(
     optimizer: MegatronOptimizer | None = None,
     scheduler: OptimizerParamScheduler | None = None,
     strict: bool = True,
-) -> None:
+) -> list[str]:
     """Fill ``models`` (and ``optimizer`` / ``scheduler`` when given) from ``ckpt_dir``.
+
+    The optimizer's state (moments, master weights) and the scheduler's step count come from
+    the checkpoint; its hyper-parameters (lr, min lr, warmup, decay, weight decay, betas, eps)
+    stay those the optimizer and scheduler were built with, i.e. the current config. Returns
+    one line per hyper-parameter whose checkpoint value differed (``"name: old -> new"``).
 
     Collective. The models must be built for this rank's layout (``build_model``; bare or
     DDP-wrapped). Entries of the checkpoint that are not asked for are ignored (so a
@@ -116,10 +121,24 @@ def load_checkpoint(
     )
     for key, chunk in zip(_model_keys(models), unwrap_model(models), strict=True):
         chunk.load_state_dict(loaded[key], strict=strict)
+    changed: list[str] = []
     if optimizer is not None:
+        from parallel.optim import group_hyperparameters, restore_group_hyperparameters
+
+        configured = group_hyperparameters(optimizer)
         optimizer.load_state_dict(loaded["optimizer"])
+        changed += restore_group_hyperparameters(optimizer, configured)
     if scheduler is not None:
-        scheduler.load_state_dict(loaded["scheduler"])
+        current = scheduler.state_dict()
+        saved = loaded["scheduler"]
+        changed += [
+            f"scheduler {key}: {saved[key]} -> {value}"
+            for key, value in current.items()
+            if key != "num_steps" and key in saved and saved[key] != value
+        ]
+        # Built with override_opt_param_scheduler: only num_steps is taken from the checkpoint.
+        scheduler.load_state_dict(saved)
+    return changed
 
 
 def _check_optimizer_loadable(optimizer: MegatronOptimizer) -> None:

@@ -10,13 +10,22 @@ megatron's DDP. Gradient clipping (``clip_grad``) acts on the global norm over a
 shards; ``result["grad_norm"]`` is that norm before clipping.
 
 Schedules count optimizer steps: ``warmup_steps`` and ``total_steps`` are numbers of
-``train_step`` calls whose update was applied. As in megatron and HF's linear warmup, the
-learning rate of step k (from 0) during warmup is ``lr * k / warmup_steps``, so the first
-warmup step does not move the weights; decay runs from ``warmup_steps`` to ``total_steps``.
+``train_step`` calls whose update was applied, unless the caller passes ``step_scheduler=False``
+and steps the scheduler itself (an RL trainer steps it once per RL step, however many optimizer
+steps that holds). As in megatron and HF's linear warmup, the learning rate of step k (from 0)
+during warmup is ``lr * k / warmup_steps``, so the first warmup step does not move the weights;
+decay runs from ``warmup_steps`` to ``total_steps``. The scheduler is built to take its values
+from the code (the current config), not from a checkpoint it is loaded from.
+
+Non-finite steps: megatron-core's fp32 / bf16 optimizers step even on NaN / inf gradients (only
+the fp16 loss scaler skips them). ``train_step`` therefore checks the loss and the gradients
+first, agrees on the answer over all ranks, and drops such a step without touching the weights,
+the optimizer state or the schedule (``result["nonfinite"]``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -148,6 +157,10 @@ def build_optimizer(
         end_wd=weight_decay,
         wd_incr_steps=max(total_steps, 1),
         wd_incr_style="constant",
+        # A resumed run follows the schedule of the config it is started with (a changed lr or
+        # a longer run takes effect); only the step count comes from the checkpoint.
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
     )
     return optimizer, scheduler
 
@@ -162,12 +175,15 @@ def train_step(
     *,
     temperature: float = 1.0,
     compute_entropy: bool = False,
+    step_scheduler: bool = True,
 ) -> dict[str, Any]:
     """One optimizer step over ``micro_batches`` (this rank's share of the batch).
 
     Returns ``{"micro_batch_metrics": [...], "grad_norm": float | None, "lr": float,
-    "skipped": bool}`` (the caller reduces the per-micro-batch metrics); ``skipped`` is True when
-    the step was not applied (fp16 overflow, or NaN / inf gradients).
+    "skipped": bool, "nonfinite": bool}`` (the caller reduces the per-micro-batch metrics);
+    ``skipped`` is True when the step was not applied (fp16 overflow, or a non-finite loss or
+    gradient: then ``nonfinite`` is True too, on every rank alike). ``step_scheduler=False``
+    leaves the LR schedule to the caller.
     """
     for chunk in models:
         chunk.zero_grad_buffer()
@@ -184,15 +200,102 @@ def train_step(
         compute_entropy=compute_entropy,
     )
     lr = optimizer.param_groups[0]["lr"]  # the rate this step uses, before the scheduler moves
+    # fp16 overflows are the loss scaler's business (it must see them to lower the scale); for
+    # fp32 / bf16 nothing downstream would stop a NaN, so check before the optimizer runs.
+    fp16 = get_model_config(models[0]).fp16
+    if not all_agree_finite(models, micro_batch_metrics, check_grads=not fp16):
+        for chunk in models:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        return {
+            "micro_batch_metrics": micro_batch_metrics,
+            "grad_norm": float("nan"),
+            "lr": lr,
+            "skipped": True,
+            "nonfinite": True,
+        }
     applied, grad_norm, _ = optimizer.step()
-    if applied:
+    if applied and step_scheduler:
         scheduler.step(increment=1)
     return {
         "micro_batch_metrics": micro_batch_metrics,
         "grad_norm": None if grad_norm is None else float(grad_norm),
         "lr": lr,
         "skipped": not applied,
+        "nonfinite": False,
     }
+
+
+def _model_device(models: list[torch.nn.Module]) -> torch.device:
+    for parameter in models[0].parameters():
+        return parameter.device
+    return torch.device("cpu")
+
+
+def _all_ranks_true(ok: bool, device: torch.device) -> bool:
+    """Whether ``ok`` holds on every rank (one all-reduce of a flag over the world)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return ok
+    flag = torch.tensor([0.0 if ok else 1.0], device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return flag.item() == 0.0
+
+
+def all_agree_finite(
+    models: list[DistributedDataParallel],
+    micro_batch_metrics: list[dict[str, float]],
+    check_grads: bool = True,
+) -> bool:
+    """True when, on EVERY rank, the losses (``micro_batch_metrics``) and the gradient buffers
+    are finite. Each rank checks its own shard (TP / PP split the gradients; DP ranks hold the
+    same reduced values); one flag all-reduced over the world makes all ranks answer alike."""
+    ok = all(
+        math.isfinite(value)
+        for metrics in micro_batch_metrics
+        for value in metrics.values()
+        if isinstance(value, float)
+    )
+    if ok and check_grads:
+        for chunk in models:
+            for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                if not bool(torch.isfinite(buffer.grad_data).all()):
+                    ok = False
+                    break
+    return _all_ranks_true(ok, _model_device(models))
+
+
+def all_weights_finite(models: list[torch.nn.Module]) -> bool:
+    """Collective: True when every rank's weights are all finite (checked before a save, so a
+    checkpoint never holds a NaN)."""
+    ok = all(bool(torch.isfinite(p).all()) for chunk in models for p in chunk.parameters())
+    return _all_ranks_true(ok, _model_device(models))
+
+
+# Param-group entries that come from the config; a loaded optimizer state must not replace them.
+_GROUP_SKIP = ("params", "lr", "weight_decay", "step")
+
+
+def group_hyperparameters(optimizer: MegatronOptimizer) -> list[dict[str, Any]]:
+    """The configured hyper-parameters of each param group (betas, eps, max_lr, min_lr, ...)."""
+    return [
+        {k: v for k, v in group.items() if k not in _GROUP_SKIP} for group in optimizer.param_groups
+    ]
+
+
+def restore_group_hyperparameters(
+    optimizer: MegatronOptimizer, configured: list[dict[str, Any]]
+) -> list[str]:
+    """Put the configured values back into the param groups after a state load; returns
+    ``"name: checkpoint -> config"`` for each value that differed."""
+    changed: list[str] = []
+    for group, wanted in zip(optimizer.param_groups, configured, strict=True):
+        for key, value in wanted.items():
+            if group.get(key) != value:
+                line = f"optimizer {key}: {group.get(key)} -> {value}"
+                if line not in changed:
+                    changed.append(line)
+            group[key] = value
+    return changed
 
 
 def reload_master_weights(optimizer: MegatronOptimizer) -> None:

@@ -85,6 +85,11 @@ class RolloutConfig:
     load_format: str = "dummy"
     val_temperature: float = 0.0  # greedy validation
     val_n: int = 1
+    # Trainer-vs-engine agreement on the sampled tokens' log-probs (a broken weight sync shows
+    # here): largest allowed MEAN |difference| per token (typically ~1e-7 in fp32 on CPU, ~0.01
+    # in bf16; unsynced weights give whole nats), and what to do beyond it: warn | stop (exit 2).
+    max_logprob_diff: float = 0.5
+    logprob_diff_action: str = "warn"
 
 
 @dataclass
@@ -168,6 +173,9 @@ class RewardConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
     timeout_s: float = 10.0
     num_workers: int = 1
+    # Stop the run (with the reward's own error) when more than this fraction of a step's
+    # samples fail to score (raise, time out or return a non-number).
+    max_failure_rate: float = 0.5
 
 
 @dataclass
@@ -191,6 +199,13 @@ class TrainerConfig:
     experiment_name: str = "default"
     output_dir: str = "outputs/${trainer.experiment_name}"
     resume: str = "auto"  # auto | none | path to a checkpoint directory
+    # Stop (exit 2) after this many consecutive steps with a non-finite loss or gradient (each
+    # one is dropped, not applied).
+    max_nonfinite_steps: int = 3
+    # torchrun restarts of the whole group after a rank dies (it then resumes from the newest
+    # checkpoint): `rlcli train --nproc` (also --max-restarts N) and `rlcli launch slurm`
+    # (also --max-restarts N). None: 0 locally, 3 on Slurm.
+    max_restarts: Optional[int] = None
 
 
 @dataclass

@@ -47,6 +47,8 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
     _choice("actor.recompute_method", cfg.actor.recompute_method, ["uniform", "block"])
     _choice("algorithm.kl_ctrl.type", cfg.algorithm.kl_ctrl.type, ["fixed", "adaptive"])
     _choice("data.synthetic", cfg.data.synthetic, [None, "arith"])
+    _choice("rollout.logprob_diff_action", cfg.rollout.logprob_diff_action, ["warn", "stop"])
+    _check_reliability(cfg)
     _choice(
         "trainer.resume",
         cfg.trainer.resume if cfg.trainer.resume in ("auto", "none") else "path",
@@ -189,3 +191,19 @@ def _check_algorithm_names(cfg: RLConfig) -> None:
             f"actor.loss_agg_mode={cfg.actor.loss_agg_mode!r} is not valid; choose one of: "
             f"{', '.join(algorithms.LOSS_AGG_MODES)}"
         )
+
+
+def _check_reliability(cfg: RLConfig) -> None:
+    """The run-survival limits: non-finite steps, reward failures, restarts, log-prob drift."""
+    if cfg.trainer.max_nonfinite_steps < 1:
+        raise UserError(
+            f"trainer.max_nonfinite_steps must be >= 1, got {cfg.trainer.max_nonfinite_steps}"
+        )
+    if cfg.trainer.max_restarts is not None and cfg.trainer.max_restarts < 0:
+        raise UserError(f"trainer.max_restarts must be >= 0, got {cfg.trainer.max_restarts}")
+    if not 0 <= cfg.reward.max_failure_rate <= 1:
+        raise UserError(
+            f"reward.max_failure_rate must be in [0, 1], got {cfg.reward.max_failure_rate}"
+        )
+    if not cfg.rollout.max_logprob_diff > 0:
+        raise UserError(f"rollout.max_logprob_diff must be > 0, got {cfg.rollout.max_logprob_diff}")

@@ -85,6 +85,10 @@ class MegatronPolicy:
             )
         self.models = models
         self.offloader = Offloader(models, self.optimizer)
+        # The RL trainer steps the LR schedule once per RL step (``advance_schedule``) and sets
+        # this False; SFT keeps one schedule step per optimizer step.
+        self.schedule_per_update = True
+        self.nonfinite_updates = 0  # optimizer steps dropped for a non-finite loss or gradient
 
     @torch.no_grad()
     def log_probs(
@@ -113,7 +117,7 @@ class MegatronPolicy:
         micro-batches, averaged over DP)."""
         from parallel.optim import train_step
 
-        return train_step(
+        result = train_step(
             self.models,
             self.mesh,
             self.optimizer,
@@ -122,7 +126,15 @@ class MegatronPolicy:
             loss_fn,
             temperature=temperature,
             compute_entropy=compute_entropy,
+            step_scheduler=self.schedule_per_update,
         )
+        self.nonfinite_updates += bool(result.get("nonfinite"))
+        return result
+
+    def advance_schedule(self) -> None:
+        """One step of the LR / weight-decay schedule (the RL trainer: once per RL step)."""
+        if self.scheduler is not None:
+            self.scheduler.step(increment=1)
 
     def offload(
         self, *, params: bool = False, grads: bool = False, optimizer: bool = False

@@ -16,10 +16,13 @@ A run's checkpoint (``save_run``) holds ``model/`` (megatron dist_checkpointing:
 scheduler), ``hf/`` (config and tokenizer, so it converts to HF on its own) and the trainer state
 (step, data position, KL coefficient, RNG states).
 
-A save writes everything into ``.tmp-step_N``; only after every rank finished writing does rank 0
-add the marker and rename the directory to ``step_N`` in one ``os.replace``. A crash at any point
-leaves either no ``step_N`` or a complete one. Pruning renames a directory away before deleting
-it, so a half-deleted checkpoint never looks complete either.
+A save writes everything into ``.tmp-step_N``; after every rank finished writing, each node
+fsyncs the files, then rank 0 adds the marker and renames the directory to ``step_N`` in one
+``os.replace``. A crash at any point leaves either no ``step_N`` or a complete one. Saving a step
+that already has a checkpoint (a resumed run redoing it) first renames the old one to
+``.replaced-step_N``, which still counts as step N's checkpoint until the new one is in place,
+so a commit never leaves fewer complete checkpoints than there were. Pruning renames a directory
+away before deleting it, so a half-deleted checkpoint never looks complete either.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ LATEST_POINTER = "latest"
 TRAINER_STATE_FILE = "trainer_state.json"
 TEMPORARY_PREFIX = ".tmp-"
 DELETING_PREFIX = ".deleting-"
+REPLACED_PREFIX = ".replaced-"
 _STEP_DIR_RE = re.compile(r"^step_(\d+)$")
 
 
@@ -92,6 +96,19 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+def _fsync_tree(path: Path) -> None:
+    """Flush every file under ``path`` to disk (a marker must never reach the disk before the
+    data it vouches for)."""
+    for folder, _, files in os.walk(path):
+        for name in files:
+            descriptor = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+        _fsync_dir(Path(folder))
 
 
 def _distributed_rank() -> int:
@@ -140,18 +157,26 @@ class CheckpointManager:
 
     def complete_steps(self) -> list[int]:
         """Steps with a complete checkpoint, ascending."""
-        return sorted(step for _, step in self._commit_order())
+        return sorted(step for _, step, _ in self._commit_order())
 
-    def _commit_order(self) -> list[tuple[int, int]]:
-        """``(commit sequence, step)`` of every complete checkpoint, oldest commit first."""
+    def _commit_order(self) -> list[tuple[int, int, Path]]:
+        """``(commit sequence, step, directory)`` of every complete checkpoint, oldest commit
+        first. A ``.replaced-step_N`` (a re-save of step N was interrupted) stands in for
+        ``step_N`` while that is missing."""
         if not self.root_dir.is_dir():
             return []
-        committed = [
-            (_commit_sequence(path), checkpoint_step(path))
-            for path in self.root_dir.iterdir()
-            if is_complete_checkpoint(path)
-        ]
-        return sorted(committed)
+        committed = {}
+        replaced = {}
+        for path in self.root_dir.iterdir():
+            if is_complete_checkpoint(path):
+                committed[checkpoint_step(path)] = path
+            elif path.name.startswith(REPLACED_PREFIX):
+                original = path.with_name(path.name[len(REPLACED_PREFIX) :])
+                if _STEP_DIR_RE.match(original.name) and (path / COMPLETE_MARKER).is_file():
+                    replaced[checkpoint_step(original)] = path
+        for step, path in replaced.items():
+            committed.setdefault(step, path)
+        return sorted((_commit_sequence(path), step, path) for step, path in committed.items())
 
     def latest_step(self) -> int | None:
         """The step of the most recently committed complete checkpoint (``None``: there is none).
@@ -163,8 +188,8 @@ class CheckpointManager:
         return order[-1][1] if order else None
 
     def latest_dir(self) -> Path | None:
-        step = self.latest_step()
-        return None if step is None else self.step_dir(step)
+        order = self._commit_order()
+        return order[-1][2] if order else None
 
     @contextmanager
     def saving(self, step: int, subdirs: Sequence[str] = ()) -> Iterator[Path]:
@@ -188,6 +213,9 @@ class CheckpointManager:
         self._barrier()
         yield temporary
         self._barrier()
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once per node: its ranks' files
+            _fsync_tree(temporary)
+        self._barrier()
         if self.rank == 0:
             self._commit(temporary, step)
         self._barrier()
@@ -197,21 +225,28 @@ class CheckpointManager:
         sequence = order[-1][0] + 1 if order else 1
         marker = json.dumps({"step": step, "sequence": sequence}) + "\n"
         write_text_atomically(temporary / COMPLETE_MARKER, marker)
+        _fsync_dir(temporary)
         final = self.step_dir(step)
+        replaced = final.with_name(f"{REPLACED_PREFIX}{final.name}")
         if final.exists():
-            # Saving a step again (a resumed run redoing it): the old copy goes first.
-            self._delete(final)
+            # Saving a step again (a resumed run redoing it): the old copy steps aside, still
+            # complete, until the new one is in place.
+            if replaced.exists():
+                shutil.rmtree(replaced)
+            os.replace(final, replaced)
         os.replace(temporary, final)
         _fsync_dir(self.root_dir)
         write_text_atomically(self.root_dir / LATEST_POINTER, final.name + "\n")
+        if replaced.exists():
+            self._delete(replaced)
         self._prune()
 
     def _prune(self) -> None:
         if self.keep_last is None:
             return
         # Oldest commits go first, so a resumed run's new checkpoints outlive an abandoned run's.
-        for _, step in self._commit_order()[: -self.keep_last]:
-            self._delete(self.step_dir(step))
+        for _, _, path in self._commit_order()[: -self.keep_last]:
+            self._delete(path)
 
     def _delete(self, path: Path) -> None:
         # Renamed away first: a crash half-way through rmtree must not leave a marked directory.
@@ -223,6 +258,10 @@ class CheckpointManager:
         for path in self.root_dir.iterdir():
             if path.is_dir() and path.name.startswith((TEMPORARY_PREFIX, DELETING_PREFIX)):
                 shutil.rmtree(path)
+            elif path.is_dir() and path.name.startswith(REPLACED_PREFIX):
+                original = path.with_name(path.name[len(REPLACED_PREFIX) :])
+                if is_complete_checkpoint(original):  # else it is still a step's only copy
+                    shutil.rmtree(path)
 
     def resolve_resume(self, resume: str | os.PathLike[str] | None) -> Path | None:
         """The checkpoint to resume from for ``trainer.resume``: ``"auto"``, ``"none"`` or a path.
@@ -266,8 +305,10 @@ def _why_not_a_checkpoint(path: Path) -> str:
     )
 
 
-# Trainer-side state: JSON for plain values, safetensors for RNG states. No pickle anywhere, so
-# loading a checkpoint can never run code hidden in it.
+# Trainer-side state: JSON for plain values, safetensors for RNG states: no pickle in what rlcli
+# writes itself. megatron-core's dist-checkpoint metadata (model/.metadata, common.pt) IS read
+# with pickle / torch.load, so a checkpoint can run code when loaded: load only checkpoints you
+# (or someone you trust) wrote.
 
 
 def rng_state_file(rank: int) -> str:
@@ -378,7 +419,16 @@ def save_run(
 ) -> None:
     """Collective: commit ``step``'s checkpoint (model, optimizer, HF metadata, trainer state)."""
     from parallel.checkpoint import save_checkpoint
+    from parallel.optim import all_weights_finite
 
+    # Collective. A non-finite weight must never reach a checkpoint (pruning would then delete
+    # the good ones it replaces).
+    if not all_weights_finite(actor.models):
+        raise UserError(
+            f"step {step}: the actor's weights are not finite; not saving a checkpoint (the newest "
+            f"good one is {ckpt.latest_dir() or 'none'}). Lower actor.lr, keep actor.grad_clip > "
+            "0, or use model.dtype=float32 / bfloat16 instead of float16."
+        )
     with ckpt.saving(step, subdirs=("model",)) as directory:
         save_checkpoint(
             directory / "model",
@@ -400,16 +450,24 @@ def resume_run(
     from parallel.checkpoint import load_checkpoint
 
     path = ckpt.resolve_resume(resume)
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if restarted and ckpt.latest_dir() is not None:
+        # torchrun restarted the group after a rank died: continue from this run's newest
+        # checkpoint whatever trainer.resume named for the first start.
+        path = ckpt.latest_dir()
     if path is None:
         return None
     state = load_trainer_state(path)
-    load_checkpoint(
+    changed = load_checkpoint(
         path / "model",
         actor.models,
         actor.mesh,
         optimizer=actor.optimizer if load_optimizer else None,
         scheduler=actor.scheduler,
     )
+    if changed and actor.mesh.rank == 0:
+        # The current config wins over the checkpoint's hyper-parameters; say what changed.
+        print(f"[rlcli] resuming {path} with the config's values: " + "; ".join(changed))
     if not load_optimizer and actor.optimizer is not None:
         from parallel.optim import reload_master_weights
 

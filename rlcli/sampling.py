@@ -22,6 +22,7 @@ import algorithms
 from rlcli.batch import Sample, groups_of, split_evenly
 from rlcli.config import RLConfig
 from rlcli.data import PromptItem
+from rlcli.errors import UserError
 from rlcli.metrics import Timer
 from rlcli.rewards import RewardInput, RewardManager
 from rlcli.rollout.base import RolloutEngine, SamplingConfig
@@ -71,14 +72,24 @@ def generate_samples(
 
 
 def score_samples(
-    samples: list[Sample], rewards: RewardManager, tokenizer: PreTrainedTokenizerBase
+    samples: list[Sample],
+    rewards: RewardManager,
+    tokenizer: PreTrainedTokenizerBase,
+    max_failure_rate: float | None = None,
+    step: int | None = None,
 ) -> dict[str, float]:
     """Fill ``score`` / ``extras`` of every sample; returns failure counts as metrics.
 
-    Every rank scores the same samples (rule-based rewards are cheap and this keeps ranks in
-    step without another exchange); a model-based reward would score its share and exchange.
+    Collective: every sample is scored exactly once, by one rank (each rank scores its
+    contiguous share), and the scores are exchanged, so every rank trains on the same numbers
+    even when a reward call times out or is random. When more than ``max_failure_rate`` of the
+    samples fail to score, raises a ``UserError`` with the reward's first error.
     """
-    texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+    world, rank = 1, 0
+    if dist.is_available() and dist.is_initialized():
+        world, rank = dist.get_world_size(), dist.get_rank()
+    mine = split_evenly(samples, world)[rank]
+    texts = tokenizer.batch_decode([s.response_ids for s in mine], skip_special_tokens=True)
     inputs = [
         RewardInput(
             data_source=s.item.data_source,
@@ -86,13 +97,49 @@ def score_samples(
             ground_truth=s.item.ground_truth,
             extra_info=s.item.extra_info,
         )
-        for s, text in zip(samples, texts, strict=True)
+        for s, text in zip(mine, texts, strict=True)
     ]
-    scores, extras, stats = rewards.score_batch(inputs)
-    for i, sample in enumerate(samples):
-        sample.score = float(scores[i])
-        sample.extras = {key: values[i] for key, values in extras.items() if values[i] is not None}
-    return {key: float(value) for key, value in stats.items()}
+    scores: list[float] = []
+    extras: dict[str, list] = {}
+    stats: dict[str, int] = {"reward/num_failed": 0, "reward/num_timeout": 0}
+    first_failure = None
+    if inputs:
+        scores, extras, stats = rewards.score_batch(inputs)
+        first_failure = rewards.first_failure
+    local = (
+        [float(score) for score in scores],
+        [
+            {key: values[i] for key, values in extras.items() if values[i] is not None}
+            for i in range(len(scores))
+        ],
+        dict(stats),
+        first_failure,
+    )
+    parts = [local]
+    if world > 1:
+        parts = [None] * world
+        dist.all_gather_object(parts, local)
+    totals: dict[str, float] = {}
+    failure = None
+    index = 0
+    for part_scores, part_extras, part_stats, part_failure in parts:
+        for score, extra in zip(part_scores, part_extras, strict=True):
+            samples[index].score = score
+            samples[index].extras = extra
+            index += 1
+        for key, value in part_stats.items():
+            totals[key] = totals.get(key, 0.0) + float(value)
+        failure = failure or part_failure
+    failed = totals.get("reward/num_failed", 0.0) + totals.get("reward/num_timeout", 0.0)
+    if max_failure_rate is not None and samples and failed / len(samples) > max_failure_rate:
+        where = f"step {step}: " if step is not None else ""
+        raise UserError(
+            f"{where}the reward function failed on {int(failed)} of {len(samples)} samples, "
+            f"more than reward.max_failure_rate={max_failure_rate}; first error: {failure}. "
+            "Fix the reward function (reward.fn, reward.kwargs, reward.timeout_s) or raise "
+            "reward.max_failure_rate."
+        )
+    return totals
 
 
 def accuracy_of(samples: list[Sample]) -> float:
@@ -179,9 +226,10 @@ def collect_rollouts(
                 )
             drawn += len(items)
             with timer("reward"):
-                reward_stats = score_samples(samples, rewards, tokenizer)
+                limit = cfg.reward.max_failure_rate
+                reward_stats = score_samples(samples, rewards, tokenizer, limit, step)
                 if remax:  # the baseline: each prompt's greedy answer's score
-                    score_samples(baselines, rewards, tokenizer)
+                    score_samples(baselines, rewards, tokenizer, limit, step)
                     baseline = {b.group: b.score for b in baselines}
                     for s in samples:
                         s.reward_baseline = baseline[s.group]
@@ -233,7 +281,7 @@ def evaluate(
             sampling_params(cfg, tokenizer.eos_token_id, step, train=False),
             replica,
         )
-    score_samples(samples, rewards, tokenizer)
+    score_samples(samples, rewards, tokenizer, cfg.reward.max_failure_rate, step)
     metrics = rollout_metrics(samples, cfg.rollout.max_tokens, prefix="val/")
     metrics["val/num_prompts"] = float(len(data))
     metrics["timing/val"] = time.perf_counter() - start

@@ -8,10 +8,14 @@ built from the config by ``rlcli.build.build_trainer``.
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 import algorithms
 from parallel.mesh import Mesh
@@ -21,6 +25,7 @@ from rlcli.batch import collate, take_dp_share
 from rlcli.config import RLConfig
 from rlcli.data import PromptDataset, PromptLoader
 from rlcli.dp_stats import DataParallelStats
+from rlcli.errors import UserError
 from rlcli.metrics import MetricsLogger, Timer
 from rlcli.policy import MegatronPolicy
 from rlcli.rewards import RewardManager
@@ -30,6 +35,10 @@ from rlcli.sampling import ReplicaInfo, collect_rollouts, evaluate
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+# A file whose appearance asks the run to stop after the current step with a checkpoint (the
+# sbatch script creates it when Slurm warns of preemption or the time limit).
+STOP_FILE_ENV = "RLCLI_STOP_FILE"
 
 
 @dataclass
@@ -55,18 +64,27 @@ class Trainer:
 
     def __post_init__(self) -> None:
         self.stats = DataParallelStats(self.mesh)
+        # Warmup, decay and total are counted in RL steps: fit() steps the schedule once per
+        # step, whatever the number of mini-batches (optimizer steps) in it.
+        self.actor.schedule_per_update = False
 
     def fit(self) -> dict[str, float]:
-        """Train to ``total_steps``; returns the last held-out metrics (and ``before/...``)."""
+        """Train to ``total_steps``; returns the last held-out metrics (and ``before/...``).
+
+        SIGTERM / SIGUSR1 (or the file named by ``RLCLI_STOP_FILE`` appearing) end the run
+        after the current step with a checkpoint and exit code 0; the same command resumes.
+        """
+        stop = StopRequest()
         try:
-            return self._fit()
+            return self._fit(stop)
         finally:
+            stop.uninstall()
             if self.logger is not None:
                 self.logger.close()
             self.rewards.close()
             self.engine.close()
 
-    def _fit(self) -> dict[str, float]:
+    def _fit(self, stop: StopRequest) -> dict[str, float]:
         cfg = self.cfg
         before: dict[str, float] = {}
         # The engine starts with dummy (or the HF directory's) weights: the first sync both
@@ -80,17 +98,35 @@ class Trainer:
             accuracy = before.get("val/reward/accuracy", float("nan"))
             say(self.mesh, f"validation before RL: accuracy {accuracy:.3f}")
         after: dict[str, float] = {}
+        nonfinite_in_a_row = 0
         while self.step < self.total_steps:
             self.step += 1
+            dropped = self.actor.nonfinite_updates
             metrics = rl_step(self)
+            self.actor.advance_schedule()  # once per RL step (skipped or not)
+            nonfinite = self.actor.nonfinite_updates - dropped  # equal on all ranks
+            metrics["actor/nonfinite_steps"] = float(nonfinite)
             metrics.update({"data/epoch": self.loader.epoch, "data/position": self.loader.position})
             last = self.step == self.total_steps
             if (cfg.trainer.val_freq and self.step % cfg.trainer.val_freq == 0) or last:
                 after = self.evaluate()
                 metrics.update(after)
             self.log(self.step, metrics)
-            if (cfg.checkpoint.save_freq and self.step % cfg.checkpoint.save_freq == 0) or last:
+            check_logprob_diff(self, metrics)
+            nonfinite_in_a_row = nonfinite_in_a_row + 1 if nonfinite else 0
+            if nonfinite:
+                self.stop_if_nonfinite(nonfinite_in_a_row)
+            stopping = stop.agreed(self.actor.models)
+            periodic = cfg.checkpoint.save_freq and self.step % cfg.checkpoint.save_freq == 0
+            if periodic or last or stopping:
                 self.save()
+            if stopping and not last:
+                say(
+                    self.mesh,
+                    f"stopped after step {self.step} ({stop.reason}); checkpoint saved: run the "
+                    "same command again to continue from here",
+                )
+                return {}
         if before and after:
             say(
                 self.mesh,
@@ -99,6 +135,19 @@ class Trainer:
                 ),
             )
         return {**{f"before/{k}": v for k, v in before.items()}, **after}
+
+    def stop_if_nonfinite(self, in_a_row: int) -> None:
+        limit = self.cfg.trainer.max_nonfinite_steps
+        say(self.mesh, f"step {self.step}: non-finite loss or gradient; the update was dropped")
+        if in_a_row >= limit:
+            latest = self.checkpoints.latest_dir()
+            raise UserError(
+                f"step {self.step}: {in_a_row} steps in a row had a non-finite loss or gradient "
+                f"and were not applied (trainer.max_nonfinite_steps={limit}); the newest good "
+                f"checkpoint is {latest or 'none'}. Likely causes: actor.lr too high, "
+                "actor.grad_clip=0 (no clipping), algorithm.epsilon=0 with groups whose rewards "
+                "are all equal, or overflow in model.dtype=float16 / bfloat16."
+            )
 
     def evaluate(self) -> dict[str, float]:
         if self.val_data is None:
@@ -184,6 +233,61 @@ def actor_offload(cfg: RLConfig) -> dict[str, bool]:
     """What of the actor leaves the device while the engine generates (``actor.offload_*``)."""
     a = cfg.actor
     return {"params": a.offload_params, "grads": a.offload_grads, "optimizer": a.offload_optimizer}
+
+
+def check_logprob_diff(t: Trainer, metrics: dict[str, float]) -> None:
+    """``rollout.max_logprob_diff``: the trainer and the engine must agree on the sampled tokens'
+    log-probs (a broken weight sync trains on garbage otherwise)."""
+    r = t.cfg.rollout
+    diff = metrics.get("rollout/logprob_diff_mean")
+    if diff is None or diff <= r.max_logprob_diff:
+        return
+    message = (
+        f"step {t.step}: the trainer's and the engine's log-probs of the sampled tokens differ "
+        f"by {diff:.4g} per token on average (rollout.max_logprob_diff={r.max_logprob_diff}): "
+        "the engine may not hold the trained weights (weight sync), or model.dtype / "
+        "rollout.engine settings disagree"
+    )
+    if r.logprob_diff_action == "stop":
+        raise UserError(message + " (rollout.logprob_diff_action=stop).")
+    say(t.mesh, "warning: " + message + ".")
+
+
+class StopRequest:
+    """SIGTERM / SIGUSR1 (Slurm preemption, ``scancel``) or a stop file ask the run to end after
+    the current step with a checkpoint. ``agreed`` is a collective: every rank stops together."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self.stop_file = os.environ.get(STOP_FILE_ENV)
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for number in self.SIGNALS:
+                self._previous[number] = signal.signal(number, self._handle)
+
+    def _handle(self, number: int, frame: Any) -> None:
+        if self.reason is not None:  # asked twice: stop now
+            signal.signal(number, signal.SIG_DFL)
+            os.kill(os.getpid(), number)
+        self.reason = signal.Signals(number).name
+        print(f"[rlcli] {self.reason}: stopping after this step", flush=True)
+
+    def agreed(self, models: list[torch.nn.Module]) -> bool:
+        if self.reason is None and self.stop_file and os.path.exists(self.stop_file):
+            self.reason = f"stop file {self.stop_file}"
+        wanted = torch.tensor([1.0 if self.reason else 0.0])
+        if dist.is_available() and dist.is_initialized():
+            wanted = wanted.to(next(models[0].parameters()).device)
+            dist.all_reduce(wanted, op=dist.ReduceOp.MAX)
+        if wanted.item() > 0 and self.reason is None:
+            self.reason = "another rank was asked to stop"
+        return wanted.item() > 0
+
+    def uninstall(self) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
 
 
 def sync_rollout_weights(t: Trainer) -> dict[str, float]:

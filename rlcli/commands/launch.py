@@ -12,6 +12,7 @@ import typer
 from rlcli.commands.relaunch import run_torchrun
 from rlcli.errors import UserError
 from rlcli.launch import (
+    DEFAULT_MAX_RESTARTS,
     DEFAULT_SLURM_TEMPLATE,
     SlurmJob,
     local_torchrun_command,
@@ -40,6 +41,19 @@ def _checked_recipe(recipe: Path) -> Path:
 def _default_job_name(recipe: Path) -> str:
     # #SBATCH lines are not shell-quoted: keep the recipe's name to safe characters.
     return "rlcli-" + re.sub(r"[^A-Za-z0-9_.-]", "_", recipe.stem)
+
+
+def _configured_max_restarts(recipe: Path, overrides: list[str]) -> Optional[int]:
+    """``trainer.max_restarts`` from the recipe and overrides (the ranks check the full config
+    when the job starts; here only this key matters)."""
+    from omegaconf import OmegaConf
+
+    try:
+        merged = OmegaConf.merge(OmegaConf.load(recipe), OmegaConf.from_dotlist(overrides))
+        value = OmegaConf.select(merged, "trainer.max_restarts")
+    except Exception as err:  # not YAML, or a value that is not a number
+        raise UserError(f"{recipe}: cannot read trainer.max_restarts ({err})") from None
+    return None if value is None else int(value)
 
 
 @launch_app.command("slurm")
@@ -77,9 +91,17 @@ def launch_slurm(
     dry_run: bool = typer.Option(
         False, "--dry-run", help="Print the script (and write it only if --output is given)."
     ),
+    max_restarts: Optional[int] = typer.Option(
+        None,
+        "--max-restarts",
+        help="torchrun restarts after a rank dies (default: trainer.max_restarts, else 3).",
+    ),
 ) -> None:
     """Render an sbatch script that runs `rlcli train` under torchrun on every node; submit it."""
     recipe = _checked_recipe(recipe)
+    if max_restarts is None:
+        configured = _configured_max_restarts(recipe, overrides or [])
+        max_restarts = DEFAULT_MAX_RESTARTS if configured is None else configured
     job = SlurmJob(
         job_name=job_name or _default_job_name(recipe),
         nodes=nodes,
@@ -91,6 +113,7 @@ def launch_slurm(
         cpus_per_task=cpus_per_task,
         log_dir=log_dir,
         sbatch_options=tuple(sbatch_option or ()),
+        max_restarts=max_restarts,
     )
     program = train_program_args(recipe, validate_overrides(overrides or []))
     script = render_sbatch_script(job, program, template=template)
@@ -112,11 +135,14 @@ def launch_local(
     overrides: Optional[list[str]] = OVERRIDES,
     nproc: int = typer.Option(..., "--nproc", help="Processes (ranks) to start on this machine."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the torchrun command only."),
+    max_restarts: int = typer.Option(
+        0, "--max-restarts", help="Restarts of the group after a rank dies (it then resumes)."
+    ),
 ) -> None:
     """Run `rlcli train` under `torchrun --standalone` with --nproc ranks on this machine."""
     recipe = _checked_recipe(recipe)
     command = local_torchrun_command(
-        nproc, train_program_args(recipe, validate_overrides(overrides or []))
+        nproc, train_program_args(recipe, validate_overrides(overrides or [])), max_restarts
     )
     if dry_run:
         typer.echo(shlex.join(command))

@@ -6,12 +6,18 @@ user needs: when a rank stops on a user error it writes the message to a file in
 parent names (``RLCLI_USER_ERROR_DIR``) and exits 2; the parent prints each distinct message once
 and exits 2, instead of torchrun's ChildFailedError traceback. Any other rank failure ends the
 parent with exit code 1 and a line naming the ranks (their own tracebacks are printed above it).
+
+Restarts (``--max-restarts N``, ``trainer.max_restarts``): torchrun restarts the whole group when a
+rank dies, and the trainer resumes from its newest checkpoint. A user error is not worth
+retrying: the rank that meets one asks its torchrun agent (its parent process) to stop with
+SIGTERM, so the agent ends the group at once instead of restarting it N times.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import tempfile
 from pathlib import Path
 from typing import NoReturn
@@ -29,16 +35,18 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
-def relaunch_under_torchrun(nproc: int, cli_args: list[str]) -> NoReturn:
-    """Run ``rlcli CLI_ARGS`` on `nproc` local processes under torchrun, then exit with the
-    code `run_torchrun` gives. `cli_args` must not contain ``--nproc`` (see `without_nproc`)."""
-    command = local_torchrun_command(nproc, ["-m", "rlcli.cli", *cli_args])
+def relaunch_under_torchrun(nproc: int, cli_args: list[str], max_restarts: int = 0) -> NoReturn:
+    """Run ``rlcli CLI_ARGS`` on `nproc` local processes under torchrun (restarting the group up
+    to `max_restarts` times after a rank dies), then exit with the code `run_torchrun` gives.
+    `cli_args` must not contain ``--nproc`` (see `without_nproc`)."""
+    command = local_torchrun_command(nproc, ["-m", "rlcli.cli", *cli_args], max_restarts)
     raise SystemExit(run_torchrun(command))
 
 
 def run_torchrun(command: list[str]) -> int:
     """Run a torchrun command line (``rlcli.launch`` builds them) in this process; the exit code:
     0, 2 after printing the ranks' user errors, or 1 after naming the ranks that failed."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -48,6 +56,9 @@ def run_torchrun(command: list[str]) -> int:
     # The failure is reported below in a few words; torchrun's own log would repeat it at length.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # torchrun shares its rendezvous TCP store with the workers across restarts, so a restarted
+    # group reads the dead group's gloo addresses (connection refused); a store per attempt.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     with tempfile.TemporaryDirectory(prefix="rlcli-errors-") as error_dir:
         os.environ[USER_ERROR_DIR_ENV] = error_dir
         try:
@@ -62,6 +73,14 @@ def run_torchrun(command: list[str]) -> int:
             shown = ", ".join(f"rank {rank} (exit code {code})" for rank, code in codes.items())
             typer.secho(f"error: {shown} failed; see the output above", err=True)
             return 1
+        except SignalException:
+            # A rank's user error stopped the agent (no restarts for it), or we were signalled.
+            messages = _user_errors(Path(error_dir))
+            if not messages:
+                raise
+            for message in messages:
+                typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+            return USER_ERROR_EXIT_CODE
         finally:
             del os.environ[USER_ERROR_DIR_ENV]
     return 0
@@ -69,13 +88,29 @@ def run_torchrun(command: list[str]) -> int:
 
 def report_user_error_to_parent(message: str) -> bool:
     """In a rank started by `run_torchrun`: leave `message` for the parent to print and return
-    True. Elsewhere (a single process, or torchrun started by hand or by sbatch): False."""
+    True. Elsewhere (a single process, or torchrun started by hand or by sbatch): False.
+    Under torchrun with restarts, also asks the agent to end the group (see the module doc)."""
     folder = os.environ.get(USER_ERROR_DIR_ENV)
-    if not folder or not under_torchrun() or not os.path.isdir(folder):
-        return False
-    rank = os.environ.get("RANK", "0")
-    Path(folder, f"rank{int(rank):05d}.txt").write_text(message)
-    return True
+    if folder and under_torchrun() and os.path.isdir(folder):
+        rank = os.environ.get("RANK", "0")
+        Path(folder, f"rank{int(rank):05d}.txt").write_text(message)
+        _stop_agent_restarts()
+        return True
+    _stop_agent_restarts()
+    return False
+
+
+def _stop_agent_restarts() -> None:
+    if not under_torchrun() or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) == 0:
+        return
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/cmdline", "rb") as handle:
+            command = handle.read().replace(b"\0", b" ")
+    except OSError:
+        return
+    if b"torch.distributed.run" in command or b"torchrun" in command or b"rlcli" in command:
+        os.kill(parent, signal.SIGTERM)
 
 
 def _user_errors(folder: Path) -> list[str]:
@@ -89,14 +124,15 @@ def _user_errors(folder: Path) -> list[str]:
 
 
 def without_nproc(argv: list[str]) -> list[str]:
-    """The command line minus ``--nproc N``: torchrun's own parser would take ``--nproc`` for an
-    abbreviation of its ``--nproc-per-node`` (and it is meaningless under torchrun anyway)."""
+    """The command line minus ``--nproc N`` and ``--max-restarts N``: torchrun's own parser would
+    take them for its ``--nproc-per-node`` / ``--max-restarts`` (and under torchrun they are
+    meaningless anyway)."""
     out, skip = [], False
     for arg in argv:
         if skip:
             skip = False
-        elif arg == "--nproc":
+        elif arg in ("--nproc", "--max-restarts"):
             skip = True
-        elif not arg.startswith("--nproc="):
+        elif not arg.startswith(("--nproc=", "--max-restarts=")):
             out.append(arg)
     return out

@@ -24,11 +24,22 @@ OVERRIDES = typer.Argument(None, help="Dot-list overrides, e.g. actor.lr=1e-5 pa
 NPROC = typer.Option(
     1, "--nproc", help="Processes to start on this machine with torchrun (ignored under torchrun)."
 )
+MAX_RESTARTS = typer.Option(
+    None,
+    "--max-restarts",
+    help="With --nproc: restarts of the whole group after a rank dies; the run resumes from its "
+    "newest checkpoint (default: trainer.max_restarts, else 0).",
+)
 
 
-def train(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES, nproc: int = NPROC):
+def train(
+    recipe: Path = RECIPE,
+    overrides: Optional[list[str]] = OVERRIDES,
+    nproc: int = NPROC,
+    max_restarts: Optional[int] = MAX_RESTARTS,
+):
     """Run RL post-training (GRPO, DAPO, PPO, ...) as the recipe says."""
-    cfg = _load_for_run(recipe, overrides, nproc)
+    cfg = _load_for_run(recipe, overrides, nproc, max_restarts)
     from rlcli.build import build_trainer
 
     build_trainer(cfg).fit()
@@ -42,7 +53,9 @@ def sft(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES, nproc
     run_sft_only(cfg)
 
 
-def _load_for_run(recipe: Path, overrides: Optional[list[str]], nproc: int) -> RLConfig:
+def _load_for_run(
+    recipe: Path, overrides: Optional[list[str]], nproc: int, max_restarts: Optional[int] = None
+) -> RLConfig:
     """The validated config, checked against the number of processes and the model folder;
     with ``--nproc N`` outside torchrun, this command is first run again under torchrun on N
     local processes (each of which loads the config again) and this process exits with their
@@ -62,7 +75,10 @@ def _load_for_run(recipe: Path, overrides: Optional[list[str]], nproc: int) -> R
     validate(cfg, world_size=world_size)
     check_model_dir(cfg)
     if nproc != 1 and not under_torchrun():
-        relaunch_under_torchrun(nproc, without_nproc(sys.argv[1:]))
+        restarts = max_restarts if max_restarts is not None else cfg.trainer.max_restarts or 0
+        if restarts < 0:
+            raise UserError(f"--max-restarts must be >= 0, got {restarts}")
+        relaunch_under_torchrun(nproc, without_nproc(sys.argv[1:]), restarts)
     return cfg
 
 

@@ -94,6 +94,8 @@ class RewardManager:
         self.in_process = is_in_process_reward(fn) if in_process is None else in_process
         workers = num_workers if num_workers is not None else min(4, os.cpu_count() or 1)
         self._pool = None if self.in_process else WorkerPool(fn, workers)
+        # The last score_batch's first failure, in the reward's own words (None: none failed).
+        self.first_failure: str | None = None
 
     def score_batch(
         self, items: Sequence[RewardInput | Mapping[str, Any]]
@@ -147,6 +149,14 @@ class RewardManager:
                 len(calls),
                 self.timeout_s,
             )
+        self.first_failure = None
+        if failures:
+            index, message = failures[0]
+            self.first_failure = (
+                f"sample with data_source {calls[index]['data_source']!r}: {message}"
+            )
+        elif num_timeout:
+            self.first_failure = f"reward calls timed out after {self.timeout_s:.1f} s"
         stats = {"reward/num_failed": len(failures), "reward/num_timeout": num_timeout}
         return scores, extras, stats
 

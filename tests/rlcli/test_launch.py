@@ -138,12 +138,15 @@ def test_interface_detection_and_requeue_trap_run_in_bash(tmp_path):
         '*route*) echo "default via 10.0.0.1 dev eth9";; '
         '*) echo "1: lo inet 127.0.0.1/8 scope host lo"; echo "2: eth7 inet 10.0.0.5/24 x";; esac',
         "srun": 'echo "NCCL=$NCCL_SOCKET_IFNAME GLOO=$GLOO_SOCKET_IFNAME ADDR=$MASTER_ADDR"; '
-        "kill -USR1 $PPID; sleep 1; echo SRUN_DONE",
+        'kill -USR1 $PPID; sleep 1; [ -f "$RLCLI_STOP_FILE" ] && echo STOP_FILE_SEEN; '
+        "echo SRUN_DONE",
     }
     for name, body in fakes.items():
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
-    script = render_sbatch_script(SlurmJob(job_name="g", nodes=2), ["x.py"])
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    script = render_sbatch_script(SlurmJob(job_name="g", nodes=2, log_dir=logs), ["x.py"])
     path = tmp_path / "job.sh"
     path.write_text(script)
     env = {
@@ -158,6 +161,11 @@ def test_interface_detection_and_requeue_trap_run_in_bash(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "NCCL=eth7 GLOO=eth7 ADDR=10.0.0.5" in out.stdout
     assert "REQUEUED 77" in out.stdout and "SRUN_DONE" in out.stdout
+    # USR1 created the trainer's stop file (it checkpoints and exits 0), requeued only after
+    # srun ended, and the file is gone so the requeued job (same id) does not stop at once.
+    assert "STOP_FILE_SEEN" in out.stdout
+    assert out.stdout.index("SRUN_DONE") < out.stdout.index("REQUEUED 77")
+    assert not (logs / "stop-77").exists()
 
 
 def test_cpu_job_has_no_gpu_request_and_passes_cpus_to_srun(tmp_path):

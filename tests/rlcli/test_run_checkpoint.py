@@ -196,3 +196,31 @@ def test_two_ranks_commit_only_after_both_wrote(tmp_path):
         "shard_rank0.bin",
         "shard_rank1.bin",
     ]
+
+
+def test_resaving_a_step_never_leaves_fewer_complete_checkpoints(tmp_path, monkeypatch):
+    """keep_last=1 and a re-save of the only step: at every moment of the commit one complete
+    copy of step 10 exists, and a crash between the two renames keeps the old copy usable."""
+    manager = CheckpointManager(tmp_path, keep_last=1)
+    _save(manager, 10, "old")
+    seen = []
+    real_replace = os.replace
+
+    def watching_replace(src, dst):
+        real_replace(src, dst)
+        seen.append(CheckpointManager(tmp_path, rank=0).complete_steps())
+
+    monkeypatch.setattr(os, "replace", watching_replace)
+    _save(manager, 10, "new")
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert all(steps == [10] for steps in seen), seen
+    assert (tmp_path / "step_000010" / "model.bin").read_text() == "new 10"
+    assert not (tmp_path / ".replaced-step_000010").exists()
+
+    # A crash right after the old copy stepped aside: it still counts, and resume finds it.
+    real_replace(tmp_path / "step_000010", tmp_path / ".replaced-step_000010")
+    assert manager.complete_steps() == [10]
+    assert manager.resolve_resume("auto") == tmp_path / ".replaced-step_000010"
+    _save(manager, 11, "next")  # the next save neither loses it early nor keeps it forever
+    assert manager.complete_steps() == [11]
+    assert not (tmp_path / ".replaced-step_000010").exists()

@@ -1,0 +1,267 @@
+"""Runs that survive: non-finite steps, the LR schedule in RL steps, resume with a changed config,
+SIGTERM, exact resume (GRPO and DAPO), and a rank killed mid-run under torchrun restarts.
+
+Single-process runs use the HF engine and a tiny Qwen2 (the end-to-end tests' settings); weights
+are compared by reading the checkpoints' torch-distributed shards back with torch's converter.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.rlcli.test_train_e2e import REPO, TINY
+
+HERE = Path(__file__).parent
+HF = [*TINY, "rollout.engine=hf"]
+# Metrics that measure time or memory: they differ between any two runs.
+TIMING_PREFIXES = ("timing/", "perf/", "sync/gbps")
+
+
+def rlcli_train(out: Path, *overrides: str, env: dict | None = None, nproc: int = 1):
+    cmd = [sys.executable, "-m", "rlcli.cli", "train"]
+    cmd += ["--nproc", str(nproc)] if nproc > 1 else []
+    cmd += [str(REPO / "recipes" / "quickstart.yaml"), *HF, f"trainer.output_dir={out}"]
+    cmd += list(overrides)
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    # Output goes to a file, not a pipe: a test that polls the run does not read a pipe, and a
+    # full pipe would block the ranks.
+    log = open(out.parent / f"{out.name}-{time.monotonic_ns()}.log", "w+")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+    proc.log = log  # type: ignore[attr-defined]
+    return proc
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
+    proc.wait(timeout=timeout)
+    log = proc.log  # type: ignore[attr-defined]
+    log.seek(0)
+    output = log.read()
+    log.close()
+    return proc.returncode, output
+
+
+def rows(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def comparable(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(TIMING_PREFIXES)}
+
+
+def checkpoint_tensors(step_dir: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint's model/ folder (model and optimizer state)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = tmp / f"{step_dir.parent.parent.name}-{step_dir.name}.pt"
+    dcp_to_torch_save(str(step_dir / "model"), str(target))
+    state = torch.load(target, weights_only=False)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def lr_at(k: int, lr: float, min_lr: float, warmup: int, total: int) -> float:
+    """Megatron's linear warmup (from 0) and linear decay, after ``k`` schedule steps."""
+    if k <= warmup:
+        return lr * k / warmup
+    return lr - (lr - min_lr) * (k - warmup) / (total - warmup)
+
+
+def test_nonfinite_steps_are_dropped_counted_and_stop_the_run(tmp_path):
+    """algorithm.epsilon=0 with equal rewards: every GRPO advantage is 0/0 = NaN."""
+    out = tmp_path / "run"
+    code, output = finish(
+        rlcli_train(
+            out,
+            f"reward.fn={HERE / 'constant_reward.py'}:compute_score",
+            "algorithm.epsilon=0",
+            "trainer.max_nonfinite_steps=2",
+            "trainer.total_steps=4",
+        )
+    )
+    assert code == 2, output[-3000:]
+    assert "Traceback" not in output
+    assert "step 2: 2 steps in a row had a non-finite loss or gradient" in output
+    assert "trainer.max_nonfinite_steps=2" in output and "algorithm.epsilon" in output
+    logged = rows(out)
+    assert [r["step"] for r in logged] == [1, 2]
+    assert all(r["actor/nonfinite_steps"] == r["actor/optimizer_steps"] == 2 for r in logged)
+    assert all(math.isnan(r["actor/grad_norm"]) for r in logged)
+    # Step 1 (dropped, weights unchanged) was saved; step 2 ended the run before its save.
+    saved = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+    assert saved == ["step_000001"]
+    tensors = checkpoint_tensors(out / "checkpoints" / "step_000001", tmp_path)
+    assert tensors and all(torch.isfinite(t).all() for t in tensors.values())
+
+
+def test_lr_schedule_counts_rl_steps_and_resume_takes_the_new_lr(tmp_path):
+    """2 mini-batches per step (4 prompts, ppo_mini_batch_size 2): the schedule still moves once
+    per RL step; a resume with a larger actor.lr and total_steps follows the new values."""
+    out = tmp_path / "run"
+    schedule = ["actor.lr_warmup_steps=2", "actor.lr_decay_style=linear", "actor.min_lr=1e-4"]
+    code, output = finish(rlcli_train(out, *schedule, "actor.lr=1e-3", "trainer.total_steps=4"))
+    assert code == 0, output[-3000:]
+    first = rows(out)
+    assert [r["actor/optimizer_steps"] for r in first] == [2.0] * 4
+    for row in first:
+        want = lr_at(row["step"] - 1, 1e-3, 1e-4, warmup=2, total=4)
+        assert row["actor/lr"] == pytest.approx(want, rel=1e-9, abs=1e-12), row["step"]
+
+    code, output = finish(rlcli_train(out, *schedule, "actor.lr=2e-3", "trainer.total_steps=5"))
+    assert code == 0, output[-3000:]
+    assert "resumed from step 4" in output
+    assert "max_lr: 0.001 -> 0.002" in output  # the change is logged
+    last = rows(out)[-1]
+    assert last["step"] == 5
+    assert last["actor/lr"] == pytest.approx(lr_at(4, 2e-3, 1e-4, warmup=2, total=5), rel=1e-9)
+
+
+def _resume_equals_uninterrupted(tmp_path: Path, *overrides: str, sigterm: bool) -> None:
+    """An uninterrupted 3-step run against one stopped after a step (SIGTERM, or the stop file
+    the sbatch script uses) and started again: same weights, optimizer state, metrics and
+    loader positions."""
+    steps = ["trainer.total_steps=3", *overrides]
+    whole = tmp_path / "whole"
+    code, output = finish(rlcli_train(whole, *steps))
+    assert code == 0, output[-3000:]
+
+    split = tmp_path / "split"
+    stop_file = tmp_path / "stop"
+    env = {} if sigterm else {"RLCLI_STOP_FILE": str(stop_file)}
+    if not sigterm:
+        stop_file.touch()  # asks the run to stop after its first step
+    proc = rlcli_train(split, *steps, env=env)
+    if sigterm:
+        deadline = time.monotonic() + 600
+        while not rows(split) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)  # while step 2 runs (or just after step 1)
+    code, output = finish(proc)
+    assert code == 0, output[-3000:]  # the documented code: 0, with a checkpoint
+    assert "checkpoint saved: run the same command again" in output
+    stopped_at = max(r["step"] for r in rows(split))
+    assert stopped_at < 3
+    assert (split / "checkpoints" / f"step_{stopped_at:06d}" / "COMPLETE").is_file()
+
+    stop_file.unlink(missing_ok=True)
+    code, output = finish(rlcli_train(split, *steps, env=env))
+    assert code == 0, output[-3000:]
+    assert f"resumed from step {stopped_at}" in output
+    assert [r["step"] for r in rows(split)] == [1, 2, 3]
+    assert [comparable(r) for r in rows(split)] == [comparable(r) for r in rows(whole)]
+    a = checkpoint_tensors(whole / "checkpoints" / "step_000003", tmp_path)
+    b = checkpoint_tensors(split / "checkpoints" / "step_000003", tmp_path)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.allclose(a[key].double(), b[key].double(), rtol=0, atol=1e-6), key
+    for run in (whole, split):
+        state = json.loads((run / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
+        assert (
+            state["loader"]
+            == json.loads(
+                (whole / "checkpoints" / "step_000003" / "trainer_state.json").read_text()
+            )["loader"]
+        )
+
+
+def test_sigterm_checkpoints_and_grpo_resume_equals_uninterrupted(tmp_path):
+    _resume_equals_uninterrupted(tmp_path, sigterm=True)
+
+
+def test_dapo_resume_equals_uninterrupted(tmp_path):
+    _resume_equals_uninterrupted(
+        tmp_path,
+        "algorithm.dynamic_sampling.enabled=true",
+        "algorithm.dynamic_sampling.max_gen_batches=3",
+        "data.train_batch_size=2",
+        "actor.ppo_mini_batch_size=1",
+        sigterm=False,
+    )
+
+
+@pytest.mark.dist
+def test_rank_killed_mid_run_restarts_and_finishes(tmp_path):
+    """`--nproc 2 --max-restarts 2`: rank 1 SIGKILLs itself during step 3; torchrun restarts the
+    group, which resumes from step 2's checkpoint and finishes; each step is logged once."""
+    out = tmp_path / "run"
+    marker = tmp_path / "killed"
+    env = {
+        "RLCLI_TEST_KILL_AFTER": str(out / "checkpoints" / "step_000002"),
+        "RLCLI_TEST_KILL_MARKER": str(marker),
+    }
+    proc = rlcli_train(
+        out,
+        f"reward.fn={HERE / 'killing_reward.py'}:compute_score",
+        "trainer.total_steps=4",
+        "--max-restarts",
+        "2",
+        env=env,
+        nproc=2,
+    )
+    killed_at = first_step_after = None
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        now = time.monotonic()
+        if killed_at is None and marker.exists():
+            killed_at = now
+        if (
+            killed_at is not None
+            and first_step_after is None
+            and any(r["step"] == 3 for r in rows(out))
+        ):
+            first_step_after = now
+        time.sleep(0.1)
+    code, output = finish(proc)
+    assert code == 0, output[-5000:]
+    assert marker.exists(), "rank 1 was never killed"
+    assert [r["step"] for r in rows(out)] == [1, 2, 3, 4]
+    assert "resumed from step 2" in output
+    if first_step_after is not None:
+        print(f"restart-to-first-step: {first_step_after - killed_at:.1f} s")
+
+
+@pytest.mark.dist
+def test_a_user_error_is_not_retried_by_torchrun_restarts(tmp_path):
+    """A reward that fails on every sample stops the run with exit 2 and its own message, once:
+    the ranks ask torchrun to stop instead of being restarted --max-restarts times."""
+    out = tmp_path / "run"
+    code, output = finish(
+        rlcli_train(
+            out,
+            f"reward.fn={HERE / 'failing_reward.py'}:compute_score",
+            "trainer.total_steps=2",
+            "--max-restarts",
+            "3",
+            nproc=2,
+        )
+    )
+    assert code == 2, output[-5000:]
+    assert "reward.max_failure_rate=0.5" in output
+    assert "TypeError: compute_score() got an unexpected keyword argument" in output
+    assert "ChildFailedError" not in output
+    assert output.count("building actor") == 1  # one start, no restarts
+
+
+def test_logprob_diff_over_the_limit_warns_or_stops(tmp_path):
+    """fp32 on CPU agrees to ~1e-7 per token; a limit below that trips the check."""
+    limit = ["rollout.max_logprob_diff=1e-12", "trainer.total_steps=1"]
+    code, output = finish(rlcli_train(tmp_path / "warn", *limit))
+    assert code == 0, output[-3000:]
+    assert "warning: step 1: the trainer's and the engine's log-probs" in output
+    assert "rollout.max_logprob_diff=1e-12" in output
+    stop = [*limit, "rollout.logprob_diff_action=stop"]
+    code, output = finish(rlcli_train(tmp_path / "stop", *stop))
+    assert code == 2, output[-3000:]
+    assert "step 1:" in output and "rollout.logprob_diff_action=stop" in output
+    assert "Traceback" not in output
