@@ -296,6 +296,22 @@ class ValueHead(torch.nn.Module):
         return self.value(hidden_states).squeeze(-1), None
 
 
+class CriticGPTModel(GPTModel):
+    """A GPTModel whose output layer is a ValueHead (`build_model(critic=True)`)."""
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict[str, Any]:
+        # megatron's LanguageModule marks the last stage's LM head `output_layer.weight` as
+        # vocab-padded; a value head has no such tensor (its `output_layer.value.*` are plain
+        # replicated tensors), so the last stage answers as a stage without an LM head.
+        post_process, self.post_process = self.post_process, False
+        try:
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        finally:
+            self.post_process = post_process
+
+
 def layer_spec(config: TransformerConfig, transformer_impl: str):
     """Megatron's layer spec for a resolved `transformer_impl`."""
     if transformer_impl == "transformer_engine":
@@ -334,7 +350,7 @@ def build_model(
     chunks = []
     for vp_stage in range(num_chunks):
         post_process = mesh.is_last_stage and vp_stage == num_chunks - 1
-        chunk = GPTModel(
+        chunk = (CriticGPTModel if critic else GPTModel)(
             config=config,
             transformer_layer_spec=layer_spec(config, transformer_impl),
             vocab_size=padded_vocab_size(hf_config.vocab_size, mesh.tp),
