@@ -160,3 +160,19 @@ def value_metrics(batch: dict[str, torch.Tensor], stats: DataParallelStats) -> d
         "critic/values_mean": v / n,
         "critic/values_explained_variance": 1.0 - var_error / (var_returns + 1e-8),
     }
+
+
+def value_model_config(hf_config: Any) -> Any:
+    """The HF config of the critic as a one-label token-classification model (what
+    ``rlcli export --critic`` writes): the architecture's ``*ForTokenClassification`` class,
+    ``num_labels=1``, no classifier dropout (values are deterministic)."""
+    import copy
+
+    from transformers import AutoModelForTokenClassification
+
+    config = copy.deepcopy(hf_config)
+    model_class = AutoModelForTokenClassification._model_mapping[type(hf_config)]
+    config.architectures = [model_class.__name__]
+    config.num_labels = 1
+    config.classifier_dropout = 0.0
+    return config
