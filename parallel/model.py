@@ -312,6 +312,23 @@ class CriticGPTModel(GPTModel):
             self.post_process = post_process
 
 
+def _same_on_tensor_parallel_ranks(module: torch.nn.Module) -> None:
+    """Every TP rank holds a full copy of the value head and must hold the SAME one: each rank
+    computes the values (and the advantages built from them) with its own copy. Its random
+    initialisation draws from a generator the ranks may have advanced differently, so the
+    copy of TP rank 0 is broadcast."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    source = parallel_state.get_tensor_model_parallel_src_rank()
+    group = parallel_state.get_tensor_model_parallel_group()
+    for param in module.parameters():
+        data = param.data.to(device())
+        torch.distributed.broadcast(data, source, group=group)
+        param.data.copy_(data)
+
+
 def layer_spec(config: TransformerConfig, transformer_impl: str):
     """Megatron's layer spec for a resolved `transformer_impl`."""
     if transformer_impl == "transformer_engine":
@@ -363,6 +380,7 @@ def build_model(
         )
         if critic and post_process:
             chunk.output_layer = ValueHead(config)
+            _same_on_tensor_parallel_ranks(chunk.output_layer)
         chunk.unpadded_vocab_size = hf_config.vocab_size
         chunk.hf_config = hf_config  # lets parallel.convert export without being handed it
         # Every parameter in the model dtype, as megatron's Float16Module makes it: megatron's

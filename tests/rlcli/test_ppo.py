@@ -64,7 +64,7 @@ def test_gae_in_the_loop_and_the_value_loss_falls(tmp_path):
         assert result["worst"][key] < 1e-5, (key, result["worst"])
     losses = result["losses"]
     assert losses[0] == pytest.approx(result["expected_first_loss"], rel=1e-5)
-    assert all(b < a for a, b in zip(losses[:4], losses[1:4])), losses
+    assert all(b < a for a, b in zip(losses[:3], losses[1:4], strict=True)), losses
     assert losses[-1] < 0.95 * losses[0], losses
 
 
@@ -81,7 +81,8 @@ def test_ppo_tp2_resume_continues_as_uninterrupted(ppo_run, tmp_path):
     steps = records(ppo_run)
     assert [r["step"] for r in steps] == [1, 2, 3]
     for record in steps:
-        check_step_metrics(record)
+        if record["step"] > 1:  # step 1 is the critic warmup: no actor metrics
+            check_step_metrics(record)
         for key in CRITIC_METRICS:
             assert math.isfinite(record[key]), (key, record)
     assert steps[0]["actor/skipped_update"] == 1.0 and "actor/pg_loss" not in steps[0]
