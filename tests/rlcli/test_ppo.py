@@ -108,7 +108,16 @@ def test_export_critic_loads_in_transformers_with_the_same_values(ppo_run, tmp_p
     step = ppo_run / "checkpoints" / "step_000003"
     exported = tmp_path / "critic_hf"
     proc = subprocess.run(
-        [sys.executable, "-m", "rlcli.cli", "export", str(step), "--out", str(exported), "--critic"],
+        [
+            sys.executable,
+            "-m",
+            "rlcli.cli",
+            "export",
+            str(step),
+            "--out",
+            str(exported),
+            "--critic",
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -139,3 +148,13 @@ def test_export_critic_of_a_run_without_one_is_a_user_error(tmp_path):
     )
     assert proc.returncode == 2, proc.stderr
     assert "has no critic" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("recipe", "world_size"), [("ppo_quickstart", 1), ("ppo_qwen7b", 16)])
+def test_ppo_recipes_load_at_their_world_size(recipe, world_size):
+    from rlcli.config_loader import load_config
+    from rlcli.config_validation import uses_critic, validate
+
+    cfg = load_config(REPO / "recipes" / f"{recipe}.yaml")
+    validate(cfg, world_size=world_size)
+    assert uses_critic(cfg) and cfg.trainer.critic_warmup > 0
