@@ -170,7 +170,9 @@ def compare_export(step_dir: str, hf_dir: str, out: str) -> None:
     config = AutoConfig.from_pretrained(f"{step_dir}/critic/hf")
     models = build_model(config, mesh, critic=True)
     load_checkpoint(f"{step_dir}/critic/model", models, mesh)
-    tokens = torch.randint(3, config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        3, config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(0)
+    )
     megatron = forward_backward(
         models,
         mesh,
