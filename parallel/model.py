@@ -296,6 +296,39 @@ class ValueHead(torch.nn.Module):
         return self.value(hidden_states).squeeze(-1), None
 
 
+class CriticGPTModel(GPTModel):
+    """A GPTModel whose output layer is a ValueHead (`build_model(critic=True)`)."""
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict[str, Any]:
+        # megatron's LanguageModule marks the last stage's LM head `output_layer.weight` as
+        # vocab-padded; a value head has no such tensor (its `output_layer.value.*` are plain
+        # replicated tensors), so the last stage answers as a stage without an LM head.
+        post_process, self.post_process = self.post_process, False
+        try:
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        finally:
+            self.post_process = post_process
+
+
+def _same_on_tensor_parallel_ranks(module: torch.nn.Module) -> None:
+    """Every TP rank holds a full copy of the value head and must hold the SAME one: each rank
+    computes the values (and the advantages built from them) with its own copy. Its random
+    initialisation draws from a generator the ranks may have advanced differently, so the
+    copy of TP rank 0 is broadcast."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    source = parallel_state.get_tensor_model_parallel_src_rank()
+    group = parallel_state.get_tensor_model_parallel_group()
+    for param in module.parameters():
+        data = param.data.to(device())
+        torch.distributed.broadcast(data, source, group=group)
+        param.data.copy_(data)
+
+
 def layer_spec(config: TransformerConfig, transformer_impl: str):
     """Megatron's layer spec for a resolved `transformer_impl`."""
     if transformer_impl == "transformer_engine":
@@ -334,7 +367,7 @@ def build_model(
     chunks = []
     for vp_stage in range(num_chunks):
         post_process = mesh.is_last_stage and vp_stage == num_chunks - 1
-        chunk = GPTModel(
+        chunk = (CriticGPTModel if critic else GPTModel)(
             config=config,
             transformer_layer_spec=layer_spec(config, transformer_impl),
             vocab_size=padded_vocab_size(hf_config.vocab_size, mesh.tp),
@@ -347,6 +380,7 @@ def build_model(
         )
         if critic and post_process:
             chunk.output_layer = ValueHead(config)
+            _same_on_tensor_parallel_ranks(chunk.output_layer)
         chunk.unpadded_vocab_size = hf_config.vocab_size
         chunk.hf_config = hf_config  # lets parallel.convert export without being handed it
         # Every parameter in the model dtype, as megatron's Float16Module makes it: megatron's

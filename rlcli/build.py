@@ -2,11 +2,12 @@
 
 Every rank builds the same things in the same order: rewards (a reward spec that does not import
 fails at once), inputs (process groups, data, model), the SFT warm start, the actor, the
-reference, the rollout engine, then resumes from the newest checkpoint when asked.
+reference, PPO's critic, the rollout engine, then resumes from the newest checkpoint when asked.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,10 @@ from typing import Any
 import algorithms
 from rlcli.advantages import KLController
 from rlcli.config import RLConfig, to_dict
+from rlcli.config_validation import uses_critic
+from rlcli.critic import MegatronCritic
 from rlcli.data import PromptLoader
+from rlcli.errors import UserError
 from rlcli.inputs import RunInputs, barrier, prepare_inputs
 from rlcli.metrics import MetricsLogger
 from rlcli.policy import MegatronPolicy, OptimizerSettings
@@ -49,6 +53,7 @@ def build_trainer(cfg: RLConfig, reference: bool | None = None, logger: bool = T
         )
         if cfg.ref.offload:
             ref.offload(params=True)
+    critic = build_critic(inputs, total_steps=total) if uses_critic(cfg) else None
     say(mesh, f"starting the {cfg.rollout.engine} engine (rollout.tp={cfg.rollout.tp})")
     engine, replica = build_engine(inputs)
     trainer = Trainer(
@@ -70,16 +75,25 @@ def build_trainer(cfg: RLConfig, reference: bool | None = None, logger: bool = T
         ),
         logger=None,
         total_steps=total,
+        critic=critic,
     )
     state = resume_run(
-        trainer.checkpoints, cfg.trainer.resume, actor, cfg.checkpoint.save_optimizer
+        trainer.checkpoints,
+        cfg.trainer.resume,
+        actor,
+        cfg.checkpoint.save_optimizer,
+        critic=critic,
     )
     if state is not None:
         loader.load_state_dict(state["loader"])
         trainer.kl_ctrl.value = state["kl_coef"]
         trainer.step = trainer.resumed_from = int(state["step"])
     if logger:
-        trainer.logger = build_logger(inputs, total, trainer.resumed_from)
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        # A group torchrun restarted before any checkpoint starts over: drop the dead attempt's
+        # rows past step 0 so every step is logged once.
+        resumed = 0 if restarted and trainer.resumed_from is None else trainer.resumed_from
+        trainer.logger = build_logger(inputs, total, resumed)
     return trainer
 
 
@@ -140,6 +154,57 @@ def build_actor(inputs: RunInputs, total_steps: int, sft: bool = False) -> Megat
         optim=settings,
         model_options=model_options(cfg, recompute=True),
     )
+
+
+def build_critic(inputs: RunInputs, total_steps: int) -> MegatronCritic:
+    """PPO's value model in the actor's layout: from ``critic.model_path`` or the actor's start
+    weights (after any SFT warm start) with a fresh value head; its own optimizer and LR
+    schedule (``critic.*``; Adam betas / eps, recomputation and offloading as the actor's)."""
+    from parallel.convert import hf_model_dir_problem
+
+    cfg, mesh = inputs.cfg, inputs.mesh
+    c = cfg.critic
+    for key, value, actor in (("tp", c.tp, mesh.tp), ("pp", c.pp, mesh.pp)):
+        if value is not None and value != actor:  # one set of megatron groups per process
+            raise UserError(
+                f"critic.{key}={value} differs from the actor's {key}={actor}: the critic trains "
+                f"in the actor's layout; leave critic.{key} unset"
+            )
+    hf_dir = c.model_path or inputs.model_dir
+    if c.model_path:
+        problem = hf_model_dir_problem(c.model_path)
+        if problem is not None:
+            raise UserError(f"critic.model_path={c.model_path}: {problem}")
+    say(mesh, f"building critic (tp={mesh.tp} pp={mesh.pp} dp={mesh.dp}) from {hf_dir}")
+    a = cfg.actor
+    settings = OptimizerSettings(
+        lr=c.lr,
+        min_lr=c.min_lr,
+        weight_decay=c.weight_decay,
+        adam_beta1=a.adam_beta1,
+        adam_beta2=a.adam_beta2,
+        adam_eps=a.adam_eps,
+        clip_grad=c.grad_clip,
+        warmup_steps=c.lr_warmup_steps,
+        total_steps=total_steps,
+        decay_style=c.lr_decay_style,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
+    critic = MegatronCritic(
+        mesh,
+        hf_dir,
+        cfg.model.dtype,
+        optim=settings,
+        model_options=model_options(cfg, recompute=True),
+    )
+    vocab = critic.hf_config.vocab_size
+    actor_vocab = len(inputs.tokenizer)
+    if c.model_path and vocab < actor_vocab:
+        raise UserError(
+            f"critic.model_path={c.model_path} has vocab_size {vocab}, fewer than the actor's "
+            f"tokenizer ({actor_vocab} tokens): the critic reads the actor's token ids"
+        )
+    return critic
 
 
 def model_options(cfg: RLConfig, recompute: bool = False) -> dict[str, Any]:

@@ -130,6 +130,28 @@ class RefConfig:
 
 
 @dataclass
+class CriticConfig:
+    """The PPO value model (``algorithm.adv_estimator=gae``), trained with megatron-core on the
+    actor's ranks (colocated) and the actor's TP x PP layout; Adam betas / eps, recomputation
+    and offloading follow the actor's settings."""
+
+    model_path: Optional[str] = None  # HF directory; None: the actor's start weights (new head)
+    tp: Optional[int] = None  # None: parallel.tp (a different critic layout is not supported)
+    pp: Optional[int] = None  # None: parallel.pp (likewise)
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"  # constant | linear | cosine
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    ppo_epochs: int = 1
+    ppo_mini_batch_size: Optional[int] = None  # prompts per optimizer step; None: the whole batch
+    micro_batch_size: int = 8  # sequences per forward/backward
+    cliprange_value: float = 0.5  # value clipping around the rollout-time values
+    loss_agg_mode: str = "token-mean"
+
+
+@dataclass
 class KLControlConfig:
     type: str = "fixed"  # fixed | adaptive
     kl_coef: float = 0.001
@@ -206,6 +228,7 @@ class TrainerConfig:
     # checkpoint): `rlcli train --nproc` (also --max-restarts N) and `rlcli launch slurm`
     # (also --max-restarts N). None: 0 locally, 3 on Slurm.
     max_restarts: Optional[int] = None
+    critic_warmup: int = 0  # PPO: the first N steps train only the critic (no actor update)
 
 
 @dataclass
@@ -229,6 +252,7 @@ class RLConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)

@@ -57,12 +57,7 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
     for backend in cfg.logging.backends:
         _choice("logging.backends", backend, ["console", "tensorboard", "jsonl", "wandb"])
     _check_algorithm_names(cfg)
-    if cfg.algorithm.adv_estimator == "gae":
-        raise UserError(
-            "algorithm.adv_estimator=gae needs a critic, and rlcli's trainer does not train one yet "
-            "(the critic model and value loss exist in parallel/ and algorithms/); use a "
-            "critic-free estimator: grpo, rloo, reinforce_plus_plus, remax, opo, gpg"
-        )
+    _check_critic(cfg)
 
     positive = {
         "data.train_batch_size": cfg.data.train_batch_size,
@@ -74,6 +69,8 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
         "actor.micro_batch_size": cfg.actor.micro_batch_size,
         "actor.ppo_epochs": cfg.actor.ppo_epochs,
         "actor.recompute_num_layers": cfg.actor.recompute_num_layers,
+        "critic.micro_batch_size": cfg.critic.micro_batch_size,
+        "critic.ppo_epochs": cfg.critic.ppo_epochs,
         "rollout.val_n": cfg.rollout.val_n,
         "sft.batch_size": cfg.sft.batch_size,
         "sft.micro_batch_size": cfg.sft.micro_batch_size,
@@ -114,6 +111,57 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
             raise UserError(
                 f"world size {world_size} is not divisible by rollout.tp={cfg.rollout.tp}"
             )
+
+
+def uses_critic(cfg: RLConfig) -> bool:
+    """PPO's learned value model: only the ``gae`` estimator reads values."""
+    return cfg.algorithm.adv_estimator == "gae"
+
+
+def _check_critic(cfg: RLConfig) -> None:
+    """The critic section, checked only when a critic is trained (other runs ignore it)."""
+    c = cfg.critic
+    if not uses_critic(cfg):
+        if cfg.trainer.critic_warmup:
+            raise UserError(
+                f"trainer.critic_warmup={cfg.trainer.critic_warmup} needs a critic "
+                "(algorithm.adv_estimator=gae); set trainer.critic_warmup=0"
+            )
+        return
+    # megatron-core keeps ONE set of TP / PP process groups per process, so a colocated critic
+    # runs in the actor's layout.
+    for key, value, actor in (("tp", c.tp, cfg.parallel.tp), ("pp", c.pp, cfg.parallel.pp)):
+        if value is not None and value != actor:
+            raise UserError(
+                f"critic.{key}={value} differs from parallel.{key}={actor}: the critic trains on "
+                f"the actor's ranks in the actor's layout; leave critic.{key} unset (or equal)"
+            )
+    _choice("critic.lr_decay_style", c.lr_decay_style, ["constant", "linear", "cosine"])
+    if c.cliprange_value <= 0:
+        raise UserError(f"critic.cliprange_value must be > 0, got {c.cliprange_value}")
+    if c.lr_warmup_steps < 0:
+        raise UserError(f"critic.lr_warmup_steps must be >= 0, got {c.lr_warmup_steps}")
+    total = cfg.trainer.total_steps
+    if total is not None and c.lr_warmup_steps >= total:
+        raise UserError(
+            f"critic.lr_warmup_steps={c.lr_warmup_steps} must be smaller than "
+            f"trainer.total_steps={total}"
+        )
+    if cfg.trainer.critic_warmup < 0:
+        raise UserError(f"trainer.critic_warmup must be >= 0, got {cfg.trainer.critic_warmup}")
+    mini = c.ppo_mini_batch_size
+    if mini is not None and (mini < 1 or cfg.data.train_batch_size % mini):
+        raise UserError(
+            f"critic.ppo_mini_batch_size={mini} must divide data.train_batch_size="
+            f"{cfg.data.train_batch_size}"
+        )
+    import algorithms
+
+    if c.loss_agg_mode not in algorithms.LOSS_AGG_MODES:
+        raise UserError(
+            f"critic.loss_agg_mode={c.loss_agg_mode!r} is not valid; choose one of: "
+            f"{', '.join(algorithms.LOSS_AGG_MODES)}"
+        )
 
 
 def _check_schedules(cfg: RLConfig) -> None:

@@ -46,15 +46,19 @@ class MegatronPolicy:
         dtype: str = "float32",
         optim: OptimizerSettings | None = None,
         model_options: dict[str, Any] | None = None,
+        critic: bool = False,
     ) -> None:
         """``model_options``: ``parallel.model.build_model``'s layout options (sequence_parallel,
-        transformer_impl, recompute); a setting this machine cannot build is a UserError."""
+        transformer_impl, recompute); a setting this machine cannot build is a UserError.
+        ``critic``: a value-head model (``rlcli.critic.MegatronCritic``) instead of an LM."""
         from parallel.hf_model import load_hf_model
         from parallel.model import ModelConfigError
 
         self.mesh = mesh
         try:
-            models = load_hf_model(hf_dir, mesh, dtype=DTYPES[dtype], **(model_options or {}))
+            models = load_hf_model(
+                hf_dir, mesh, dtype=DTYPES[dtype], critic=critic, **(model_options or {})
+            )
         except ModelConfigError as err:
             raise UserError(str(err)) from None
         self.hf_config = models[0].hf_config

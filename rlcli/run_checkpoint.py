@@ -14,7 +14,9 @@ Layout under the checkpoint root::
 
 A run's checkpoint (``save_run``) holds ``model/`` (megatron dist_checkpointing: model, optimizer,
 scheduler), ``hf/`` (config and tokenizer, so it converts to HF on its own) and the trainer state
-(step, data position, KL coefficient, RNG states).
+(step, data position, KL coefficient, RNG states). A PPO run adds ``critic/model/`` (the value
+model, its optimizer and scheduler, same format) and ``critic/hf/`` (the config and tokenizer the
+critic was built from; ``rlcli export --critic`` turns the two into an HF model).
 
 A save writes everything into ``.tmp-step_N``; after every rank finished writing, each node
 fsyncs the files, then rank 0 adds the marker and renames the directory to ``step_N`` in one
@@ -45,6 +47,7 @@ from safetensors.torch import load_file, save_file
 from rlcli.errors import UserError
 
 if TYPE_CHECKING:  # the policy pulls in megatron; `rlcli export` only needs the directory rules
+    from rlcli.critic import MegatronCritic
     from rlcli.policy import MegatronPolicy
 
 COMPLETE_MARKER = "COMPLETE"
@@ -416,20 +419,23 @@ def save_run(
     model_dir: str,
     state: Mapping[str, Any],
     save_optimizer: bool,
+    critic: MegatronCritic | None = None,
 ) -> None:
-    """Collective: commit ``step``'s checkpoint (model, optimizer, HF metadata, trainer state)."""
+    """Collective: commit ``step``'s checkpoint (model, optimizer, HF metadata, trainer state;
+    the critic's model and optimizer under ``critic/`` when there is one)."""
     from parallel.checkpoint import save_checkpoint
     from parallel.optim import all_weights_finite
 
     # Collective. A non-finite weight must never reach a checkpoint (pruning would then delete
     # the good ones it replaces).
-    if not all_weights_finite(actor.models):
+    if not all_weights_finite([*actor.models, *(critic.models if critic is not None else [])]):
         raise UserError(
-            f"step {step}: the actor's weights are not finite; not saving a checkpoint (the newest "
+            f"step {step}: the actor's or critic's weights are not finite; not saving a checkpoint (the newest "
             f"good one is {ckpt.latest_dir() or 'none'}). Lower actor.lr, keep actor.grad_clip > "
             "0, or use model.dtype=float32 / bfloat16 instead of float16."
         )
-    with ckpt.saving(step, subdirs=("model",)) as directory:
+    subdirs = ("model", "critic/model") if critic is not None else ("model",)
+    with ckpt.saving(step, subdirs=subdirs) as directory:
         save_checkpoint(
             directory / "model",
             actor.models,
@@ -439,14 +445,29 @@ def save_run(
         )
         if actor.mesh.rank == 0:
             copy_hf_metadata(model_dir, directory / "hf")
+        if critic is not None:
+            critic.offloader.onload_all()  # the step may have left its state on the host
+            save_checkpoint(
+                directory / "critic" / "model",
+                critic.models,
+                critic.mesh,
+                optimizer=critic.optimizer if save_optimizer else None,
+                scheduler=critic.scheduler,
+            )
+            if critic.mesh.rank == 0:
+                copy_hf_metadata(critic.hf_dir, directory / "critic" / "hf")
         save_trainer_state(directory, state)
 
 
 def resume_run(
-    ckpt: CheckpointManager, resume: str | None, actor: MegatronPolicy, load_optimizer: bool
+    ckpt: CheckpointManager,
+    resume: str | None,
+    actor: MegatronPolicy,
+    load_optimizer: bool,
+    critic: MegatronCritic | None = None,
 ) -> dict[str, Any] | None:
-    """Load the checkpoint ``trainer.resume`` names into ``actor``; its trainer state, or None
-    when the run starts fresh."""
+    """Load the checkpoint ``trainer.resume`` names into ``actor`` (and ``critic``); its trainer
+    state, or None when the run starts fresh."""
     from parallel.checkpoint import load_checkpoint
 
     path = ckpt.resolve_resume(resume)
@@ -457,23 +478,31 @@ def resume_run(
         path = ckpt.latest_dir()
     if path is None:
         return None
+    if critic is not None and not (path / "critic" / "model" / "metadata.json").is_file():
+        raise UserError(
+            f"trainer.resume: {path} has no critic (critic/model) to resume PPO's value model "
+            "from; it was written by a run without algorithm.adv_estimator=gae"
+        )
     state = load_trainer_state(path)
-    changed = load_checkpoint(
-        path / "model",
-        actor.models,
-        actor.mesh,
-        optimizer=actor.optimizer if load_optimizer else None,
-        scheduler=actor.scheduler,
-    )
-    if changed and actor.mesh.rank == 0:
-        # The current config wins over the checkpoint's hyper-parameters; say what changed.
-        print(f"[rlcli] resuming {path} with the config's values: " + "; ".join(changed))
-    if not load_optimizer and actor.optimizer is not None:
-        from parallel.optim import reload_master_weights
+    for model, folder in ((actor, path / "model"), (critic, path / "critic" / "model")):
+        if model is None:
+            continue
+        changed = load_checkpoint(
+            folder,
+            model.models,
+            model.mesh,
+            optimizer=model.optimizer if load_optimizer else None,
+            scheduler=model.scheduler,
+        )
+        if changed and model.mesh.rank == 0:
+            # The current config wins over the checkpoint's hyper-parameters; say what changed.
+            print(f"[rlcli] resuming {folder} with the config's values: " + "; ".join(changed))
+        if not load_optimizer and model.optimizer is not None:
+            from parallel.optim import reload_master_weights
 
-        # bf16 / distributed optimizers keep fp32 master weights; without this the first step
-        # writes the pre-resume weights back over the loaded ones.
-        reload_master_weights(actor.optimizer)
+            # bf16 / distributed optimizers keep fp32 master weights; without this the first
+            # step writes the pre-resume weights back over the loaded ones.
+            reload_master_weights(model.optimizer)
     return state
 
 

@@ -1,7 +1,9 @@
 """The RL trainer: every rank runs the same code (SPMD under torchrun).
 
 ``rl_step`` is the whole algorithm on one screen, one timed phase per call, in the order a batch
-travels: rollout -> reward -> distribute -> old_log_prob -> ref -> adv -> update -> sync.
+travels: rollout -> reward -> distribute -> old_log_prob -> ref -> values -> adv ->
+update_critic -> update -> sync (values and update_critic only with PPO's critic; during
+``trainer.critic_warmup`` steps only the critic learns).
 ``Trainer.fit`` repeats it, evaluates on held-out prompts and commits checkpoints. The trainer is
 built from the config by ``rlcli.build.build_trainer``.
 """
@@ -23,6 +25,7 @@ from rlcli.actor_update import update_actor
 from rlcli.advantages import KLController, compute_advantages
 from rlcli.batch import collate, take_dp_share
 from rlcli.config import RLConfig
+from rlcli.critic import MegatronCritic, update_critic, value_metrics
 from rlcli.data import PromptDataset, PromptLoader
 from rlcli.dp_stats import DataParallelStats
 from rlcli.errors import UserError
@@ -58,6 +61,7 @@ class Trainer:
     checkpoints: CheckpointManager
     logger: MetricsLogger | None
     total_steps: int
+    critic: MegatronCritic | None = None  # PPO's value model (algorithm.adv_estimator=gae)
     step: int = 0
     resumed_from: int | None = None  # the checkpoint step this run continues from
     stats: DataParallelStats = field(init=False)
@@ -176,6 +180,7 @@ class Trainer:
             self.model_dir,
             state,
             self.cfg.checkpoint.save_optimizer,
+            critic=self.critic,
         )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -191,6 +196,8 @@ def rl_step(t: Trainer) -> dict[str, float]:
     with timer("step"):
         with timer("offload"):  # the engine generates in the device memory the actor frees
             moved["offload"] += t.actor.offload(**actor_offload(cfg)).bytes
+            if t.critic is not None:  # the critic follows the actor's offload settings
+                moved["offload"] += t.critic.offload(**actor_offload(cfg)).bytes
         # rollout + reward (timed inside): every rank ends with ALL scored samples, exchanged once
         samples, metrics = collect_rollouts(
             cfg, t.engine, t.replica, t.loader, t.rewards, t.tokenizer, t.step, timer
@@ -199,6 +206,8 @@ def rl_step(t: Trainer) -> dict[str, float]:
             mine, fewest_groups = take_dp_share(samples, t.mesh.dp, t.mesh.dp_rank)
             if fewest_groups == 0:  # DAPO kept fewer informative groups than there are DP ranks
                 t.actor.onload(params=True, grads=True, optimizer=True)
+                if t.critic is not None:
+                    t.critic.onload(params=True, grads=True, optimizer=True)
                 return {**metrics, **timer.metrics(), "actor/skipped_update": 1.0}
             batch = collate(mine, t.tokenizer.pad_token_id)
         with timer("onload"):
@@ -211,16 +220,33 @@ def rl_step(t: Trainer) -> dict[str, float]:
                 batch["ref_log_probs"] = t.reference.log_probs(batch, mbs, temperature)
                 if cfg.ref.offload:
                     t.reference.offload(params=True)
-        # A critic adds its phase here: with timer("values"): batch["values"] = critic.values(...)
+        if t.critic is not None:
+            with timer("onload"):
+                moved["onload"] += t.critic.onload(params=True).bytes
+            with timer("values"):
+                batch["values"] = t.critic.forward_values(batch, cfg.critic.micro_batch_size)
         with timer("adv"):
             metrics.update(compute_advantages(batch, cfg, t.kl_ctrl, t.stats))
-        # ... and its update here: with timer("update_critic"): metrics.update(update_critic(...))
+        if t.critic is not None:
+            metrics.update(value_metrics(batch, t.stats))
+            with timer("onload"):
+                moved["onload"] += t.critic.onload(grads=True, optimizer=True).bytes
+            with timer("update_critic"):
+                metrics.update(update_critic(t.critic, batch, cfg, t.mesh, fewest_groups))
+            with timer("offload"):  # the actor's update gets the memory the critic held
+                moved["offload"] += t.critic.offload(**actor_offload(cfg)).bytes
         with timer("onload"):
             moved["onload"] += t.actor.onload(grads=True, optimizer=True).bytes
-        with timer("update"):
-            metrics.update(update_actor(t.actor, batch, cfg, t.mesh, fewest_groups))
-        with timer("sync"):
-            metrics.update(sync_rollout_weights(t))
+        if t.step <= cfg.trainer.critic_warmup:  # PPO: the critic learns first, the policy waits
+            metrics["actor/skipped_update"] = 1.0
+            if t.engine.needs_weight_sync:  # a level-2 sleep discarded the (unchanged) weights
+                with timer("sync"):
+                    metrics.update(sync_rollout_weights(t))
+        else:
+            with timer("update"):
+                metrics.update(update_actor(t.actor, batch, cfg, t.mesh, fewest_groups))
+            with timer("sync"):
+                metrics.update(sync_rollout_weights(t))
     metrics.update(batch_metrics(batch, t))
     metrics.update(timer.metrics())
     metrics.update({f"{kind}/bytes_gb": nbytes / 1e9 for kind, nbytes in moved.items()})

@@ -7,6 +7,7 @@ inputs, start torchrun when needed and print.
     rlcli convert mcore-to-hf --ckpt DIR --out HF_DIR [--tp T --pp P] [--hf-config DIR]
     rlcli convert verify      --model HF_DIR --tp T --pp P [--tolerance X]
     rlcli export CHECKPOINT --out HF_DIR          (a training checkpoint; mcore-to-hf at TP1)
+    rlcli export CHECKPOINT --out HF_DIR --critic (PPO's value model, see ``export_critic``)
 
 Multi-process: when tp * pp > 1 and the command is not already running under torchrun, it
 runs itself again under torchrun with tp * pp processes on this machine
@@ -128,13 +129,53 @@ def export(
     out: Path = typer.Option(
         ..., "--out", help="Output HF model folder (safetensors + config + tokenizer)."
     ),
+    critic: bool = typer.Option(
+        False, "--critic", help="Export PPO's critic (value model) instead of the policy."
+    ),
 ) -> None:
-    """Write a training checkpoint's policy as a HuggingFace model directory."""
+    """Write a training checkpoint's policy (or, with --critic, its value model) as a
+    HuggingFace model directory."""
     from rlcli.run_checkpoint import is_complete_checkpoint
 
     if not is_complete_checkpoint(checkpoint):
         raise UserError(f"{checkpoint} is not a complete rlcli checkpoint (no COMPLETE marker)")
-    mcore_to_hf(ckpt=checkpoint, out=out, tp=1, pp=1, hf_config_dir=None)
+    if critic:
+        export_critic(checkpoint, out)
+    else:
+        mcore_to_hf(ckpt=checkpoint, out=out, tp=1, pp=1, hf_config_dir=None)
+
+
+def export_critic(checkpoint: Path, out: Path) -> None:
+    """PPO's critic (``CHECKPOINT/critic``) as an HF token-classification model with one label:
+    ``config.json`` names e.g. ``Qwen2ForTokenClassification`` with ``num_labels: 1``; the
+    weights are the transformer's (``model.*``) plus the value head ``score.weight [1, h]`` and
+    ``score.bias [1]``. ``AutoModelForTokenClassification.from_pretrained(out)(ids).logits[...,
+    0]`` is the value at every position (the trainer reads it at the position that predicts each
+    response token)."""
+    folder = checkpoint / "critic"
+    if not (folder / "model" / "metadata.json").is_file():
+        raise UserError(
+            f"{checkpoint} has no critic (critic/model): only PPO runs "
+            "(algorithm.adv_estimator=gae) save one"
+        )
+    from transformers import AutoConfig
+
+    from parallel.checkpoint import load_checkpoint
+    from parallel.convert import save_hf_checkpoint
+    from parallel.mesh import destroy_parallel, init_parallel
+    from parallel.model import build_model
+    from rlcli.critic import value_model_config
+
+    mesh = init_parallel(tp=1, pp=1)
+    hf_config = AutoConfig.from_pretrained(folder / "hf")
+    models = build_model(hf_config, mesh, critic=True)
+    load_checkpoint(folder / "model", models, mesh)
+    save_hf_checkpoint(
+        models, mesh, out, value_model_config(hf_config), tokenizer_dir=folder / "hf"
+    )
+    if mesh.rank == 0:
+        typer.echo(f"wrote HF value model {out}")
+    destroy_parallel()
 
 
 @convert_app.command("verify")

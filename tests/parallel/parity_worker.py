@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from parallel.convert import iter_hf_weights, load_hf_weights, save_hf_checkpoint
 from parallel.mesh import Mesh, destroy_parallel, init_parallel
-from parallel.model import HAVE_TRANSFORMER_ENGINE, build_model
+from parallel.model import build_model, transformer_engine_status
 
 BATCH, SEQ = 2, 12
 
@@ -154,7 +154,7 @@ def _check_variants(hf_dir: Path, hf_config, mesh: Mesh, tokens, positions) -> d
         name for name, _ in iter_hf_weights(critic, mesh) if not name.startswith("model.")
     )
 
-    if mesh.tp > 1 and HAVE_TRANSFORMER_ENGINE:  # the local spec cannot do SP
+    if mesh.tp > 1 and transformer_engine_status()[0]:  # the local spec cannot do SP
         sp_models = build_model(hf_config, mesh, sequence_parallel=True)
         load_hf_weights(sp_models, mesh, hf_dir)
         logits = _megatron_logits(sp_models, mesh, tokens, positions, hf_config.vocab_size)

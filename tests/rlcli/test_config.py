@@ -58,7 +58,15 @@ def test_config_show_prints_resolved_override():
         (["rollout.engine=sglang"], ["rollout.engine='sglang' is not valid", "'vllm', 'hf'"]),
         (["algorithm.adv_estimator=nope"], ["algorithm.adv_estimator", "grpo"]),
         (["actor.ppo_mini_batch_size=3"], ["actor.ppo_mini_batch_size=3 must divide"]),
-        (["algorithm.adv_estimator=gae"], ["algorithm.adv_estimator=gae needs a critic"]),
+        (
+            ["algorithm.adv_estimator=gae", "critic.tp=2"],
+            ["critic.tp=2 differs from parallel.tp=1", "the actor's layout"],
+        ),
+        (["trainer.critic_warmup=3"], ["trainer.critic_warmup=3 needs a critic"]),
+        (
+            ["algorithm.adv_estimator=gae", "critic.loss_agg_mode=nope"],
+            ["critic.loss_agg_mode='nope' is not valid"],
+        ),
     ],
 )
 def test_bad_overrides_exit_2_and_name_the_key(args, needles):
