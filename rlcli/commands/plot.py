@@ -80,6 +80,17 @@ def _series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
     return steps, values
 
 
+def _moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over up to `window` points (the first points average what exists)."""
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def plot_metrics(records: list[dict], output: Path, title: str) -> list[str]:
     """Write the curves to `output` (PNG); returns the panel titles drawn."""
     import matplotlib
@@ -102,8 +113,15 @@ def plot_metrics(records: list[dict], output: Path, title: str) -> list[str]:
     fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 3.6 * rows), squeeze=False)
     for ax, (name, lines, log_y) in zip(axes.flat, panels, strict=False):
         for key, steps, values in lines:
-            # A single point (e.g. one validation) would be invisible as a line.
-            ax.plot(steps, values, label=key, marker="o" if len(steps) < 30 else None, ms=3)
+            if len(steps) < 60:
+                # A single point (e.g. one validation) would be invisible as a line.
+                ax.plot(steps, values, label=key, marker="o", ms=3)
+                continue
+            # Long runs: per-step values faint, their moving average on top.
+            (raw,) = ax.plot(steps, values, alpha=0.25, lw=0.8)
+            ax.plot(
+                steps, _moving_average(values, len(values) // 30), color=raw.get_color(), label=key
+            )
         if log_y and all(v > 0 for _, _, vs in lines for v in vs):
             ax.set_yscale("log")
         ax.set_title(name)

@@ -14,6 +14,8 @@ Marker lines (HTML comments, invisible on GitHub) right before a block adjust ho
   would install a venv: CMD is what the target runs, with small settings);
 - ``<!-- docs-check: exit N -->`` the block's last command is expected to exit N (e.g. a plan
   that does not fit exits 1);
+- ``<!-- docs-check: dist -->`` the block starts several processes (torchrun): marked
+  ``@pytest.mark.dist`` so ``make test-fast`` leaves it out;
 - ``<!-- docs-check: skip (REASON) -->`` does not run it; the reason is required and shown.
 """
 
@@ -30,7 +32,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"^\s*<!--\s*docs-check:\s*(?P<body>.*?)\s*-->\s*$")
-DIRECTIVES = ("with", "before", "instead", "exit", "skip")
+DIRECTIVES = ("with", "before", "instead", "exit", "dist", "skip")
 BLOCK_TIMEOUT_S = 600
 
 
@@ -112,7 +114,12 @@ def test_docs_have_command_blocks():
     assert "README.md" in files and "docs/quickstart.md" in files
 
 
-@pytest.mark.parametrize("block", ALL_BLOCKS, ids=lambda b: f"{b.file}:{b.line}")
+def _param(block: DocBlock):
+    marks = [pytest.mark.dist] if block.get("dist") else []
+    return pytest.param(block, id=f"{block.file}:{block.line}", marks=marks)
+
+
+@pytest.mark.parametrize("block", [_param(block) for block in ALL_BLOCKS])
 def test_doc_block_runs(block: DocBlock, workdir: Path):
     if block.get("skip"):
         pytest.skip(f"{block.file}:{block.line} {block.get('skip')[0]}")
