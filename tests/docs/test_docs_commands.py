@@ -128,7 +128,7 @@ def test_doc_block_runs(block: DocBlock, workdir: Path):
     expected = int(block.get("exit")[0]) if block.get("exit") else 0
     if expected:
         # The last line's status is the block's: run it outside `set -e` and compare.
-        lines = script.rstrip("\n").split("\n")
+        lines = script.rstrip("\n").replace("\\\n", " ").split("\n")  # join continuations
         script = "\n".join(
             [*lines[:-1], "set +e", lines[-1], f"status=$?; [ $status -eq {expected} ] || exit 100"]
         )
