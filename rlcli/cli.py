@@ -12,7 +12,7 @@ import sys
 
 import typer
 
-from rlcli.commands import config, convert, data, launch, plan, train
+from rlcli.commands import config, convert, data, docs, launch, plan, plot, train
 from rlcli.commands.relaunch import report_user_error_to_parent
 from rlcli.errors import USER_ERROR_EXIT_CODE, UserError
 
@@ -26,6 +26,8 @@ app.command()(train.train)
 app.command()(train.sft)
 app.command()(convert.export)
 app.command("plan")(plan.plan_command)
+config.config_app.command("docs")(docs.config_docs)
+app.command("plot")(plot.plot_command)
 app.add_typer(config.config_app, name="config")
 app.add_typer(data.data_app, name="data")
 app.add_typer(launch.launch_app, name="launch")
