@@ -101,6 +101,15 @@ class ActorConfig:
     ppo_epochs: int = 1
     ppo_mini_batch_size: Optional[int] = None  # prompts per optimizer step; None: the whole batch
     micro_batch_size: int = 8  # sequences per forward/backward
+    # Token budgets (0: fixed micro_batch_size): micro-batches of similar lengths whose padded size
+    # (rows x longest row) stays within the budget; the no-grad passes (old log-probs, reference)
+    # use max_tokens_per_forward (0: the training setting).
+    max_tokens_per_micro_batch: int = 0
+    max_tokens_per_forward: int = 0
+    # old log-probs of the PPO ratio: "actor" recomputes them (skipped when the update is
+    # on-policy: one epoch, one mini-batch, no KL in the reward); "engine" takes the rollout
+    # engine's sampled-token log-probs (rollout/logprob_diff_* still logged)
+    old_log_prob_source: str = "actor"
     policy_loss: str = "vanilla"  # see algorithms.get_policy_loss
     loss_agg_mode: str = "token-mean"
     clip_ratio_low: float = 0.2

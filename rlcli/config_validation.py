@@ -80,6 +80,13 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
     for key, value in positive.items():
         if value < 1:
             raise UserError(f"{key} must be >= 1, got {value}")
+    for key in ("max_tokens_per_micro_batch", "max_tokens_per_forward"):
+        if getattr(cfg.actor, key) < 0:
+            raise UserError(
+                f"actor.{key} must be >= 0 (0: micro_batch_size rows), got "
+                f"{getattr(cfg.actor, key)}"
+            )
+    _choice("actor.old_log_prob_source", cfg.actor.old_log_prob_source, ["actor", "engine"])
     _check_schedules(cfg)
     if cfg.rollout.temperature < 0:
         raise UserError(f"rollout.temperature must be >= 0, got {cfg.rollout.temperature}")
