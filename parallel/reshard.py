@@ -2,9 +2,10 @@
 
 Public API (stable):
 
-    iter_inference_buckets(models, mesh, bucket_mb=64) -> Iterator[list[(hf_name, tensor)]]
+    iter_inference_buckets(models, mesh, bucket_mb=0) -> Iterator[list[(hf_name, tensor)]]
         Collective: every rank of the job iterates it to the end and gets every bucket.
-    sync_weights(models, mesh, engine, bucket_mb=64) -> SyncStats
+        bucket_mb <= 0: AUTO_BUCKET_MB, i.e. a small model travels as one bucket per stage.
+    sync_weights(models, mesh, engine, bucket_mb=0) -> SyncStats
         Streams the buckets into `engine.load_weights(list)` (any object with that method).
     SyncStats(bytes, seconds, gbps, num_buckets)
 
@@ -41,6 +42,11 @@ import torch.distributed as dist
 from parallel.convert.mapping import ParamMapping, megatron_to_hf, param_mappings
 from parallel.cpu_compat import device
 from parallel.mesh import Mesh
+
+# The default bucket cap. Every bucket costs the engine one load call (vLLM: an RPC, a prefix
+# cache reset), so fewer buckets are faster; a rank holds about two buckets beyond its shards, so
+# the cap bounds that memory for large models (a 7B model in bf16 is about 28 buckets).
+AUTO_BUCKET_MB = 512
 
 
 class WeightConsumer(Protocol):
@@ -152,7 +158,7 @@ def _gather_full(bucket: _Bucket, by_name: dict[str, ParamMapping], mesh: Mesh) 
 
 @torch.no_grad()
 def iter_inference_buckets(
-    models: Sequence[torch.nn.Module], mesh: Mesh, bucket_mb: float = 64
+    models: Sequence[torch.nn.Module], mesh: Mesh, bucket_mb: float = 0
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Every rank gets every bucket of full HF tensors (module docstring); collective.
 
@@ -169,7 +175,7 @@ def iter_inference_buckets(
         _Entry(m.global_name, tuple(m.param.shape), m.partition_dim, m.param.dtype)
         for m in mappings
     ]
-    bucket_bytes = max(1, int(bucket_mb * 2**20))
+    bucket_bytes = max(1, int((bucket_mb if bucket_mb > 0 else AUTO_BUCKET_MB) * 2**20))
     for bucket in _plan(mesh, entries, bucket_bytes):
         if bucket.stage == mesh.pp_rank:
             flat = _gather_full(bucket, by_name, mesh)
@@ -190,7 +196,7 @@ def iter_inference_buckets(
 
 
 def sync_weights(
-    models: Sequence[torch.nn.Module], mesh: Mesh, engine: WeightConsumer, bucket_mb: float = 64
+    models: Sequence[torch.nn.Module], mesh: Mesh, engine: WeightConsumer, bucket_mb: float = 0
 ) -> SyncStats:
     """Stream the model into `engine.load_weights`, one bucket per call (collective)."""
     start = time.perf_counter()

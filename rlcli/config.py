@@ -78,7 +78,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     kv_cache_gb: float = 1.0  # CPU only: resident KV cache per engine
     enforce_eager: bool = True
-    sync_bucket_mb: int = 64
+    sync_bucket_mb: int = 0  # 0: parallel.reshard.AUTO_BUCKET_MB (small models: one bucket)
     sleep_level: int = 1  # GPU vLLM: 1 offloads weights to host, 2 discards them (sync on wake)
     # vLLM start weights: dummy (no checkpoint read; the trainer syncs from Megatron right after
     # the engine starts, which also proves the sync path) | auto (read model.path)
