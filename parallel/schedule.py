@@ -24,10 +24,17 @@ mb * dp / N.
 Micro-batch dict keys: ``input_ids [mb, S]`` (int64, right-padded so plain causal attention
 is correct), ``attention_mask [mb, S]`` (1 on real tokens), optional ``position_ids [mb, S]``
 (default ``arange(S)``), and any further tensors ``loss_fn`` needs (passed through untouched).
-Pipeline point-to-point communication needs one ``[S, mb, hidden]`` shape for the whole call:
-shorter micro-batches are right-padded to the longest ``S`` for the model and the outputs are
-cut back to each micro-batch's own length before ``loss_fn`` sees them; with pipeline
-parallelism all micro-batches must also have the same ``mb``.
+Without pipeline parallelism every micro-batch runs at its own ``S`` (``micro_batches`` trims
+each to its longest row, and a token budget groups rows of similar length), so padding costs
+little. Pipeline point-to-point communication needs one ``[S, mb, hidden]`` shape for the whole
+call: there shorter micro-batches are right-padded to the longest ``S`` for the model and the
+outputs are cut back to each micro-batch's own length before ``loss_fn`` sees them, and all
+micro-batches must have the same ``mb``. Under sequence parallelism ``S`` is rounded up to a
+multiple of tp.
+
+Packed sequences (megatron-core's ``PackedSeqParams``, THD layout: no padded token computed at
+all) are not used: they need Transformer Engine's attention, which CPU machines lack; sorting by
+length keeps the padded share small instead (see ``benchmarks``).
 """
 
 from __future__ import annotations
@@ -81,7 +88,9 @@ def forward_backward(
         return []
     if loss_fn is None and not forward_only:
         raise ValueError("forward_backward needs a loss_fn unless forward_only=True")
-    padded, lengths = _pad_to_common_length(micro_batches, mesh)
+    # Sequence parallelism splits the sequence over the TP ranks: S must divide by tp.
+    multiple = mesh.tp if getattr(get_model_config(models[0]), "sequence_parallel", False) else 1
+    padded, lengths = _pad_to_common_length(micro_batches, mesh, multiple)
     seq_len, mb = padded[0]["input_ids"].shape[1], padded[0]["input_ids"].shape[0]
     originals: list[dict[str, torch.Tensor] | None] = list(micro_batches)
     if len(models) > 1:
@@ -263,9 +272,11 @@ def _unpadded_vocab_size(model: torch.nn.Module) -> int | None:
 
 
 def _pad_to_common_length(
-    micro_batches: list[dict[str, torch.Tensor]], mesh: Mesh
+    micro_batches: list[dict[str, torch.Tensor]], mesh: Mesh, multiple: int = 1
 ) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
-    """Model inputs right-padded to the longest S of the call, on ``device()``; original S."""
+    """Model inputs on ``device()``, right-padded to the longest S of the call under pipeline
+    parallelism (else each keeps its own S), rounded up to a multiple of ``multiple``; and the
+    original S of each."""
     lengths = [mb["input_ids"].shape[1] for mb in micro_batches]
     sizes = {mb["input_ids"].shape[0] for mb in micro_batches}
     if mesh.pp > 1 and len(sizes) > 1:
@@ -273,7 +284,7 @@ def _pad_to_common_length(
             f"pipeline parallelism (pp={mesh.pp}) needs equal micro-batch sizes, got {sorted(sizes)}"
         )
     # Without pipeline parallelism nothing exchanges activations: each micro-batch keeps its own S.
-    target = max(lengths) if mesh.pp > 1 else 0
+    common = max(lengths) if mesh.pp > 1 else 0
     padded = []
     for mb, length in zip(micro_batches, lengths, strict=True):
         ids = mb["input_ids"].to(device())
@@ -285,7 +296,8 @@ def _pad_to_common_length(
             "attention_mask": mb["attention_mask"].to(device()),
             "position_ids": position_ids.to(device()),
         }
-        if 0 < target and length < target:
+        target = -(-max(common, length) // multiple) * multiple
+        if length < target:
             extra = target - length
             inputs["input_ids"] = torch.nn.functional.pad(inputs["input_ids"], (0, extra))
             inputs["attention_mask"] = torch.nn.functional.pad(inputs["attention_mask"], (0, extra))
