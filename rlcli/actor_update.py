@@ -170,8 +170,9 @@ def update_actor(
     Without ``old_log_probs`` in ``batch`` the update must be on-policy
     (``old_log_probs_from_update``): the old log-probs are the forward's own. When the old
     log-probs did not come from a separate actor pass (skipped, or ``old_log_prob_source=
-    engine``), the first epoch's forward also gives ``rollout/logprob_diff_*`` (and
-    ``actor/kl_to_ref``), returned with the update's metrics.
+    engine``), the first mini-batch's forward (before any optimizer step; the whole batch when
+    on-policy) also gives ``rollout/logprob_diff_*`` (and ``actor/kl_to_ref``), returned with the
+    update's metrics.
 
     ``batch`` holds this rank's whole groups; it is cut into the same number of mini-batches on
     every DP rank (so optimizer steps line up), each a run of whole groups. ``fewest_groups`` is
@@ -190,13 +191,15 @@ def update_actor(
     budget = actor.max_tokens_per_micro_batch
     history: list[dict[str, float]] = []
     skipped = 0
-    for epoch in range(actor.ppo_epochs):
+    for _ in range(actor.ppo_epochs):
         for chunk in split_evenly(torch.unique_consecutive(groups).tolist(), num_mini):
             chosen = torch.isin(groups, torch.tensor(chunk))
             mini = {k: v[chosen] for k, v in batch.items()}
             denominator = _global_denominator(mini["response_mask"], cfg, mesh)
+            # Only the first mini-batch's forward runs before any optimizer step: the agreement
+            # with the engine is measured there (the whole batch when the update is on-policy).
             loss_fn = make_actor_loss(
-                cfg, denominator, on_policy=on_policy, record_agreement=record and epoch == 0
+                cfg, denominator, on_policy=on_policy, record_agreement=record and not history
             )
             result = policy.train_step(
                 mini,
