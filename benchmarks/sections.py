@@ -305,7 +305,8 @@ def _mixed_length_update(w: Workload, model_dir: Path) -> dict:
             "computed_tokens": computed,
             "padded_fraction": 1 - real / computed,
             "step_seconds": seconds,
-            "tokens_per_s": real / (sum(seconds) / len(seconds)),
+            # The median step: on a shared machine one slow step would skew a mean.
+            "tokens_per_s": real / statistics.median(seconds),
         }
     # Before per-micro-batch trimming every micro-batch kept the batch-wide S.
     out["batch_wide_padded_fraction"] = 1 - real / (rows * w.train_seq_len)
