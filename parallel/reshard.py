@@ -25,7 +25,8 @@ from one call's tensors only. For a bucket of stage s:
    with `parallel.convert.megatron_to_hf`.
 
 A rank holds at most about two buckets beyond its own shards and its engine (the gather buffer
-and the flat full buffer, released when the next bucket starts); never the whole model.
+and the flat full buffer, released when the next bucket starts); never the whole model. Without
+TP and PP nothing travels: the buckets are views of the parameters themselves (the engine copies).
 """
 
 from __future__ import annotations
@@ -163,7 +164,8 @@ def iter_inference_buckets(
     """Every rank gets every bucket of full HF tensors (module docstring); collective.
 
     Tensors are on `cpu_compat.device()` in the model's dtype; each bucket's tensors share one
-    buffer, freed when the caller drops them.
+    buffer, freed when the caller drops them (at TP1 x PP1: views of the parameters; copy them
+    before the next optimizer step if they must be kept).
     """
     chunks = [_unwrap(chunk) for chunk in models]
     hf_config: Any = chunks[0].hf_config
@@ -177,6 +179,17 @@ def iter_inference_buckets(
     ]
     bucket_bytes = max(1, int((bucket_mb if bucket_mb > 0 else AUTO_BUCKET_MB) * 2**20))
     for bucket in _plan(mesh, entries, bucket_bytes):
+        if mesh.pp == 1 and all(e.partition_dim is None or mesh.tp == 1 for e in bucket.entries):
+            # Nothing to gather or send: the parameters themselves (views, no copy; every
+            # engine copies what it loads), which saves one pass over the model's bytes.
+            yield [
+                item
+                for e in bucket.entries
+                for item in megatron_to_hf(
+                    hf_config, mesh.tp, e.global_name, by_name[e.global_name].param.detach()
+                )
+            ]
+            continue
         if bucket.stage == mesh.pp_rank:
             flat = _gather_full(bucket, by_name, mesh)
         else:
