@@ -21,6 +21,8 @@ PHASE_LABELS = {
     "adv": "advantages",
     "update": "actor update",
     "sync": "weight sync",
+    "offload": "actor offload",
+    "onload": "actor onload",
     "other": "other",
 }
 
