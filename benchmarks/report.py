@@ -23,6 +23,8 @@ PHASE_LABELS = {
     "adv": "advantages",
     "update": "actor update",
     "sync": "weight sync",
+    "offload": "actor offload",
+    "onload": "actor onload",
     "other": "other",
 }
 
@@ -131,14 +133,22 @@ def _sync_rows(sync: dict | None) -> list[str]:
     rows = []
     for size in sync["sizes"]:
         reshard, naive, floor = size["reshard"], size["naive"], size["memcpy"]
+        buckets = f"{sync['bucket_mb']} MB" if sync["bucket_mb"] else "automatic size"
         what = (
             f"weight sync {size['model']} ({_params(size['params'])} params, "
-            f"{_gb(size['bytes'])}, buckets of {sync['bucket_mb']} MB)"
+            f"{_gb(size['bytes'])}, {size['num_buckets']} bucket(s), {buckets})"
         )
+        reload = size.get("engine_reload")
+        own = ""
+        if reload:
+            own = (
+                f"; vLLM's own reload_weights {reload['seconds']:.3g} s "
+                f"(sync = {reshard['seconds'] / reload['seconds']:.2f}x of it)"
+            )
         rows.append(
             f"| {what} | {reshard['seconds']:.3g} s ({reshard['gbps']:.3g} GB/s) | naive "
             f"per-tensor {naive['seconds']:.3g} s ({naive['gbps']:.3g} GB/s) | memcpy "
-            f"{floor['seconds']:.3g} s ({floor['gbps']:.3g} GB/s) | "
+            f"{floor['seconds']:.3g} s ({floor['gbps']:.3g} GB/s){own} | "
             f"{naive['seconds'] / reshard['seconds']:.2f}x faster |"
         )
     return rows
@@ -163,6 +173,23 @@ def _train_rows(train: dict | None, device: dict) -> list[str]:
         f"{_pct(megatron.get('matmul_fraction'))} of matmul) | HF + torch AdamW "
         f"{_num(hf['tokens_per_s'])} ({_pct(hf.get('matmul_fraction'))} of matmul) | "
         f"{floor} | {train['megatron_over_hf']:.2f}x |"
+    ] + _mixed_rows(train.get("mixed_lengths"), train)
+
+
+def _mixed_rows(mixed: dict | None, train: dict) -> list[str]:
+    if not mixed:
+        return []
+    fixed, budget = mixed["fixed"], mixed["token_budget"]
+    what = (
+        f"actor update on mixed lengths ({train['model']}, {mixed['rows']} rows of "
+        f"{mixed['seq_len'] // 8}-{mixed['seq_len']} tokens): real tokens/s, padded share"
+    )
+    return [
+        f"| {what} | token budget {_num(budget['tokens_per_s'])}, {_pct(budget['padded_fraction'])}"
+        f" padded ({budget['micro_batches']} micro-batches) | fixed micro-batches "
+        f"{_num(fixed['tokens_per_s'])}, {_pct(fixed['padded_fraction'])} padded (batch-wide S: "
+        f"{_pct(mixed['batch_wide_padded_fraction'])}) | 0% padded | "
+        f"{mixed['budget_over_fixed']:.2f}x |"
     ]
 
 
@@ -175,6 +202,18 @@ def _grpo_table(grpo: dict | None) -> list[str]:
         f"{grpo['step_seconds']:.2f} s per step, mean of {grpo['measured_steps']} steps after "
         "the first.",
         "",
+    ]
+    plain = grpo.get("plain_loop")
+    if plain:
+        ratio = plain["median_step_seconds"] / grpo["median_step_seconds"]
+        lines += [
+            f"Median step: rlcli {grpo['median_step_seconds']:.3f} s; the plain single-process "
+            f"PyTorch GRPO loop (benchmarks/plain_loop.py: HF generate + one log-prob forward/"
+            f"backward + AdamW, same model, batch and task) {plain['median_step_seconds']:.3f} s: "
+            f"rlcli {ratio:.2f}x as fast.",
+            "",
+        ]
+    lines += [
         "| phase | seconds | share of step |",
         "| --- | --- | --- |",
     ]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -139,6 +140,7 @@ SYNC_METHODS = {
     "naive sync": "naive",
     "memcpy": "memcpy",
     "buckets (no engine)": "reshard_without_engine",
+    "engine reload": "engine_reload",
 }
 
 
@@ -270,11 +272,55 @@ def train_section(workload: Workload, work_dir: Path) -> dict:
     result["megatron_over_hf"] = (
         result["megatron"]["tokens_per_s"] / result["hf_baseline"]["tokens_per_s"]
     )
+    result["mixed_lengths"] = _mixed_length_update(w, model_dir)
     return result
 
 
+def _mixed_length_update(w: Workload, model_dir: Path) -> dict:
+    """The actor update on rows of mixed lengths (uniform in [S/8, S]): fixed micro-batches of
+    `train_micro_batch_size` rows against a token budget of the same padded size
+    (`actor.max_tokens_per_micro_batch` = rows x S). Tokens/s counts real tokens only."""
+    from parallel.schedule import micro_batches
+
+    rows = 4 * w.train_micro_batches * w.train_micro_batch_size
+    ids = random_token_ids(rows, w.train_seq_len, w.train_model.vocab_size, SEED + 1)
+    generator = torch.Generator().manual_seed(SEED)
+    lengths = torch.randint(w.train_seq_len // 8, w.train_seq_len + 1, (rows,), generator=generator)
+    mask = (torch.arange(w.train_seq_len)[None] < lengths[:, None]).long()
+    batch = {"input_ids": (ids * mask).to(_device()), "attention_mask": mask.to(_device())}
+    real = int(mask.sum())
+    out: dict = {"rows": rows, "seq_len": w.train_seq_len, "real_tokens": real}
+    for name, budget in (
+        ("fixed", 0),
+        ("token_budget", w.train_micro_batch_size * w.train_seq_len),
+    ):
+        parts = micro_batches(batch, w.train_micro_batch_size, max_tokens=budget)
+        computed = sum(p["input_ids"].numel() for p in parts)
+        seconds, _ = _megatron_training_steps(
+            model_dir, w.dtype, batch, w.train_micro_batch_size, w.train_steps, max_tokens=budget
+        )
+        _free_memory()
+        out[name] = {
+            "micro_batches": len(parts),
+            "computed_tokens": computed,
+            "padded_fraction": 1 - real / computed,
+            "step_seconds": seconds,
+            # The median step: on a shared machine one slow step would skew a mean.
+            "tokens_per_s": real / statistics.median(seconds),
+        }
+    # Before per-micro-batch trimming every micro-batch kept the batch-wide S.
+    out["batch_wide_padded_fraction"] = 1 - real / (rows * w.train_seq_len)
+    out["budget_over_fixed"] = out["token_budget"]["tokens_per_s"] / out["fixed"]["tokens_per_s"]
+    return out
+
+
 def _megatron_training_steps(
-    model_dir: Path, dtype: str, batch: dict[str, torch.Tensor], micro_batch_size: int, steps: int
+    model_dir: Path,
+    dtype: str,
+    batch: dict[str, torch.Tensor],
+    micro_batch_size: int,
+    steps: int,
+    max_tokens: int = 0,
 ) -> tuple[list[float], int]:
     """rlcli's actor (`rlcli.policy.MegatronPolicy`: megatron-core GPTModel, DDP, distributed
     optimizer off, Adam, clipping at 1.0) on one process: seconds of each timed step, params."""
@@ -288,7 +334,9 @@ def _megatron_training_steps(
         use_distributed_optimizer=False,
     )  # fmt: skip
     actor = MegatronPolicy(mesh, str(model_dir), dtype, optim=settings)
-    seconds = _time_steps(lambda: actor.train_step(batch, micro_batch_size, _nll_loss), steps)
+    seconds = _time_steps(
+        lambda: actor.train_step(batch, micro_batch_size, _nll_loss, max_tokens=max_tokens), steps
+    )
     params = len_unique_params(actor.models)
     destroy_parallel()
     return seconds, params
@@ -386,7 +434,24 @@ def grpo_section(workload: Workload, work_dir: Path) -> dict:
         "tokens_per_s": sum(r.get("perf/tokens_per_s", 0.0) for r in measured) / len(measured),
         "wall_seconds": wall_seconds,
         "memory": memory.to_dict(),
+        "median_step_seconds": statistics.median(r["timing/step"] for r in measured),
+        "plain_loop": _plain_loop(cfg, output_dir, len(records)),
     }
+
+
+def _plain_loop(cfg, output_dir: Path, steps: int) -> dict:
+    """benchmarks/plain_loop.py on the run's own model, batch size and task, right after it."""
+    from benchmarks.plain_loop import plain_grpo_step_seconds
+
+    seconds = plain_grpo_step_seconds(
+        str(output_dir / "model"),
+        prompts=cfg.data.train_batch_size,
+        n=cfg.rollout.n,
+        max_tokens=cfg.rollout.max_tokens,
+        lr=cfg.actor.lr,
+        steps=max(1, steps - 1),
+    )
+    return {"step_seconds": seconds, "median_step_seconds": statistics.median(seconds)}
 
 
 SECTIONS: dict[str, Callable[[Workload, Path], dict]] = {

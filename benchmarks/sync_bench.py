@@ -7,6 +7,8 @@ For a random Qwen2-shaped model (default ~57M parameters) it times, on every ran
   bucketed sync  `sync_weights` into the engine (what the trainer runs)
   naive sync     `iter_hf_weights` + one `load_weights` call per tensor (the simple path; with
                  vLLM this even breaks fused layers, so the model is re-synced afterwards)
+  engine reload  vLLM's own in-place `reload_weights` of the same full HF tensors, already in
+                 local memory (what the engine's load costs without any gather; vllm only)
 and prints a table on rank 0; `--json PATH` writes the same numbers.
 
     python benchmarks/sync_bench.py [--engine vllm|hf] [--json out.json]
@@ -35,7 +37,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--pp", type=int, default=1, help="training pipeline parallel size")
     parser.add_argument("--rollout-tp", type=int, default=1)
     parser.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
-    parser.add_argument("--bucket-mb", type=float, default=64)
+    parser.add_argument("--bucket-mb", type=float, default=0, help="0: automatic")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=8)
@@ -120,6 +122,13 @@ def main() -> None:
             args.repeats,
         ),
     }
+    if args.engine == "vllm":
+        full = [item for bucket in iter_inference_buckets(models, mesh, 1e9) for item in bucket]
+        rows["engine reload"] = best_time(
+            # The engine's private LLM: the same RPC its load_weights makes, minus our glue.
+            lambda: engine._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full}),
+            args.repeats,
+        )
     stats = sync_weights(models, mesh, engine, args.bucket_mb)  # leave the engine correct
     result = {
         "model_params": num_params[0],

@@ -67,7 +67,7 @@ class Workload:
     rollout_max_tokens: int
     # weight sync, one row per size
     sync_models: list[ModelShape]
-    sync_bucket_mb: int
+    sync_bucket_mb: int  # 0: parallel.reshard's automatic size
     sync_repeats: int
     # actor update: `train_steps` timed steps after one warm-up step
     train_model: ModelShape
@@ -128,7 +128,7 @@ def workload_for(mode: str, gpu_memory_gib: float = 80.0) -> Workload:
             mode=mode, dtype="float32",
             rollout_model=CPU_25M, rollout_prompts=32, rollout_prompt_len=32, rollout_n=4,
             rollout_max_tokens=64,
-            sync_models=[CPU_5M, CPU_25M, CPU_60M], sync_bucket_mb=64, sync_repeats=3,
+            sync_models=[CPU_5M, CPU_25M, CPU_60M], sync_bucket_mb=0, sync_repeats=3,
             train_model=CPU_25M, train_micro_batches=2, train_micro_batch_size=4,
             train_seq_len=128, train_steps=3,
             grpo_steps=4, matmul_size=2048, sync_layouts=["tp", "pp"],

@@ -2,9 +2,10 @@
 
 Public API (stable):
 
-    iter_inference_buckets(models, mesh, bucket_mb=64) -> Iterator[list[(hf_name, tensor)]]
+    iter_inference_buckets(models, mesh, bucket_mb=0) -> Iterator[list[(hf_name, tensor)]]
         Collective: every rank of the job iterates it to the end and gets every bucket.
-    sync_weights(models, mesh, engine, bucket_mb=64) -> SyncStats
+        bucket_mb <= 0: AUTO_BUCKET_MB, i.e. a small model travels as one bucket per stage.
+    sync_weights(models, mesh, engine, bucket_mb=0) -> SyncStats
         Streams the buckets into `engine.load_weights(list)` (any object with that method).
     SyncStats(bytes, seconds, gbps, num_buckets)
 
@@ -24,7 +25,8 @@ from one call's tensors only. For a bucket of stage s:
    with `parallel.convert.megatron_to_hf`.
 
 A rank holds at most about two buckets beyond its own shards and its engine (the gather buffer
-and the flat full buffer, released when the next bucket starts); never the whole model.
+and the flat full buffer, released when the next bucket starts); never the whole model. Without
+TP and PP nothing travels: the buckets are views of the parameters themselves (the engine copies).
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ import torch.distributed as dist
 from parallel.convert.mapping import ParamMapping, megatron_to_hf, param_mappings
 from parallel.cpu_compat import device
 from parallel.mesh import Mesh
+
+# The default bucket cap. Every bucket costs the engine one load call (vLLM: an RPC, a prefix
+# cache reset), so fewer buckets are faster; a rank holds about two buckets beyond its shards, so
+# the cap bounds that memory for large models (a 7B model in bf16 is about 28 buckets).
+AUTO_BUCKET_MB = 512
 
 
 class WeightConsumer(Protocol):
@@ -152,12 +159,13 @@ def _gather_full(bucket: _Bucket, by_name: dict[str, ParamMapping], mesh: Mesh) 
 
 @torch.no_grad()
 def iter_inference_buckets(
-    models: Sequence[torch.nn.Module], mesh: Mesh, bucket_mb: float = 64
+    models: Sequence[torch.nn.Module], mesh: Mesh, bucket_mb: float = 0
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Every rank gets every bucket of full HF tensors (module docstring); collective.
 
     Tensors are on `cpu_compat.device()` in the model's dtype; each bucket's tensors share one
-    buffer, freed when the caller drops them.
+    buffer, freed when the caller drops them (at TP1 x PP1: views of the parameters; copy them
+    before the next optimizer step if they must be kept).
     """
     chunks = [_unwrap(chunk) for chunk in models]
     hf_config: Any = chunks[0].hf_config
@@ -169,8 +177,19 @@ def iter_inference_buckets(
         _Entry(m.global_name, tuple(m.param.shape), m.partition_dim, m.param.dtype)
         for m in mappings
     ]
-    bucket_bytes = max(1, int(bucket_mb * 2**20))
+    bucket_bytes = max(1, int((bucket_mb if bucket_mb > 0 else AUTO_BUCKET_MB) * 2**20))
     for bucket in _plan(mesh, entries, bucket_bytes):
+        if mesh.pp == 1 and all(e.partition_dim is None or mesh.tp == 1 for e in bucket.entries):
+            # Nothing to gather or send: the parameters themselves (views, no copy; every
+            # engine copies what it loads), which saves one pass over the model's bytes.
+            yield [
+                item
+                for e in bucket.entries
+                for item in megatron_to_hf(
+                    hf_config, mesh.tp, e.global_name, by_name[e.global_name].param.detach()
+                )
+            ]
+            continue
         if bucket.stage == mesh.pp_rank:
             flat = _gather_full(bucket, by_name, mesh)
         else:
@@ -190,7 +209,7 @@ def iter_inference_buckets(
 
 
 def sync_weights(
-    models: Sequence[torch.nn.Module], mesh: Mesh, engine: WeightConsumer, bucket_mb: float = 64
+    models: Sequence[torch.nn.Module], mesh: Mesh, engine: WeightConsumer, bucket_mb: float = 0
 ) -> SyncStats:
     """Stream the model into `engine.load_weights`, one bucket per call (collective)."""
     start = time.perf_counter()

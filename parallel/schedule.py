@@ -24,10 +24,17 @@ mb * dp / N.
 Micro-batch dict keys: ``input_ids [mb, S]`` (int64, right-padded so plain causal attention
 is correct), ``attention_mask [mb, S]`` (1 on real tokens), optional ``position_ids [mb, S]``
 (default ``arange(S)``), and any further tensors ``loss_fn`` needs (passed through untouched).
-Pipeline point-to-point communication needs one ``[S, mb, hidden]`` shape for the whole call:
-shorter micro-batches are right-padded to the longest ``S`` for the model and the outputs are
-cut back to each micro-batch's own length before ``loss_fn`` sees them; with pipeline
-parallelism all micro-batches must also have the same ``mb``.
+Without pipeline parallelism every micro-batch runs at its own ``S`` (``micro_batches`` trims
+each to its longest row, and a token budget groups rows of similar length), so padding costs
+little. Pipeline point-to-point communication needs one ``[S, mb, hidden]`` shape for the whole
+call: there shorter micro-batches are right-padded to the longest ``S`` for the model and the
+outputs are cut back to each micro-batch's own length before ``loss_fn`` sees them, and all
+micro-batches must have the same ``mb``. Under sequence parallelism ``S`` is rounded up to a
+multiple of tp.
+
+Packed sequences (megatron-core's ``PackedSeqParams``, THD layout: no padded token computed at
+all) are not used: they need Transformer Engine's attention, which CPU machines lack; sorting by
+length keeps the padded share small instead (see ``benchmarks``).
 """
 
 from __future__ import annotations
@@ -81,7 +88,9 @@ def forward_backward(
         return []
     if loss_fn is None and not forward_only:
         raise ValueError("forward_backward needs a loss_fn unless forward_only=True")
-    padded, lengths = _pad_to_common_length(micro_batches, mesh)
+    # Sequence parallelism splits the sequence over the TP ranks: S must divide by tp.
+    multiple = mesh.tp if getattr(get_model_config(models[0]), "sequence_parallel", False) else 1
+    padded, lengths = _pad_to_common_length(micro_batches, mesh, multiple)
     seq_len, mb = padded[0]["input_ids"].shape[1], padded[0]["input_ids"].shape[0]
     originals: list[dict[str, torch.Tensor] | None] = list(micro_batches)
     if len(models) > 1:
@@ -145,46 +154,117 @@ def forward_log_probs(
     attention_mask: torch.Tensor,
     micro_batch_size: int,
     temperature: float = 1.0,
+    max_tokens: int = 0,
 ) -> torch.Tensor:
     """Log-probs ``[b, S-1]`` of ``input_ids[:, 1:]`` (float32, on every model-parallel rank).
 
     ``input_ids`` / ``attention_mask`` are ``[b, S]``, right-padded. Positions whose label is
-    padding hold meaningless values; mask them with ``attention_mask[:, 1:]``.
+    padding hold meaningless values; mask them with ``attention_mask[:, 1:]``. ``max_tokens``
+    > 0 cuts micro-batches by a token budget instead of ``micro_batch_size`` (``micro_batches``).
     """
-    batch = input_ids.shape[0]
+    batch, seq_len = input_ids.shape
+    rows = torch.arange(batch)
     chunks = micro_batches(
-        {"input_ids": input_ids, "attention_mask": attention_mask},
+        {"input_ids": input_ids, "attention_mask": attention_mask, ROW_KEY: rows},
         micro_batch_size,
         equal_sizes=mesh.pp > 1,
+        max_tokens=max_tokens,
     )
     results = forward_backward(
         models, mesh, chunks, None, forward_only=True, temperature=temperature
     )
-    return torch.cat([r["log_probs"] for r in results])[:batch]
+    out = torch.zeros((batch, seq_len - 1), dtype=torch.float32, device=device())
+    for chunk, result in zip(chunks, results, strict=True):
+        log_probs = result["log_probs"]
+        # Filler rows of an equal-size last micro-batch repeat a real row: writing it twice is
+        # harmless (same input, same values).
+        out[chunk[ROW_KEY].to(out.device), : log_probs.shape[1]] = log_probs
+    return out
+
+
+# Original row numbers, carried through ``micro_batches`` so per-row outputs can be put back.
+ROW_KEY = "row_index"
 
 
 def micro_batches(
-    tensors: dict[str, torch.Tensor], micro_batch_size: int, equal_sizes: bool = False
+    tensors: dict[str, torch.Tensor],
+    micro_batch_size: int,
+    equal_sizes: bool = False,
+    max_tokens: int = 0,
 ) -> list[dict[str, torch.Tensor]]:
-    """Split a batch of ``[B, ...]`` tensors along dim 0; every micro-batch keeps the same ``S``.
+    """Split a batch of ``[B, ...]`` tensors along dim 0 into micro-batches.
 
-    ``equal_sizes`` (pipeline parallelism: its stages exchange fixed-shape activations) fills a
-    short last micro-batch with copies of its first row; when the batch has a
-    ``response_mask`` the copies get a zero mask, so every loss and metric ignores them (callers
-    that read outputs per row cut them off at the batch size).
+    Fixed size (``max_tokens == 0``): runs of ``micro_batch_size`` rows in order. Token budget
+    (``max_tokens > 0``): rows sorted by length (``attention_mask``'s row sums, longest first)
+    and packed greedily so that rows x the micro-batch's longest row stays within
+    ``max_tokens`` (a single longer row gets a micro-batch of its own); similar lengths end up
+    together, so little padding is computed. Row order changes: carry ``ROW_KEY`` (original row
+    numbers) when outputs must be put back per row.
+
+    Without ``equal_sizes`` every micro-batch is trimmed to its own longest sequence: the
+    ``[mb, S]`` tensors (``S`` = ``input_ids``' width) to the longest ``attention_mask`` row and,
+    when the batch has a ``response_mask [B, R]``, the ``[mb, R]`` tensors to its longest row.
+    Right padding + causal attention make the trim exact. Response-aligned tensors must index
+    positions below each row's own length (``response_index`` does).
+
+    ``equal_sizes`` (pipeline parallelism: its stages exchange fixed-shape activations) keeps the
+    batch-wide ``S`` and ``R`` and gives every micro-batch the same number of rows: the token
+    budget becomes ``max(1, max_tokens // S)`` rows, and a short last micro-batch is filled with
+    copies of its first row; when the batch has a ``response_mask`` the copies get a zero mask,
+    so every loss and metric ignores them (callers that read outputs per row cut them off at the
+    batch size or use ``ROW_KEY``).
     """
     batch = next(iter(tensors.values())).shape[0]
-    parts = [
-        {k: v[start : start + micro_batch_size] for k, v in tensors.items()}
-        for start in range(0, batch, micro_batch_size)
-    ]
-    missing = micro_batch_size - batch % micro_batch_size if batch % micro_batch_size else 0
-    if equal_sizes and missing > 0:
-        filler = {k: v[:1].expand(missing, *v.shape[1:]) for k, v in parts[-1].items()}
-        if "response_mask" in filler:
-            filler["response_mask"] = torch.zeros_like(filler["response_mask"])
-        parts[-1] = {k: torch.cat([v, filler[k]]) for k, v in parts[-1].items()}
-    return parts
+    if max_tokens > 0 and equal_sizes:
+        micro_batch_size = max(1, max_tokens // tensors["input_ids"].shape[1])
+    if max_tokens > 0 and not equal_sizes:
+        groups = _token_budget_groups(tensors["attention_mask"].sum(dim=1).tolist(), max_tokens)
+    else:
+        groups = [
+            list(range(s, min(s + micro_batch_size, batch)))
+            for s in range(0, batch, micro_batch_size)
+        ]
+    parts = []
+    for rows in groups:
+        contiguous = rows == list(range(rows[0], rows[-1] + 1))
+        index = slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows)
+        parts.append({k: v[index] for k, v in tensors.items()})
+    if equal_sizes:
+        missing = micro_batch_size - len(groups[-1])
+        if missing > 0:
+            filler = {k: v[:1].expand(missing, *v.shape[1:]) for k, v in parts[-1].items()}
+            if "response_mask" in filler:
+                filler["response_mask"] = torch.zeros_like(filler["response_mask"])
+            parts[-1] = {k: torch.cat([v, filler[k]]) for k, v in parts[-1].items()}
+        return parts
+    return [_trim(part, tensors) for part in parts]
+
+
+def _token_budget_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Row numbers per micro-batch: longest first, greedy within ``rows x longest <= budget``."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    for i in order:
+        # Sorted longest first, so a group's first row is its longest.
+        if groups and (len(groups[-1]) + 1) * max(1, lengths[groups[-1][0]]) <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _trim(part: dict[str, torch.Tensor], full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``part`` cut to its own longest sequence and longest response (see ``micro_batches``)."""
+    seq_len = full["input_ids"].shape[1]
+    seq_keep = max(1, int(part["attention_mask"].sum(dim=1).max()))
+    widths = {seq_len: seq_keep}
+    if "response_mask" in full and full["response_mask"].shape[1] != seq_len:
+        resp_len = full["response_mask"].shape[1]
+        widths[resp_len] = max(1, int((part["response_mask"] > 0).sum(dim=1).max()))
+    return {
+        k: v[:, : widths[v.shape[1]]] if v.dim() >= 2 and v.shape[1] in widths else v
+        for k, v in part.items()
+    }
 
 
 def _unpadded_vocab_size(model: torch.nn.Module) -> int | None:
@@ -192,16 +272,19 @@ def _unpadded_vocab_size(model: torch.nn.Module) -> int | None:
 
 
 def _pad_to_common_length(
-    micro_batches: list[dict[str, torch.Tensor]], mesh: Mesh
+    micro_batches: list[dict[str, torch.Tensor]], mesh: Mesh, multiple: int = 1
 ) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
-    """Model inputs right-padded to the longest S of the call, on ``device()``; original S."""
+    """Model inputs on ``device()``, right-padded to the longest S of the call under pipeline
+    parallelism (else each keeps its own S), rounded up to a multiple of ``multiple``; and the
+    original S of each."""
     lengths = [mb["input_ids"].shape[1] for mb in micro_batches]
     sizes = {mb["input_ids"].shape[0] for mb in micro_batches}
     if mesh.pp > 1 and len(sizes) > 1:
         raise ValueError(
             f"pipeline parallelism (pp={mesh.pp}) needs equal micro-batch sizes, got {sorted(sizes)}"
         )
-    target = max(lengths)
+    # Without pipeline parallelism nothing exchanges activations: each micro-batch keeps its own S.
+    common = max(lengths) if mesh.pp > 1 else 0
     padded = []
     for mb, length in zip(micro_batches, lengths, strict=True):
         ids = mb["input_ids"].to(device())
@@ -213,6 +296,7 @@ def _pad_to_common_length(
             "attention_mask": mb["attention_mask"].to(device()),
             "position_ids": position_ids.to(device()),
         }
+        target = -(-max(common, length) // multiple) * multiple
         if length < target:
             extra = target - length
             inputs["input_ids"] = torch.nn.functional.pad(inputs["input_ids"], (0, extra))

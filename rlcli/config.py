@@ -78,7 +78,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     kv_cache_gb: float = 1.0  # CPU only: resident KV cache per engine
     enforce_eager: bool = True
-    sync_bucket_mb: int = 64
+    sync_bucket_mb: int = 0  # 0: parallel.reshard.AUTO_BUCKET_MB (small models: one bucket)
     sleep_level: int = 1  # GPU vLLM: 1 offloads weights to host, 2 discards them (sync on wake)
     # vLLM start weights: dummy (no checkpoint read; the trainer syncs from Megatron right after
     # the engine starts, which also proves the sync path) | auto (read model.path)
@@ -106,6 +106,15 @@ class ActorConfig:
     ppo_epochs: int = 1
     ppo_mini_batch_size: Optional[int] = None  # prompts per optimizer step; None: the whole batch
     micro_batch_size: int = 8  # sequences per forward/backward
+    # Token budgets (0: fixed micro_batch_size): micro-batches of similar lengths whose padded size
+    # (rows x longest row) stays within the budget; the no-grad passes (old log-probs, reference)
+    # use max_tokens_per_forward (0: the training setting).
+    max_tokens_per_micro_batch: int = 0
+    max_tokens_per_forward: int = 0
+    # old log-probs of the PPO ratio: "actor" recomputes them (skipped when the update is
+    # on-policy: one epoch, one mini-batch, no KL in the reward); "engine" takes the rollout
+    # engine's sampled-token log-probs (rollout/logprob_diff_* still logged)
+    old_log_prob_source: str = "actor"
     policy_loss: str = "vanilla"  # see algorithms.get_policy_loss
     loss_agg_mode: str = "token-mean"
     clip_ratio_low: float = 0.2

@@ -65,7 +65,6 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
         "rollout.n": cfg.rollout.n,
         "rollout.tp": cfg.rollout.tp,
         "rollout.max_tokens": cfg.rollout.max_tokens,
-        "rollout.sync_bucket_mb": cfg.rollout.sync_bucket_mb,
         "actor.micro_batch_size": cfg.actor.micro_batch_size,
         "actor.ppo_epochs": cfg.actor.ppo_epochs,
         "actor.recompute_num_layers": cfg.actor.recompute_num_layers,
@@ -79,6 +78,17 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
     for key, value in positive.items():
         if value < 1:
             raise UserError(f"{key} must be >= 1, got {value}")
+    if cfg.rollout.sync_bucket_mb < 0:
+        raise UserError(
+            f"rollout.sync_bucket_mb must be >= 0 (0: automatic), got {cfg.rollout.sync_bucket_mb}"
+        )
+    for key in ("max_tokens_per_micro_batch", "max_tokens_per_forward"):
+        if getattr(cfg.actor, key) < 0:
+            raise UserError(
+                f"actor.{key} must be >= 0 (0: micro_batch_size rows), got "
+                f"{getattr(cfg.actor, key)}"
+            )
+    _choice("actor.old_log_prob_source", cfg.actor.old_log_prob_source, ["actor", "engine"])
     _check_schedules(cfg)
     if cfg.rollout.temperature < 0:
         raise UserError(f"rollout.temperature must be >= 0, got {cfg.rollout.temperature}")

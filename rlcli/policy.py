@@ -96,9 +96,14 @@ class MegatronPolicy:
 
     @torch.no_grad()
     def log_probs(
-        self, batch: dict[str, torch.Tensor], micro_batch_size: int, temperature: float = 1.0
+        self,
+        batch: dict[str, torch.Tensor],
+        micro_batch_size: int,
+        temperature: float = 1.0,
+        max_tokens: int = 0,
     ) -> torch.Tensor:
-        """Log-probs ``[B, R]`` of the response tokens under the current weights."""
+        """Log-probs ``[B, R]`` of the response tokens under the current weights; ``max_tokens``
+        > 0 cuts the forward micro-batches by a token budget (``parallel.schedule``)."""
         per_position = forward_log_probs(
             self.models,
             self.mesh,
@@ -106,6 +111,7 @@ class MegatronPolicy:
             batch["attention_mask"],
             micro_batch_size,
             temperature,
+            max_tokens=max_tokens,
         )
         return response_values(per_position.cpu(), batch["response_index"])
 
@@ -116,9 +122,11 @@ class MegatronPolicy:
         loss_fn: LossFn,
         temperature: float = 1.0,
         compute_entropy: bool = False,
+        max_tokens: int = 0,
     ) -> dict[str, Any]:
         """One optimizer step over ``batch`` cut into micro-batches (gradients summed over
-        micro-batches, averaged over DP)."""
+        micro-batches, averaged over DP): ``micro_batch_size`` rows each, or by a token budget
+        when ``max_tokens`` > 0 (``parallel.schedule.micro_batches``)."""
         from parallel.optim import train_step
 
         result = train_step(
@@ -126,7 +134,9 @@ class MegatronPolicy:
             self.mesh,
             self.optimizer,
             self.scheduler,
-            micro_batches(batch, micro_batch_size, equal_sizes=self.mesh.pp > 1),
+            micro_batches(
+                batch, micro_batch_size, equal_sizes=self.mesh.pp > 1, max_tokens=max_tokens
+            ),
             loss_fn,
             temperature=temperature,
             compute_entropy=compute_entropy,

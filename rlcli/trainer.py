@@ -19,9 +19,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-import algorithms
 from parallel.mesh import Mesh
-from rlcli.actor_update import update_actor
+from rlcli.actor_update import (
+    kl_metric_kind,
+    logprob_agreement,
+    logprob_metrics,
+    old_log_probs_from_update,
+    update_actor,
+)
 from rlcli.advantages import KLController, compute_advantages
 from rlcli.batch import collate, take_dp_share
 from rlcli.config import RLConfig
@@ -192,6 +197,8 @@ def rl_step(t: Trainer) -> dict[str, float]:
     """One training step: each phase one call, timed, named after what it does."""
     cfg, timer = t.cfg, Timer()
     mbs, temperature = cfg.actor.micro_batch_size, cfg.rollout.temperature or 1.0
+    # The no-grad passes: their own token budget, else the training one.
+    forward_tokens = cfg.actor.max_tokens_per_forward or cfg.actor.max_tokens_per_micro_batch
     moved = {"offload": 0, "onload": 0}
     with timer("step"):
         with timer("offload"):  # the engine generates in the device memory the actor frees
@@ -212,12 +219,17 @@ def rl_step(t: Trainer) -> dict[str, float]:
             batch = collate(mine, t.tokenizer.pad_token_id)
         with timer("onload"):
             moved["onload"] += t.actor.onload(params=True).bytes
-        with timer("old_log_prob"):
-            batch["old_log_probs"] = t.actor.log_probs(batch, mbs, temperature)
+        if cfg.actor.old_log_prob_source == "engine":
+            batch["old_log_probs"] = batch["engine_logprobs"]
+        elif not old_log_probs_from_update(cfg):  # else: the update forward's own, detached
+            with timer("old_log_prob"):
+                batch["old_log_probs"] = t.actor.log_probs(batch, mbs, temperature, forward_tokens)
         if t.reference is not None:
             with timer("ref"):
                 t.reference.onload(params=True)
-                batch["ref_log_probs"] = t.reference.log_probs(batch, mbs, temperature)
+                batch["ref_log_probs"] = t.reference.log_probs(
+                    batch, mbs, temperature, forward_tokens
+                )
                 if cfg.ref.offload:
                     t.reference.offload(params=True)
         if t.critic is not None:
@@ -329,26 +341,19 @@ def sync_rollout_weights(t: Trainer) -> dict[str, float]:
 
 
 def batch_metrics(batch: dict[str, torch.Tensor], t: Trainer) -> dict[str, float]:
-    """Whole-batch metrics from this rank's share: trainer-vs-engine log-prob agreement on the
-    sampled tokens, KL to the reference and the token count (sums and maxima all-reduced)."""
-    mask = batch["response_mask"].bool()
-    diff = (batch["engine_logprobs"].double() - batch["old_log_probs"].double()).abs()[mask]
-    sums = [diff.sum(), torch.tensor(float(diff.numel()), dtype=torch.float64)]
-    sums.append(batch["attention_mask"].sum().double())
-    if t.reference is not None:
-        cfg = t.cfg
-        kind = cfg.actor.kl_loss_type if cfg.actor.use_kl_loss else cfg.algorithm.kl_penalty
-        kl = algorithms.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], kind)
-        sums += [algorithms.masked_sum(kl, mask).double(), mask.sum().double()]
-    total = t.stats.sum(torch.stack(sums))
-    largest = t.stats.max(diff.max() if diff.numel() else torch.zeros((), dtype=torch.float64))
-    metrics = {
-        "rollout/logprob_diff_mean": (total[0] / total[1]).item() if total[1] > 0 else 0.0,
-        "rollout/logprob_diff_max": largest.item(),
-        "perf/tokens": total[2].item(),
-    }
-    if t.reference is not None:
-        metrics["actor/kl_to_ref"] = (total[3] / (total[4] + 1e-8)).item()
+    """Whole-batch metrics from this rank's share: the token count and, when the old log-probs
+    came from a separate actor pass, trainer-vs-engine log-prob agreement on the sampled tokens
+    and KL to the reference (otherwise the update reported those from its own forward)."""
+    metrics = {"perf/tokens": t.stats.sum(batch["attention_mask"].sum().double()).item()}
+    if t.cfg.actor.old_log_prob_source == "actor" and "old_log_probs" in batch:
+        sums, largest = logprob_agreement(
+            batch["old_log_probs"],
+            batch["engine_logprobs"],
+            batch.get("ref_log_probs"),
+            batch["response_mask"],
+            kl_metric_kind(t.cfg),
+        )
+        metrics.update(logprob_metrics(sums, largest, t.stats, t.reference is not None))
     return metrics
 
 

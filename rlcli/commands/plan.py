@@ -64,6 +64,7 @@ def _model_shape(cfg, model_config: Optional[Path]):
 def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flash_attention: bool):
     """parallel.memory_plan's inputs for a validated RLConfig on `world_size` GPUs."""
     from parallel.memory_plan import PlanInputs, RolloutEngine, TrainedModel
+    from parallel.reshard import AUTO_BUCKET_MB
     from rlcli.config_validation import derive_dp, validate
 
     validate(cfg, world_size=world_size)
@@ -108,7 +109,7 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
         max_model_len=cfg.rollout.max_model_len or seq_len,
         sequences=-(-sequences // engines),
         dtype=cfg.model.dtype,
-        sync_bucket_bytes=cfg.rollout.sync_bucket_mb * 1024**2,
+        sync_bucket_bytes=(cfg.rollout.sync_bucket_mb or AUTO_BUCKET_MB) * 1024**2,
     )
     critic = None
     if cfg.algorithm.adv_estimator == "gae":  # PPO: a critic with the actor's layout

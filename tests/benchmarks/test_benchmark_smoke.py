@@ -87,7 +87,7 @@ def test_smoke_benchmark_writes_json_markdown_and_chart(tmp_path):
     assert [row["model"] for row in sync] == [shape.name for shape in workload.sync_models]
     for row, shape in zip(sync, workload.sync_models, strict=True):
         assert row["bytes"] == 4 * shape.num_params()  # fp32, every HF tensor once
-        for path in ("reshard", "naive", "memcpy"):
+        for path in ("reshard", "naive", "memcpy", "engine_reload"):
             assert row[path]["gbps"] == pytest.approx(row["bytes"] / row[path]["seconds"] / 1e9)
 
     train = results["train"]
@@ -102,10 +102,21 @@ def test_smoke_benchmark_writes_json_markdown_and_chart(tmp_path):
             6 * train["params"] * train[key]["tokens_per_s"]
         )
         assert train[key]["mfu"] is None  # no data-sheet peak for a CPU
+    mixed = train["mixed_lengths"]
+    for key in ("fixed", "token_budget"):
+        run = mixed[key]
+        assert run["computed_tokens"] >= mixed["real_tokens"]
+        assert run["padded_fraction"] == pytest.approx(
+            1 - mixed["real_tokens"] / run["computed_tokens"]
+        )
+    # Sorting by length never pads more than cutting in order.
+    assert mixed["token_budget"]["padded_fraction"] <= mixed["fixed"]["padded_fraction"]
 
     grpo = results["grpo"]
     assert grpo["steps"] == workload.grpo_steps
-    assert {"gen", "reward", "old_log_prob", "update", "sync", "other"} <= set(grpo["phases"])
+    assert {"gen", "reward", "update", "sync", "other"} <= set(grpo["phases"])
+    assert "old_log_prob" not in grpo["phases"]  # on-policy: the update's forward gives them
+    assert len(grpo["plain_loop"]["step_seconds"]) == grpo["steps"] - 1
     assert set(grpo["phases"]) <= set(PHASE_LABELS)
     # Phases partition the step: a phase counted twice (nested timers) would exceed 100%.
     assert sum(p["share"] for p in grpo["phases"].values()) == pytest.approx(1.0)

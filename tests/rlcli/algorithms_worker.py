@@ -37,6 +37,17 @@ VARIANTS = {
     ],
     "kl_loss": ["actor.use_kl_loss=true", "actor.kl_loss_coef=0.1", "actor.entropy_coeff=0.01"],
     "kl_in_reward": ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive"],
+    # Throughput settings: an on-policy update (one mini-batch: no old-log-prob pass), the
+    # engine's log-probs as old log-probs, a token budget with two PPO epochs (so the separate
+    # old-log-prob pass runs with its own forward budget).
+    "on_policy": ["actor.ppo_mini_batch_size=4"],
+    "engine_old_log_probs": ["actor.old_log_prob_source=engine"],
+    "token_budget_two_epochs": [
+        "actor.ppo_mini_batch_size=4",
+        "actor.ppo_epochs=2",
+        "actor.max_tokens_per_micro_batch=64",
+        "actor.max_tokens_per_forward=128",
+    ],
 }
 
 

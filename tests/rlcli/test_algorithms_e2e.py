@@ -48,3 +48,11 @@ def test_every_algorithm_runs_a_training_step(tmp_path):
     assert "reward_kl_penalty" in results["kl_in_reward"]
     assert "dapo/kept_groups_ratio" in results["dapo"] and "dapo/gen_batches" in results["dapo"]
     assert results["dapo"]["dapo/gen_batches"] >= 1
+    # The old-log-prob pass runs only when the update is not on-policy (two epochs here); the
+    # engine's log-probs as old log-probs still log the mismatch (from the update's forward).
+    assert "timing/old_log_prob" in results["grpo"]  # two mini-batches
+    assert "timing/old_log_prob" not in results["on_policy"]
+    assert "timing/old_log_prob" not in results["engine_old_log_probs"]
+    assert "rollout/logprob_diff_mean" in results["engine_old_log_probs"]
+    assert "timing/old_log_prob" in results["token_budget_two_epochs"]
+    assert results["token_budget_two_epochs"]["actor/optimizer_steps"] == 2.0

@@ -19,7 +19,9 @@ class RecordingPolicy:
         self.steps: list[list[int]] = []
         self.refuse = refuse  # optimizer steps that report skipped=True
 
-    def train_step(self, batch, micro_batch_size, loss_fn, temperature=1.0, compute_entropy=False):
+    def train_step(
+        self, batch, micro_batch_size, loss_fn, temperature=1.0, compute_entropy=False, max_tokens=0
+    ):
         groups = batch["group_index"].tolist()
         skipped = len(self.steps) in self.refuse
         self.steps.append(groups)
