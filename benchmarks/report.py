@@ -23,8 +23,6 @@ PHASE_LABELS = {
     "adv": "advantages",
     "update": "actor update",
     "sync": "weight sync",
-    "offload": "actor offload",
-    "onload": "actor onload",
     "other": "other",
 }
 

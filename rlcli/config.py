@@ -17,11 +17,12 @@ from omegaconf import OmegaConf
 @dataclass
 class DataConfig:
     train_files: list[str] = field(default_factory=list)  # JSONL / Parquet, verl's schema
+    # held-out prompts for val/reward/accuracy (same schema)
     val_files: list[str] = field(default_factory=list)
-    prompt_key: str = "prompt"
+    prompt_key: str = "prompt"  # the row key holding the chat messages
     max_prompt_length: int = 256  # longer prompts are dropped (and counted)
     train_batch_size: int = 8  # prompts per step (each sampled rollout.n times)
-    shuffle: bool = True
+    shuffle: bool = True  # reshuffle the training prompts every epoch
     apply_chat_template: Optional[bool] = None  # None: when the tokenizer has a chat template
     synthetic: Optional[str] = None  # "arith": write the quickstart task under trainer.output_dir
 
@@ -60,6 +61,7 @@ class ParallelConfig:
     vpp: Optional[int] = None  # virtual pipeline stages per rank (interleaved schedule)
     dp: Optional[int] = None  # derived: world_size // (tp * pp); set it only to assert a value
     sequence_parallel: bool = False  # needs Transformer Engine and tp > 1
+    # shard fp32 master weights + Adam state over DP (megatron-core)
     use_distributed_optimizer: bool = False
     timeout_minutes: int = 30  # process-group timeout (long rollouts, large checkpoint gathers)
 
@@ -69,22 +71,22 @@ class RolloutConfig:
     engine: str = "vllm"  # vllm | hf
     tp: int = 1  # inference tensor parallel size, independent of parallel.tp / parallel.pp
     n: int = 8  # samples per prompt
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    temperature: float = 1.0  # sampling temperature (the trainer's log-probs use the same)
+    top_p: float = 1.0  # nucleus sampling (1.0: off)
+    top_k: int = -1  # top-k sampling (-1: off)
     max_tokens: int = 64  # max new tokens per response
     stop_token_ids: list[int] = field(default_factory=list)  # EOS is always a stop token
     max_model_len: Optional[int] = None  # default: data.max_prompt_length + rollout.max_tokens
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = 0.5  # GPU: share of memory vLLM takes for weights + KV cache
     kv_cache_gb: float = 1.0  # CPU only: resident KV cache per engine
-    enforce_eager: bool = True
+    enforce_eager: bool = True  # GPU: no CUDA graphs (faster start, slower decoding)
     sync_bucket_mb: int = 0  # 0: parallel.reshard.AUTO_BUCKET_MB (small models: one bucket)
     sleep_level: int = 1  # GPU vLLM: 1 offloads weights to host, 2 discards them (sync on wake)
     # vLLM start weights: dummy (no checkpoint read; the trainer syncs from Megatron right after
     # the engine starts, which also proves the sync path) | auto (read model.path)
     load_format: str = "dummy"
     val_temperature: float = 0.0  # greedy validation
-    val_n: int = 1
+    val_n: int = 1  # samples per held-out prompt
     # Trainer-vs-engine agreement on the sampled tokens' log-probs (a broken weight sync shows
     # here): largest allowed MEAN |difference| per token (typically ~1e-7 in fp32 on CPU, ~0.01
     # in bf16; unsynced weights give whole nats), and what to do beyond it: warn | stop (exit 2).
@@ -94,16 +96,16 @@ class RolloutConfig:
 
 @dataclass
 class ActorConfig:
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    lr_warmup_steps: int = 0
+    lr: float = 1e-6  # peak learning rate
+    min_lr: float = 0.0  # floor of the linear / cosine decay
+    lr_warmup_steps: int = 0  # linear warmup from 0 (steps)
     lr_decay_style: str = "constant"  # constant | linear | cosine
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0
-    ppo_epochs: int = 1
+    weight_decay: float = 0.0  # AdamW weight decay
+    adam_beta1: float = 0.9  # AdamW beta1
+    adam_beta2: float = 0.999  # AdamW beta2
+    adam_eps: float = 1e-8  # AdamW epsilon
+    grad_clip: float = 1.0  # max global grad norm (0: off)
+    ppo_epochs: int = 1  # passes over each batch
     ppo_mini_batch_size: Optional[int] = None  # prompts per optimizer step; None: the whole batch
     micro_batch_size: int = 8  # sequences per forward/backward
     # Token budgets (0: fixed micro_batch_size): micro-batches of similar lengths whose padded size
@@ -116,14 +118,15 @@ class ActorConfig:
     # engine's sampled-token log-probs (rollout/logprob_diff_* still logged)
     old_log_prob_source: str = "actor"
     policy_loss: str = "vanilla"  # see algorithms.get_policy_loss
+    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     loss_agg_mode: str = "token-mean"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
+    clip_ratio_low: float = 0.2  # PPO clip below 1 (ratio >= 1 - low)
+    clip_ratio_high: float = 0.2  # PPO clip above 1; DAPO's clip-higher: 0.28
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    entropy_coeff: float = 0.0  # entropy bonus (0: entropy not computed)
+    use_kl_loss: bool = False  # KL to the reference as a loss term (GRPO style)
+    kl_loss_coef: float = 0.001  # weight of that KL loss
+    kl_loss_type: str = "low_var_kl"  # k1 | abs | k2 | k3 / low_var_kl (+ suffix: straight-through)
     # Memory (see `rlcli plan`): move state to pinned host memory while vLLM generates
     offload_params: bool = False  # weights: back before the log-prob forward
     offload_grads: bool = False  # gradient buffers: back (zeroed) before the update
@@ -163,34 +166,34 @@ class CriticConfig:
 @dataclass
 class KLControlConfig:
     type: str = "fixed"  # fixed | adaptive
-    kl_coef: float = 0.001
-    target_kl: float = 0.1
-    horizon: int = 10000
+    kl_coef: float = 0.001  # (initial) KL coefficient
+    target_kl: float = 0.1  # adaptive: KL the coefficient steers to
+    horizon: int = 10000  # adaptive: samples over which it adapts
 
 
 @dataclass
 class DynamicSamplingConfig:
     enabled: bool = False  # DAPO: keep only groups whose metric varies, re-sample to fill
-    metric: str = "score"
+    metric: str = "score"  # what must vary within a group to keep it (score | acc)
     max_gen_batches: int = 4  # sampling rounds per step before training on what was kept
 
 
 @dataclass
 class OverlongConfig:
     enabled: bool = False  # DAPO: soft penalty inside a buffer before rollout.max_tokens
-    buffer_len: int = 16
-    penalty_factor: float = 1.0
+    buffer_len: int = 16  # tokens before rollout.max_tokens where the penalty starts
+    penalty_factor: float = 1.0  # penalty at rollout.max_tokens
 
 
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"  # see algorithms.get_advantage_estimator
-    gamma: float = 1.0
-    lam: float = 1.0
+    gamma: float = 1.0  # discount (gae, reinforce_plus_plus)
+    lam: float = 1.0  # GAE lambda
     norm_adv_by_std: bool = True  # False: Dr.GRPO
-    epsilon: float = 1e-6
-    use_kl_in_reward: bool = False
-    kl_penalty: str = "kl"
+    epsilon: float = 1e-6  # added to the group std (grpo)
+    use_kl_in_reward: bool = False  # fold KL to the reference into the token rewards (PPO style)
+    kl_penalty: str = "kl"  # KL estimator for use_kl_in_reward (kl, abs, mse, low_var_kl, ...)
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
@@ -201,9 +204,10 @@ class RewardConfig:
     fn: Optional[str] = (
         None  # registered name, module:function or file.py:function; None: by data_source
     )
+    # extra keyword arguments for the reward function
     kwargs: dict[str, Any] = field(default_factory=dict)
-    timeout_s: float = 10.0
-    num_workers: int = 1
+    timeout_s: float = 10.0  # per-call limit for user reward functions (a timeout scores 0)
+    num_workers: int = 1  # worker processes for user reward functions
     # Stop the run (with the reward's own error) when more than this fraction of a step's
     # samples fail to score (raise, time out or return a non-number).
     max_failure_rate: float = 0.5
@@ -213,21 +217,22 @@ class RewardConfig:
 class SFTConfig:
     train_files: list[str] = field(default_factory=list)  # JSONL {"prompt", "response"} pairs
     steps: int = 0  # supervised warm-start steps before RL (0: none)
-    lr: float = 1e-3
-    batch_size: int = 64
-    micro_batch_size: int = 64
-    lr_warmup_steps: int = 0
+    lr: float = 1e-3  # warm-start learning rate
+    batch_size: int = 64  # pairs per SFT step
+    micro_batch_size: int = 64  # pairs per forward/backward
+    lr_warmup_steps: int = 0  # warm-start warmup steps
 
 
 @dataclass
 class TrainerConfig:
     total_steps: Optional[int] = None  # None: total_epochs over the training data
-    total_epochs: int = 1
-    seed: int = 1
+    total_epochs: int = 1  # used when total_steps is None
+    seed: int = 1  # data order, sampling and init
     val_freq: int = 10  # validate every N steps (0: never during training)
-    val_before_train: bool = True
-    project_name: str = "rlcli"
-    experiment_name: str = "default"
+    val_before_train: bool = True  # held-out accuracy at step 0
+    project_name: str = "rlcli"  # W&B project
+    experiment_name: str = "default"  # names the run and its output folder
+    # model, data, checkpoints, metrics.jsonl, tensorboard/
     output_dir: str = "outputs/${trainer.experiment_name}"
     resume: str = "auto"  # auto | none | path to a checkpoint directory
     # Stop (exit 2) after this many consecutive steps with a non-finite loss or gradient (each
@@ -242,14 +247,16 @@ class TrainerConfig:
 
 @dataclass
 class LoggingConfig:
+    # console | tensorboard | jsonl | wandb
     backends: list[str] = field(default_factory=lambda: ["console", "tensorboard", "jsonl"])
 
 
 @dataclass
 class CheckpointConfig:
     save_freq: int = 0  # save every N steps (0: only at the end)
-    keep_last: int = 2
+    keep_last: int = 2  # complete checkpoints kept (older ones pruned)
     dir: Optional[str] = None  # default: <trainer.output_dir>/checkpoints
+    # false: model-only checkpoints (smaller; resume reloads master weights)
     save_optimizer: bool = True
 
 

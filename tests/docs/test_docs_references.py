@@ -15,19 +15,7 @@ SECTIONS = (
 KEY = re.compile(rf"^(?:{SECTIONS})\.[A-Za-z0-9_.*]+$")
 # Keys the docs describe that land with work being merged (reliability, throughput, PPO). When
 # one exists, this test says to drop it here and the docs-check skip marker of its block.
-PENDING_KEYS = {
-    "trainer.max_nonfinite_steps",
-    "reward.max_failure_rate",
-    "rollout.max_logprob_diff",
-    "rollout.logprob_diff_action",
-    "actor.max_tokens_per_micro_batch",
-    "actor.old_log_prob_source",
-    "trainer.critic_warmup",
-    "critic.lr",
-    "critic.cliprange_value",
-    "critic.model_path",
-    "critic.*",
-}
+PENDING_KEYS: set[str] = set()
 # Free-form dictionaries: any sub-key is valid.
 OPEN_PREFIXES = ("reward.kwargs.",)
 
