@@ -24,7 +24,7 @@ import torch
 
 import algorithms
 from parallel.mesh import Mesh
-from parallel.schedule import LossFn, forward_backward, micro_batches
+from parallel.schedule import ROW_KEY, LossFn, forward_backward, micro_batches
 from rlcli.batch import response_values, split_evenly
 from rlcli.config import RLConfig
 from rlcli.dp_stats import DataParallelStats
@@ -51,14 +51,22 @@ class MegatronCritic(MegatronPolicy):
     def forward_values(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
         """Values ``[B, R]`` of the response positions (see the module docstring), float32 on
         the CPU, zero on padding; on every rank of the model-parallel group."""
-        size = batch["input_ids"].shape[0]
+        size, seq_len = batch["input_ids"].shape
         chunks = micro_batches(
-            {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]},
+            {
+                "input_ids": batch["input_ids"],
+                "attention_mask": batch["attention_mask"],
+                ROW_KEY: torch.arange(size),
+            },
             micro_batch_size,
             equal_sizes=self.mesh.pp > 1,
         )
         results = forward_backward(self.models, self.mesh, chunks, None, forward_only=True)
-        per_position = torch.cat([r["values"].cpu() for r in results])[:size]
+        # Micro-batches are trimmed to their own longest row: put each back at its rows.
+        per_position = torch.zeros((size, seq_len), dtype=torch.float32)
+        for chunk, result in zip(chunks, results, strict=True):
+            values = result["values"].float().cpu()
+            per_position[chunk[ROW_KEY], : values.shape[1]] = values
         return response_values(per_position, batch["response_index"]) * batch["response_mask"]
 
     def log_probs(self, *args: Any, **kwargs: Any) -> torch.Tensor:

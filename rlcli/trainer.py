@@ -249,7 +249,7 @@ def rl_step(t: Trainer) -> dict[str, float]:
                 moved["offload"] += t.critic.offload(**actor_offload(cfg)).bytes
         with timer("onload"):
             moved["onload"] += t.actor.onload(grads=True, optimizer=True).bytes
-        if t.step <= cfg.trainer.critic_warmup:  # PPO: the critic learns first, the policy waits
+        if t.critic is not None and t.step <= cfg.trainer.critic_warmup:  # the critic learns first
             metrics["actor/skipped_update"] = 1.0
             if t.engine.needs_weight_sync:  # a level-2 sleep discarded the (unchanged) weights
                 with timer("sync"):
