@@ -213,7 +213,7 @@ def update_actor(
                 if _DIFF_MAX in micro:
                     sums += torch.tensor([micro.pop(k) for k in _AGREEMENT_KEYS], dtype=sums.dtype)
                     largest = torch.maximum(largest, torch.tensor(micro.pop(_DIFF_MAX)).double())
-            history.append(_reduce_step(result))
+            history.append(reduce_step(result))
             skipped += bool(result.get("skipped", False))
     out = {k: sum(h[k] for h in history) / len(history) for k in history[0]} if history else {}
     out["actor/optimizer_steps"] = float(len(history))
@@ -225,13 +225,16 @@ def update_actor(
     return out
 
 
-def _reduce_step(result: dict[str, Any]) -> dict[str, float]:
-    """One optimizer step's metrics: loss terms summed over micro-batches, the rest averaged."""
+def reduce_step(
+    result: dict[str, Any], prefix: str = "actor", summed: tuple[str, ...] = SUMMED_METRICS
+) -> dict[str, float]:
+    """One optimizer step's metrics: loss terms (``summed``) summed over micro-batches, the rest
+    averaged; grad norm and lr under ``prefix``."""
     per_micro: list[dict[str, float]] = result["micro_batch_metrics"]
     out: dict[str, float] = {}
     for key in per_micro[0] if per_micro else []:
         values = [m[key] for m in per_micro if key in m]
-        out[key] = sum(values) if key in SUMMED_METRICS else sum(values) / len(values)
-    out["actor/grad_norm"] = float(result.get("grad_norm") or 0.0)
-    out["actor/lr"] = float(result.get("lr") or 0.0)
+        out[key] = sum(values) if key in summed else sum(values) / len(values)
+    out[f"{prefix}/grad_norm"] = float(result.get("grad_norm") or 0.0)
+    out[f"{prefix}/lr"] = float(result.get("lr") or 0.0)
     return out

@@ -25,6 +25,7 @@ import torch
 import algorithms
 from parallel.mesh import Mesh
 from parallel.schedule import ROW_KEY, LossFn, forward_backward, micro_batches
+from rlcli.actor_update import reduce_step
 from rlcli.batch import response_values, split_evenly
 from rlcli.config import RLConfig
 from rlcli.dp_stats import DataParallelStats
@@ -130,14 +131,8 @@ def update_critic(
 
 
 def _reduce_step(result: dict[str, Any]) -> dict[str, float]:
-    """One optimizer step: the loss summed over micro-batches, the ratios averaged."""
-    per_micro: list[dict[str, float]] = result["micro_batch_metrics"]
-    out: dict[str, float] = {}
-    for key in per_micro[0] if per_micro else []:
-        values = [m[key] for m in per_micro if key in m]
-        out[key] = sum(values) if key == "critic/vf_loss" else sum(values) / len(values)
-    out["critic/grad_norm"] = float(result.get("grad_norm") or 0.0)
-    out["critic/lr"] = float(result.get("lr") or 0.0)
+    """One optimizer step: the value loss summed over micro-batches, the ratios averaged."""
+    out = reduce_step(result, prefix="critic", summed=("critic/vf_loss",))
     out["critic/skipped_steps"] = float(bool(result.get("skipped", False)))
     return out
 
