@@ -159,7 +159,7 @@ def test_interface_detection_and_requeue_trap_run_in_bash(tmp_path):
     env.pop("NCCL_SOCKET_IFNAME", None)
     out = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "NCCL=eth7 GLOO=eth7 ADDR=10.0.0.5" in out.stdout
+    assert "NCCL=eth7 GLOO=eth7 ADDR=node1" in out.stdout
     assert "REQUEUED 77" in out.stdout and "SRUN_DONE" in out.stdout
     # USR1 created the trainer's stop file (it checkpoints and exits 0), requeued only after
     # srun ended, and the file is gone so the requeued job (same id) does not stop at once.
