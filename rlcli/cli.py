@@ -13,7 +13,7 @@ import sys
 import typer
 
 from rlcli.commands import config, convert, data, docs, launch, plan, plot, train
-from rlcli.commands.relaunch import report_user_error_to_parent
+from rlcli.commands.relaunch import report_user_error_to_parent, stop_agent_restarts
 from rlcli.errors import USER_ERROR_EXIT_CODE, UserError
 
 app = typer.Typer(
@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as err:
         if not report_user_error_to_parent(str(err)):
             typer.secho(f"error: {err}", err=True, fg=typer.colors.RED)
+            sys.stderr.flush()
+        stop_agent_restarts()
         sys.exit(USER_ERROR_EXIT_CODE)
 
 

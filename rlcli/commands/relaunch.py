@@ -88,19 +88,19 @@ def run_torchrun(command: list[str]) -> int:
 
 def report_user_error_to_parent(message: str) -> bool:
     """In a rank started by `run_torchrun`: leave `message` for the parent to print and return
-    True. Elsewhere (a single process, or torchrun started by hand or by sbatch): False.
-    Under torchrun with restarts, also asks the agent to end the group (see the module doc)."""
+    True. Elsewhere (a single process, or torchrun started by hand or by sbatch): False, and the
+    caller prints it. Call `stop_agent_restarts` after either: the agent's SIGTERM to its ranks
+    could otherwise kill this one before its message is out."""
     folder = os.environ.get(USER_ERROR_DIR_ENV)
     if folder and under_torchrun() and os.path.isdir(folder):
         rank = os.environ.get("RANK", "0")
         Path(folder, f"rank{int(rank):05d}.txt").write_text(message)
-        _stop_agent_restarts()
         return True
-    _stop_agent_restarts()
     return False
 
 
-def _stop_agent_restarts() -> None:
+def stop_agent_restarts() -> None:
+    """Under torchrun with restarts, ask the agent to end the group (see the module doc)."""
     if not under_torchrun() or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) == 0:
         return
     parent = os.getppid()

@@ -253,6 +253,25 @@ def test_a_user_error_is_not_retried_by_torchrun_restarts(tmp_path):
     assert output.count("building actor") == 1  # one start, no restarts
 
 
+@pytest.mark.dist
+def test_a_user_error_under_torchrun_by_hand_is_printed_and_not_retried(tmp_path):
+    """torchrun started by hand (as sbatch does) with restarts: the rank prints the error itself,
+    then stops its agent. Stopping the agent first let it SIGTERM the rank before the message was
+    out (seen under load: the job failed with no word of why)."""
+    recipe = tmp_path / "broken.yaml"
+    recipe.write_text("nonsense_section:\n  value: 1\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    cmd += ["--max-restarts", "3", "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
+    cmd += ["-m", "rlcli.cli", "train", str(recipe)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    output = out.stdout + out.stderr
+    assert out.returncode != 0, output[-3000:]
+    assert "nonsense_section" in output, output[-3000:]
+    # Two ranks, one attempt: at most one line each (a restart would print more).
+    assert output.count("nonsense_section") <= 2, output[-3000:]
+
+
 def test_logprob_diff_over_the_limit_warns_or_stops(tmp_path):
     """fp32 on CPU agrees to ~1e-7 per token; a limit below that trips the check."""
     limit = ["rollout.max_logprob_diff=1e-12", "trainer.total_steps=1"]
