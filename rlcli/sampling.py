@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import algorithms
+from parallel import cpu_compat
 from rlcli.batch import Sample, groups_of, split_evenly
 from rlcli.config import RLConfig
 from rlcli.data import PromptItem
@@ -50,7 +51,8 @@ def generate_samples(
     rank, ordered by prompt. ``group`` numbers prompts from ``group_offset``."""
     mine = split_evenly(list(enumerate(items)), replica.count)[replica.index]
     # Called even with no prompts: the ranks of a replica (and vLLM's groups) step together.
-    outputs = engine.generate([item.prompt_token_ids for _, item in mine], n, sampling)
+    with cpu_compat.suspended():  # the engine never calls megatron-core
+        outputs = engine.generate([item.prompt_token_ids for _, item in mine], n, sampling)
     local: list[Sample] = []
     for (position, item), completions in zip(mine, outputs, strict=True):
         for completion in completions:

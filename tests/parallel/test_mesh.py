@@ -40,6 +40,13 @@ value = torch.ones(2, device="cuda")  # redirected to cpu by parallel.cpu_compat
 dist.all_reduce(value, group=mesh.dp_group)
 assert value.device.type == "cpu" and value.type() == "torch.cuda.FloatTensor"
 assert mesh.broadcast_object_from_last_stage("x") == "x"
+# Suspended for the rollout engine (no megatron inside): plain torch semantics, then back on.
+from parallel import cpu_compat
+with cpu_compat.suspended():
+    assert torch.ones(1).type() == "torch.FloatTensor"
+    with cpu_compat.suspended():  # nested: the mode is no longer the innermost; nothing to do
+        assert torch.ones(1).type() == "torch.FloatTensor"
+assert torch.ones(1).type() == "torch.cuda.FloatTensor"
 destroy_parallel()
 assert not dist.is_initialized()
 print("ok")
