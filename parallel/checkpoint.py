@@ -105,6 +105,16 @@ def load_checkpoint(
             f"{ckpt_dir} is not a distributed checkpoint (no metadata.json); pass the directory "
             f"that save_checkpoint wrote"
         )
+    changed: list[str] = []
+    if optimizer is not None and not _holds_optimizer_moments(ckpt_dir):
+        # Adam creates its moments at its first step: a run saved before any optimizer step (or
+        # with save_optimizer off) has none to give, and asking megatron for them fails. The
+        # fresh optimizer is what was saved; its fp32 master weights must follow the model.
+        from parallel.optim import reload_master_weights
+
+        changed += load_checkpoint(ckpt_dir, models, mesh, None, scheduler, strict)
+        reload_master_weights(optimizer)
+        return [*changed, "optimizer: the checkpoint holds no Adam moments; starting them fresh"]
     if optimizer is not None:
         _check_optimizer_loadable(optimizer)
     state = _sharded_state(models, optimizer, scheduler, is_loading=True)
@@ -121,7 +131,6 @@ def load_checkpoint(
     )
     for key, chunk in zip(_model_keys(models), unwrap_model(models), strict=True):
         chunk.load_state_dict(loaded[key], strict=strict)
-    changed: list[str] = []
     if optimizer is not None:
         from parallel.optim import group_hyperparameters, restore_group_hyperparameters
 
@@ -139,6 +148,12 @@ def load_checkpoint(
         # Built with override_opt_param_scheduler: only num_steps is taken from the checkpoint.
         scheduler.load_state_dict(saved)
     return changed
+
+
+def _holds_optimizer_moments(ckpt_dir: Path) -> bool:
+    """Whether the checkpoint has per-parameter optimizer tensors (Adam's moments)."""
+    tensors = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
+    return any(key.startswith("optimizer.") for key in tensors)
 
 
 def _check_optimizer_loadable(optimizer: MegatronOptimizer) -> None:

@@ -37,14 +37,18 @@ app.add_typer(convert.convert_app, name="convert")
 def _quiet_third_party_noise() -> None:
     """Keep the console for rlcli's own progress: vLLM logs INFO lines (and a harmless chat-template
     warmup traceback when the tokenizer has no template) by default, and megatron-core warns at
-    import that optional fused kernels (apex, Transformer Engine) are absent. Users can still ask
-    for vLLM's logs with VLLM_LOGGING_LEVEL."""
+    import that optional fused kernels (apex, Transformer Engine) are absent and, on resume, that
+    its checkpoint loader uses deprecated torch APIs. Users can still ask for vLLM's logs with
+    VLLM_LOGGING_LEVEL."""
     import warnings
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     for pattern in (
         r".*(Apex|Transformer Engine).*not installed.*",
         r".*full scope is deprecated.*",
+        # megatron-core's checkpoint loader uses torch APIs torch has deprecated; nothing to do.
+        r".*`load_state_dict` is deprecated.*",
+        r".*deprecating ShardedTensor.*",
     ):
         warnings.filterwarnings("ignore", message=pattern)
 

@@ -5,7 +5,8 @@
 1. TP2: one train_step, save model + optimizer + scheduler; record the full (TP-gathered)
    logits and the results of a second train_step.
 2. TP2, fresh random model and optimizer: load everything, take the second step again: the
-   loss, gradient norm, learning rate and weights equal the uninterrupted run.
+   loss, gradient norm, learning rate and weights equal the uninterrupted run. The same from a
+   checkpoint written before any optimizer step (no Adam moments in it).
 3. TP1 (x DP2), fresh random model: load the model: full logits equal those of step 1.
    Also load the optimizer written at TP2 and take the second step: equals the TP2 run.
    Then save with the distributed optimizer (sharded over DP2); resuming it refuses with a
@@ -109,7 +110,11 @@ def main() -> None:
     # 1. Write at TP2 after one step; remember what the uninterrupted run does next.
     mesh = init_parallel(tp=2, seed=1)
     models, optimizer, scheduler = training_state(mesh, hf_config, hf_dir)
-    step(models, mesh, optimizer, scheduler, batch)
+    # Saved before any optimizer step: Adam has no moments yet (a run whose first steps were all
+    # filtered away); resuming it must work and continue exactly.
+    save_checkpoint(ckpt_root / "step0", models, mesh, optimizer, scheduler)
+    first = step(models, mesh, optimizer, scheduler, batch)
+    first_weights = weights_as_hf(models, mesh)
     save_checkpoint(ckpt, models, mesh, optimizer, scheduler)
     ref_logits = full_logits(models, mesh, batch[0])
     ref_log_probs = forward_log_probs(models, mesh, *batch, micro_batch_size=2)
@@ -130,6 +135,16 @@ def main() -> None:
     assert resumed["lr"] == ref_next["lr"], (resumed["lr"], ref_next["lr"])
     assert report["resume_loss_diff"] == 0.0 and report["resume_grad_norm_diff"] == 0.0, report
     assert report["resume_weight_diff"] == 0.0, report
+
+    models, optimizer, scheduler = training_state(mesh, hf_config, None)
+    load_checkpoint(ckpt_root / "step0", models, mesh, optimizer, scheduler)
+    resumed = step(models, mesh, optimizer, scheduler, batch)
+    weights = weights_as_hf(models, mesh)
+    report["resume_before_any_step_weight_diff"] = max(
+        (weights[k] - first_weights[k]).abs().max().item() for k in first_weights
+    )
+    assert resumed["grad_norm"] == first["grad_norm"], (resumed, first)
+    assert report["resume_before_any_step_weight_diff"] == 0.0, report
     parallel_state.destroy_model_parallel()
 
     # 3. Read at TP1 (2 data-parallel replicas): model, then model + optimizer written at TP2.
