@@ -113,7 +113,16 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
     )
     critic = None
     if cfg.algorithm.adv_estimator == "gae":  # PPO: a critic with the actor's layout
-        critic = TrainedModel(**{**actor.__dict__, "critic": True})
+        # The actor's layout, recomputation and offloading; its own micro- and mini-batches.
+        critic_mini = (cfg.critic.ppo_mini_batch_size or cfg.data.train_batch_size) * cfg.rollout.n
+        critic = TrainedModel(
+            **{
+                **actor.__dict__,
+                "critic": True,
+                "micro_batch_size": cfg.critic.micro_batch_size,
+                "num_micro_batches": max(1, critic_mini // dp // cfg.critic.micro_batch_size),
+            }
+        )
     return PlanInputs(
         actor=actor,
         rollout=rollout,

@@ -109,6 +109,24 @@ def test_a_critic_is_one_more_trained_model():
     )
 
 
+def test_the_critic_is_planned_with_its_own_micro_batches():
+    from rlcli.commands.plan import build_plan_inputs
+    from rlcli.config_loader import load_config
+
+    recipe = "recipes/ppo_qwen7b.yaml"  # tests run from the repository root, as SEVEN_B does
+    shape = KNOWN_SHAPES["qwen2.5-7b"]
+
+    def critic_of(*overrides):
+        cfg = load_config(recipe, list(overrides))
+        inputs = build_plan_inputs(cfg, shape, world_size=16, gpu_memory_gb=80, flash_attention=True)
+        return inputs.actor, inputs.critic
+
+    actor, critic = critic_of("actor.micro_batch_size=2", "critic.micro_batch_size=8")
+    assert (actor.micro_batch_size, critic.micro_batch_size) == (2, 8)
+    assert critic.num_micro_batches * 4 == actor.num_micro_batches
+    assert (critic.tp, critic.pp, critic.dp) == (actor.tp, actor.pp, actor.dp)
+
+
 def test_7b_recipe_fits_on_two_nodes_of_80gb(capsys):
     code, out, _ = run_cli(capsys, *SEVEN_B, "--gpu-memory-gb", "80")
     assert code == 0, out
