@@ -1,6 +1,6 @@
-"""Run-level checkpoints: directories that are either complete or ignored, the trainer's own
-state, and saving / resuming a run (the sharded model and optimizer I/O itself is
-``parallel.checkpoint``).
+"""Run-level checkpoints: directories that are either complete or ignored, and saving / resuming
+a run (the sharded model and optimizer I/O itself is ``parallel.checkpoint``; the trainer's own
+state and RNGs are ``rlcli.run_state``).
 
 Layout under the checkpoint root::
 
@@ -31,20 +31,23 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 
 from rlcli.errors import UserError
+from rlcli.run_state import (
+    TEMPORARY_PREFIX,
+    distributed_rank,
+    load_trainer_state,
+    save_trainer_state,
+    write_text_atomically,
+)
 
 if TYPE_CHECKING:  # the policy pulls in megatron; `rlcli export` only needs the directory rules
     from rlcli.critic import MegatronCritic
@@ -52,8 +55,6 @@ if TYPE_CHECKING:  # the policy pulls in megatron; `rlcli export` only needs the
 
 COMPLETE_MARKER = "COMPLETE"
 LATEST_POINTER = "latest"
-TRAINER_STATE_FILE = "trainer_state.json"
-TEMPORARY_PREFIX = ".tmp-"
 DELETING_PREFIX = ".deleting-"
 REPLACED_PREFIX = ".replaced-"
 _STEP_DIR_RE = re.compile(r"^step_(\d+)$")
@@ -81,17 +82,6 @@ def checkpoint_step(path: str | os.PathLike[str]) -> int:
     return int(match.group(1))
 
 
-def write_text_atomically(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old or the new content, never a part."""
-    path = Path(path)
-    temporary = path.with_name(f"{TEMPORARY_PREFIX}{path.name}.{os.getpid()}")
-    with open(temporary, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-
-
 def _fsync_dir(path: Path) -> None:
     # Makes a rename durable: the directory entry itself must reach the disk.
     descriptor = os.open(path, os.O_RDONLY)
@@ -112,12 +102,6 @@ def _fsync_tree(path: Path) -> None:
             finally:
                 os.close(descriptor)
         _fsync_dir(Path(folder))
-
-
-def _distributed_rank() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return 0
 
 
 def _distributed_barrier() -> None:
@@ -151,7 +135,7 @@ class CheckpointManager:
             )
         self.root_dir = Path(root_dir)
         self.keep_last = keep_last
-        self.rank = _distributed_rank() if rank is None else rank
+        self.rank = distributed_rank() if rank is None else rank
         self._barrier = barrier or _distributed_barrier
 
     def step_dir(self, step: int) -> Path:
@@ -306,110 +290,6 @@ def _why_not_a_checkpoint(path: Path) -> str:
         f"{prefix} has no {COMPLETE_MARKER} marker: the save was interrupted and the checkpoint "
         f"is incomplete; {choices}."
     )
-
-
-# Trainer-side state: JSON for plain values, safetensors for RNG states: no pickle in what rlcli
-# writes itself. megatron-core's dist-checkpoint metadata (model/.metadata, common.pt) IS read
-# with pickle / torch.load, so a checkpoint can run code when loaded: load only checkpoints you
-# (or someone you trust) wrote.
-
-
-def rng_state_file(rank: int) -> str:
-    return f"rng_state_rank{rank}.safetensors"
-
-
-def save_trainer_state(
-    directory: str | os.PathLike[str], state: Mapping[str, Any], rank: int | None = None
-) -> None:
-    """Writes ``state`` (JSON-serialisable: step, data position, KL coefficient, ...) on rank 0,
-    and this rank's RNG states (python, numpy, torch CPU and CUDA) on every rank."""
-    directory = Path(directory)
-    rank = _distributed_rank() if rank is None else rank
-    if rank == 0:
-        write_text_atomically(directory / TRAINER_STATE_FILE, json.dumps(dict(state), indent=2))
-    tensors, metadata = _capture_rng_states()
-    save_file(tensors, str(directory / rng_state_file(rank)), metadata=metadata)
-
-
-def load_trainer_state(
-    directory: str | os.PathLike[str], rank: int | None = None, restore_rng: bool = True
-) -> dict[str, Any]:
-    """Returns the state saved by :func:`save_trainer_state` and restores this rank's RNGs."""
-    directory = Path(directory)
-    rank = _distributed_rank() if rank is None else rank
-    state_path = directory / TRAINER_STATE_FILE
-    if not state_path.is_file():
-        raise UserError(f"{state_path} is missing: {directory} is not an rlcli checkpoint.")
-    state = json.loads(state_path.read_text(encoding="utf-8"))
-    if restore_rng:
-        rng_path = directory / rng_state_file(rank)
-        if rng_path.is_file():
-            _restore_rng_states(rng_path)
-        else:
-            warnings.warn(
-                f"{rng_path} is missing (the checkpoint was saved with fewer ranks); "
-                f"rank {rank} keeps its current random state.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-    return state
-
-
-def _capture_rng_states() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    python_version, python_words, python_gauss = random.getstate()
-    numpy_kind, numpy_keys, numpy_pos, numpy_has_gauss, numpy_gauss = np.random.get_state()
-    tensors = {
-        "python": torch.tensor(python_words, dtype=torch.int64),
-        "numpy": torch.from_numpy(numpy_keys.astype(np.int64)),
-        "torch_cpu": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        for index, cuda_state in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"torch_cuda_{index}"] = cuda_state
-    metadata = {
-        "python": json.dumps({"version": python_version, "gauss_next": python_gauss}),
-        "numpy": json.dumps(
-            {
-                "kind": numpy_kind,
-                "pos": numpy_pos,
-                "has_gauss": numpy_has_gauss,
-                "cached_gaussian": numpy_gauss,
-            }
-        ),
-    }
-    return tensors, metadata
-
-
-def _restore_rng_states(path: Path) -> None:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as handle:
-        metadata = handle.metadata()
-    tensors = load_file(str(path))
-    python = json.loads(metadata["python"])
-    words = tuple(int(word) for word in tensors["python"].tolist())
-    random.setstate((python["version"], words, python["gauss_next"]))
-    numpy = json.loads(metadata["numpy"])
-    np.random.set_state(
-        (
-            numpy["kind"],
-            tensors["numpy"].numpy().astype(np.uint32),
-            numpy["pos"],
-            numpy["has_gauss"],
-            numpy["cached_gaussian"],
-        )
-    )
-    torch.set_rng_state(tensors["torch_cpu"])
-    cuda_states = [
-        tensors[key] for key in sorted(tensors, key=_cuda_index) if _cuda_index(key) >= 0
-    ]
-    if cuda_states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda_states)
-
-
-def _cuda_index(key: str) -> int:
-    """The device index of a ``torch_cuda_<index>`` key, -1 for other keys."""
-    return int(key.rsplit("_", 1)[1]) if key.startswith("torch_cuda_") else -1
 
 
 def save_run(

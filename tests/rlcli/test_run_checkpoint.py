@@ -8,12 +8,8 @@ import torch
 from safetensors import safe_open
 
 from rlcli.errors import UserError
-from rlcli.run_checkpoint import (
-    CheckpointManager,
-    load_trainer_state,
-    rng_state_file,
-    save_trainer_state,
-)
+from rlcli.run_checkpoint import CheckpointManager
+from rlcli.run_state import load_trainer_state, rng_state_file, save_trainer_state
 
 
 def _save(manager, step, payload="weights"):
