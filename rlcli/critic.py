@@ -13,7 +13,7 @@ log-probs. Values are response-aligned ``[B, R]`` and zero on padding.
 
 The critic is colocated with the actor (same ranks) and, because megatron-core keeps one set of
 TP / PP process groups per process, built in the actor's layout; it is cut into mini-batches of
-whole groups like the actor and into micro-batches by ``parallel.schedule``.
+whole groups like the actor and into micro-batches by ``parallel.micro_batches``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import torch
 
 import algorithms
 from parallel.mesh import Mesh
-from parallel.schedule import ROW_KEY, LossFn, forward_backward, micro_batches
+from parallel.micro_batches import ROW_KEY, micro_batches
+from parallel.schedule import LossFn, forward_backward
 from rlcli.actor_update import reduce_step
 from rlcli.batch import response_values, split_evenly
 from rlcli.config import RLConfig

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from parallel.mesh import Mesh
+from parallel.micro_batches import micro_batches
 from parallel.offload import Offloader, TransferStats
-from parallel.schedule import LossFn, forward_log_probs, micro_batches
+from parallel.schedule import LossFn, forward_log_probs
 from rlcli.batch import response_values
 from rlcli.errors import UserError
 
@@ -103,7 +104,7 @@ class MegatronPolicy:
         max_tokens: int = 0,
     ) -> torch.Tensor:
         """Log-probs ``[B, R]`` of the response tokens under the current weights; ``max_tokens``
-        > 0 cuts the forward micro-batches by a token budget (``parallel.schedule``)."""
+        > 0 cuts the forward micro-batches by a token budget (``parallel.micro_batches``)."""
         per_position = forward_log_probs(
             self.models,
             self.mesh,
@@ -126,7 +127,7 @@ class MegatronPolicy:
     ) -> dict[str, Any]:
         """One optimizer step over ``batch`` cut into micro-batches (gradients summed over
         micro-batches, averaged over DP): ``micro_batch_size`` rows each, or by a token budget
-        when ``max_tokens`` > 0 (``parallel.schedule.micro_batches``)."""
+        when ``max_tokens`` > 0 (``parallel.micro_batches``)."""
         from parallel.optim import train_step
 
         result = train_step(

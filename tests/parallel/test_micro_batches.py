@@ -1,11 +1,11 @@
-"""parallel.schedule.micro_batches: the one place that cuts micro-batches and fills the last one
+"""parallel.micro_batches: the one place that cuts micro-batches and fills the last one
 for pipeline parallelism."""
 
 from __future__ import annotations
 
 import torch
 
-from parallel.schedule import ROW_KEY, micro_batches
+from parallel.micro_batches import ROW_KEY, micro_batches
 
 
 def collated(num_rows: int) -> dict[str, torch.Tensor]:

@@ -118,7 +118,9 @@ def test_the_critic_is_planned_with_its_own_micro_batches():
 
     def critic_of(*overrides):
         cfg = load_config(recipe, list(overrides))
-        inputs = build_plan_inputs(cfg, shape, world_size=16, gpu_memory_gb=80, flash_attention=True)
+        inputs = build_plan_inputs(
+            cfg, shape, world_size=16, gpu_memory_gb=80, flash_attention=True
+        )
         return inputs.actor, inputs.critic
 
     actor, critic = critic_of("actor.micro_batch_size=2", "critic.micro_batch_size=8")

@@ -86,7 +86,8 @@ def policy(mesh, hf_dir: str):
 
 def loss_and_grads(actor, batch, cfg, mesh, max_tokens: int):
     """Summed actor loss over this rank's micro-batches and every parameter's gradient."""
-    from parallel.schedule import forward_backward, micro_batches
+    from parallel.micro_batches import micro_batches
+    from parallel.schedule import forward_backward
     from rlcli.actor_update import _global_denominator, make_actor_loss
 
     for chunk in actor.models:
