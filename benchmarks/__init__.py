@@ -3,7 +3,9 @@ and next to the physical floor, on whatever hardware is present.
 
     __main__.py   the command line (--smoke, --section, --output-dir)
     run.py        orchestration: one fresh process per section, results -> JSON / Markdown / PNG
-    sections.py   the four sections (rollout, sync, train, grpo), runnable as a child process
+    sections.py   the sections (device, rollout, sync, train, grpo), runnable as a child process
+    grpo.py       the grpo section: a short real trainer run, then plain_loop.py on its model
+    plain_loop.py the simplest GRPO loop a user could write (HF generate + AdamW)
     workload.py   the fixed workloads (smoke / cpu / gpu) and the random HF models they use
     hardware.py   device name, peak FLOP/s table, measured matmul FLOP/s, load average
     memory.py     peak memory of one phase (RSS high-water mark on CPU, CUDA allocator on GPU)

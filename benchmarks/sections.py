@@ -8,7 +8,8 @@ one section into the next; a smoke run saves the start-up cost and runs them all
     rollout  vLLM engine vs HF `generate` engine: new tokens/s, same model, prompts, sampling
     sync     parallel.reshard weight sync vs naive per-tensor gather-and-load vs memcpy floor
     train    Megatron actor update (rlcli.policy) vs a plain HF + torch AdamW loop: tokens/s
-    grpo     a short real `rlcli train` run of the quickstart recipe: per-phase time shares
+    grpo     a short real `rlcli train` run of the quickstart recipe: per-phase time shares, and
+             the plain PyTorch loop on the same model and batch (grpo.py)
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.grpo import grpo_section
 from benchmarks.hardware import detect_hardware, measure_matmul_flops
 from benchmarks.memory import GIB, measure_peak_memory
-from benchmarks.workload import GRPO_BASE_OVERRIDES, ModelShape, Workload, ensure_model
+from benchmarks.workload import ModelShape, Workload, ensure_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART_RECIPE = REPO_ROOT / "recipes" / "quickstart.yaml"
 SEED = 1234
 
 
@@ -372,86 +373,6 @@ def _hf_training_steps(
         optimizer.step()
 
     return _time_steps(step, steps), len_unique_params([model])
-
-
-# ---------------------------------------------------------------------------------------------
-# a short real GRPO run
-
-# The trainer's phases in step order; each is timed on its own (none nests in another).
-PHASE_ORDER = (
-    "offload",
-    "gen",
-    "reward",
-    "distribute",
-    "onload",
-    "old_log_prob",
-    "ref",
-    "adv",
-    "update",
-    "sync",
-)
-
-
-def grpo_section(workload: Workload, work_dir: Path) -> dict:
-    from rlcli.build import build_trainer
-    from rlcli.config_loader import load_config
-    from rlcli.metrics import METRICS_FILE_NAME, read_metrics_jsonl
-
-    output_dir = work_dir / "grpo"
-    overrides = [
-        *GRPO_BASE_OVERRIDES,
-        f"trainer.total_steps={workload.grpo_steps}",
-        *workload.grpo_overrides,
-    ]
-    cfg = load_config(QUICKSTART_RECIPE, [*overrides, f"trainer.output_dir={output_dir}"])
-    with measure_peak_memory() as memory:
-        start = time.perf_counter()
-        build_trainer(cfg).fit()
-        wall_seconds = time.perf_counter() - start
-    records = [r for r in read_metrics_jsonl(output_dir / METRICS_FILE_NAME) if "timing/step" in r]
-    if not records:
-        raise RuntimeError(f"the GRPO run logged no step timings in {output_dir}")
-    measured = records[1:] if len(records) > 1 else records  # step 1 pays one-time warm-ups
-    mean = {
-        key.removeprefix("timing/"): sum(r.get(key, 0.0) for r in measured) / len(measured)
-        for key in sorted({k for r in measured for k in r if k.startswith("timing/")})
-    }
-    step_seconds = mean.pop("step")
-    mean.pop("val", None)  # validation is outside the step
-    mean["other"] = max(0.0, step_seconds - sum(mean.values()))
-    order = [*PHASE_ORDER, *sorted(set(mean) - set(PHASE_ORDER) - {"other"}), "other"]
-    mean = {phase: mean[phase] for phase in order if phase in mean}
-    return {
-        "recipe": str(QUICKSTART_RECIPE.relative_to(REPO_ROOT)),
-        "overrides": overrides,
-        "steps": len(records),
-        "measured_steps": len(measured),
-        "step_seconds": step_seconds,
-        "phases": {
-            phase: {"seconds": seconds, "share": seconds / step_seconds}
-            for phase, seconds in mean.items()
-        },
-        "tokens_per_s": sum(r.get("perf/tokens_per_s", 0.0) for r in measured) / len(measured),
-        "wall_seconds": wall_seconds,
-        "memory": memory.to_dict(),
-        "median_step_seconds": statistics.median(r["timing/step"] for r in measured),
-        "plain_loop": _plain_loop(cfg, output_dir, len(records)),
-    }
-
-
-def _plain_loop(cfg, output_dir: Path, steps: int) -> dict:
-    """benchmarks/plain_loop.py on the run's own model, batch size and task, right after it."""
-    from benchmarks.plain_loop import plain_grpo_step_seconds
-
-    seconds = plain_grpo_step_seconds(
-        str(output_dir / "model"),
-        prompts=cfg.data.train_batch_size,
-        n=cfg.rollout.n,
-        max_tokens=cfg.rollout.max_tokens,
-        lr=cfg.actor.lr,
-        steps=max(1, steps - 1),
-    )
-    return {"step_seconds": seconds, "median_step_seconds": statistics.median(seconds)}
 
 
 SECTIONS: dict[str, Callable[[Workload, Path], dict]] = {
