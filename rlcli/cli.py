@@ -49,6 +49,8 @@ def _quiet_third_party_noise() -> None:
         # megatron-core's checkpoint loader uses torch APIs torch has deprecated; nothing to do.
         r".*`load_state_dict` is deprecated.*",
         r".*deprecating ShardedTensor.*",
+        # vLLM's kernel dispatcher touches a deprecated torch.distributed alias at start-up.
+        r".*`torch.distributed.reduce_op` is deprecated.*",
     ):
         warnings.filterwarnings("ignore", message=pattern)
 
