@@ -23,7 +23,7 @@ GB = 1024**3
 def _model_shape(cfg, model_config: Optional[Path]):
     """(shape, where it came from): --model-config, the recipe's config.json, model.build's spec,
     or the table of known shapes keyed by model.path's basename."""
-    from parallel.memory_plan import KNOWN_SHAPES, ModelShape, known_shape
+    from parallel.model_shapes import KNOWN_SHAPES, ModelShape, known_shape
 
     candidates = [model_config] if model_config else []
     if cfg.model.path:

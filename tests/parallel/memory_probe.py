@@ -20,8 +20,6 @@ import torch
 from transformers import Qwen2Config
 
 from parallel.memory_plan import (
-    KNOWN_SHAPES,
-    ModelShape,
     TrainedModel,
     activation_bytes,
     forward_only_bytes,
@@ -31,6 +29,7 @@ from parallel.memory_plan import (
 )
 from parallel.mesh import init_parallel
 from parallel.model import build_model, transformer_engine_status
+from parallel.model_shapes import KNOWN_SHAPES, ModelShape
 from parallel.offload import Offloader
 from parallel.optim import build_optimizer, train_step, wrap_for_training
 

@@ -28,16 +28,15 @@ from transformers import AutoConfig
 
 from parallel.convert import load_hf_weights
 from parallel.memory_plan import (
-    ModelShape,
     TrainedModel,
     grad_numel_bytes,
     layer_activation_bytes,
     optimizer_state_numel,
     recompute_options,
-    stage_params,
 )
 from parallel.mesh import Mesh, init_parallel
 from parallel.model import build_model
+from parallel.model_shapes import ModelShape, stage_params
 from parallel.offload import Offloader
 from parallel.optim import build_optimizer, train_step, wrap_for_training
 from tests.parallel.optim_worker import make_batch, mean_nll_loss, split

@@ -12,17 +12,16 @@ import torch
 
 from parallel.memory_plan import (
     GB,
-    KNOWN_SHAPES,
     PlanInputs,
     RolloutEngine,
     TrainedModel,
     activation_bytes,
     grad_bytes,
-    max_stage_params,
     optimizer_bytes,
     plan_memory,
     weight_bytes,
 )
+from parallel.model_shapes import KNOWN_SHAPES, max_stage_params
 from rlcli.cli import main
 
 SEVEN_B = ["plan", "recipes/grpo_qwen7b.yaml", "--nodes", "2", "--gpus-per-node", "8"]
@@ -161,8 +160,12 @@ def test_32b_layout_gets_a_recommendation(capsys):
     assert code == 1 and "smallest change that fits:" in out
 
 
-def test_quickstart_plans_from_its_built_spec(capsys):
-    code, out, _ = run_cli(capsys, "plan", "recipes/quickstart.yaml", "--gpus-per-node", "1")
+def test_quickstart_plans_from_its_built_spec(capsys, tmp_path):
+    # A fresh output folder: after `make demo` the built model's config.json would answer first.
+    output = f"trainer.output_dir={tmp_path}"
+    code, out, _ = run_cli(
+        capsys, "plan", "recipes/quickstart.yaml", output, "--gpus-per-node", "1"
+    )
     assert code == 0 and "model.spec (built locally)" in out
 
 
