@@ -168,14 +168,20 @@ class _LogProbsAndEntropy(torch.autograd.Function):
         log_p = _masked_logits(logits, dtype, padded) - lse.unsqueeze(-1)
         p = log_p.exp()
 
-        grad = torch.zeros_like(p)
         if grad_entropy is not None and entropy is not None:
             grad = -p * (log_p + entropy.unsqueeze(-1))
             if padded is not None:
                 grad.masked_fill_(padded, 0.0)
             grad.mul_(grad_entropy.unsqueeze(-1))
+            if grad_log_probs is not None:
+                grad.sub_(p * grad_log_probs.unsqueeze(-1))
+        elif grad_log_probs is not None:
+            # -p * g in place of p (not needed again): the same values as 0 - p * g, without a
+            # zero-filled [..., V] buffer and a subtraction pass over it.
+            grad = p.mul_(-grad_log_probs.unsqueeze(-1))
+        else:
+            grad = torch.zeros_like(p)
         if grad_log_probs is not None:
-            grad.sub_(p * grad_log_probs.unsqueeze(-1))
             local_labels = labels - ctx.start
             in_shard = (local_labels >= 0) & (local_labels < p.size(-1))
             index = local_labels.clamp(0, p.size(-1) - 1).unsqueeze(-1)

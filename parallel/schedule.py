@@ -289,19 +289,27 @@ def _loss_closure(
             raise ValueError("compute_entropy=True needs a policy model, got a critic")
         outputs = {"values": model_output[:, :length].float()}
     else:
-        # float32 before the division: a bf16 quotient would round every logit once more.
-        logits = model_output[:, : length - 1].float() / temperature
-        labels = input_ids[:, 1:]
+        # Every position of the [b, S, V] logits is used and the last one's result dropped
+        # afterwards: slicing the logits would make autograd build a zero-filled [b, S, V]
+        # gradient and copy into it; slicing the [b, S] results costs nothing. The last
+        # position's label is a stand-in (its log-prob is cut off, so its gradient is zero).
+        logits = model_output if model_output.shape[1] == length else model_output[:, :length]
+        # float32 before the division: a bf16 quotient would round every logit once more. At
+        # temperature 1 the division is skipped (exact), which saves a pass over [b, S, V] and
+        # its backward.
+        logits = logits.float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        labels = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
         vocab_size = _unpadded_vocab_size(model)
         if compute_entropy:
             log_probs, entropy = vocab_parallel_log_probs_and_entropy(
                 logits, labels, mesh.tp_group, vocab_size
             )
-            outputs = {"log_probs": log_probs, "entropy": entropy}
+            outputs = {"log_probs": log_probs[:, :-1], "entropy": entropy[:, :-1]}
         else:
-            outputs = {
-                "log_probs": vocab_parallel_log_probs(logits, labels, mesh.tp_group, vocab_size)
-            }
+            log_probs = vocab_parallel_log_probs(logits, labels, mesh.tp_group, vocab_size)
+            outputs = {"log_probs": log_probs[:, :-1]}
     if loss_fn is None:
         loss, metrics = torch.zeros((), device=input_ids.device), {}
     else:
