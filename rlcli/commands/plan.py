@@ -8,6 +8,7 @@ Mounted by rlcli.cli as ``app.command("plan")(plan_command)``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -81,7 +82,12 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
         )
     seq_len = cfg.data.max_prompt_length + cfg.rollout.max_tokens
     sequences = cfg.data.train_batch_size * cfg.rollout.n
-    mini = (cfg.actor.ppo_mini_batch_size or cfg.data.train_batch_size) * cfg.rollout.n
+
+    def micro_batches_per_step(section) -> int:
+        """Micro-batches per optimizer step on one DP rank, for `actor` or `critic` settings."""
+        mini = (section.ppo_mini_batch_size or cfg.data.train_batch_size) * cfg.rollout.n
+        return max(1, mini // dp // section.micro_batch_size)
+
     actor = TrainedModel(
         shape,
         dtype=cfg.model.dtype,
@@ -92,7 +98,7 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
         distributed_optimizer=par.use_distributed_optimizer,
         micro_batch_size=cfg.actor.micro_batch_size,
         seq_len=seq_len,
-        num_micro_batches=max(1, mini // dp // cfg.actor.micro_batch_size),
+        num_micro_batches=micro_batches_per_step(cfg.actor),
         recompute=cfg.actor.recompute,
         recompute_method=cfg.actor.recompute_method,
         recompute_num_layers=cfg.actor.recompute_num_layers,
@@ -114,14 +120,11 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
     critic = None
     if cfg.algorithm.adv_estimator == "gae":  # PPO: a critic with the actor's layout
         # The actor's layout, recomputation and offloading; its own micro- and mini-batches.
-        critic_mini = (cfg.critic.ppo_mini_batch_size or cfg.data.train_batch_size) * cfg.rollout.n
-        critic = TrainedModel(
-            **{
-                **actor.__dict__,
-                "critic": True,
-                "micro_batch_size": cfg.critic.micro_batch_size,
-                "num_micro_batches": max(1, critic_mini // dp // cfg.critic.micro_batch_size),
-            }
+        critic = dataclasses.replace(
+            actor,
+            critic=True,
+            micro_batch_size=cfg.critic.micro_batch_size,
+            num_micro_batches=micro_batches_per_step(cfg.critic),
         )
     return PlanInputs(
         actor=actor,
