@@ -122,6 +122,10 @@ class VLLMEngine(RolloutEngine):
         except Exception as error:
             raise _start_error(error, model_dir, self._on_gpu) from error
         _engine_alive = True
+        # A sync bucket is a partial load by design, and vLLM's reload warns about every layer a
+        # bucket did not carry: errors only, set once (setLevel clears every logger's level
+        # cache, ~2 ms a call, too slow to toggle around each load).
+        logging.getLogger("vllm.model_executor.model_loader.reload").setLevel(logging.ERROR)
 
     def generate(
         self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingConfig
@@ -191,9 +195,7 @@ class VLLMEngine(RolloutEngine):
                 self._llm.wake_up(tags=["weights"])  # KV cache stays released until wake_up()
             self._weights_awake = True
         weights = list(weights)
-        # A bucket is a partial load by design; vLLM warns about every layer it did not get.
-        with _quiet_logger("vllm.model_executor.model_loader.reload"):
-            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         touches_vocab = any("embed_tokens" in name or "lm_head" in name for name, _ in weights)
         if touches_vocab and not torch.cuda.is_available():
             self._llm.collective_rpc(_refresh_cpu_embedding_gemm)
@@ -238,18 +240,6 @@ def _refresh_cpu_embedding_gemm(worker) -> None:
     for module in worker.model_runner.model.modules():
         if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
             module.quant_method.process_weights_after_loading(module)
-
-
-@contextmanager
-def _quiet_logger(name: str) -> Iterator[None]:
-    """Only errors from logger `name` (and its children) inside the block."""
-    logger = logging.getLogger(name)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 @contextmanager
