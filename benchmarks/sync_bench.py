@@ -83,6 +83,7 @@ def best_time(fn, repeats: int) -> float:
 
 def main() -> None:
     args = parse_args()
+    from parallel import cpu_compat
     from parallel.convert import iter_hf_weights
     from parallel.hf_model import load_hf_model
     from parallel.mesh import destroy_parallel, init_parallel
@@ -124,11 +125,14 @@ def main() -> None:
     }
     if args.engine == "vllm":
         full = [item for bucket in iter_inference_buckets(models, mesh, 1e9) for item in bucket]
-        rows["engine reload"] = best_time(
-            # The engine's private LLM: the same RPC its load_weights makes, minus our glue.
-            lambda: engine._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full}),
-            args.repeats,
-        )
+
+        def engine_reload() -> None:
+            # The engine's private LLM: the same RPC its load_weights makes, minus our glue, and
+            # outside the CPU device mode as sync_weights runs it.
+            with cpu_compat.suspended():
+                engine._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full})
+
+        rows["engine reload"] = best_time(engine_reload, args.repeats)
     stats = sync_weights(models, mesh, engine, args.bucket_mb)  # leave the engine correct
     result = {
         "model_params": num_params[0],
