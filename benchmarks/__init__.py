@@ -5,6 +5,7 @@ and next to the physical floor, on whatever hardware is present.
     run.py        orchestration: one fresh process per section, results -> JSON / Markdown / PNG
     sections.py   the sections (device, rollout, sync, train, grpo), runnable as a child process
     grpo.py       the grpo section: a short real trainer run, then plain_loop.py on its model
+    sync_section.py the sync section: sync_bench.py per model size and layout, in its own process
     plain_loop.py the simplest GRPO loop a user could write (HF generate + AdamW)
     workload.py   the fixed workloads (smoke / cpu / gpu) and the random HF models they use
     hardware.py   device name, peak FLOP/s table, measured matmul FLOP/s, load average
