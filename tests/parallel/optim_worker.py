@@ -63,7 +63,12 @@ def hf_grad_norm(hf_dir: str, input_ids: torch.Tensor, attention_mask: torch.Ten
 
 
 def fresh_training_state(
-    mesh: Mesh, hf_config, hf_dir: str, distributed: bool = False, overlap: bool = False
+    mesh: Mesh,
+    hf_config,
+    hf_dir: str,
+    distributed: bool = False,
+    overlap: bool = False,
+    clip_grad: float = 1.0,
 ):
     models = build_model(hf_config, mesh)
     load_hf_weights(models, mesh, hf_dir)
@@ -74,7 +79,7 @@ def fresh_training_state(
         models,
         lr=2e-3,
         min_lr=1e-4,
-        clip_grad=1.0,
+        clip_grad=clip_grad,
         use_distributed_optimizer=distributed,
         warmup_steps=0,
         total_steps=10,
@@ -156,6 +161,24 @@ def check_layout(mesh: Mesh, hf_config, hf_dir: str, batch, ref_grad_norm) -> di
     lr, eps = 2e-3, 1e-8
     bound = lr * numbers["accumulation_grad_diff"] / eps + 1e-7
     assert numbers["accumulation_weight_diff"] <= bound, (numbers, bound)
+
+    # The optimizer's update against torch's reference AdamW loop (foreach and fused off; rlcli
+    # steps with the fused kernel on CPU) on the same weights and reduced gradients; no clipping,
+    # so the gradients the optimizer saw are exactly the ones left in the buffers.
+    models, optimizer, scheduler = fresh_training_state(mesh, hf_config, hf_dir, clip_grad=0.0)
+    reference_params = [torch.nn.Parameter(w) for w in local_weights(models)]
+    reference = torch.optim.AdamW(reference_params, weight_decay=0.0, foreach=False, fused=False)
+    for _ in range(2):  # the second step also compares the moments carried from the first
+        result = train_step(
+            models, mesh, optimizer, scheduler, split(ids[:4], mask[:4], 2), loss_fn
+        )
+        reference.param_groups[0]["lr"] = result["lr"]
+        for param, grad in zip(reference_params, local_grads(models), strict=True):
+            param.grad = grad
+        reference.step()
+    reference_weights = [p.detach() for p in reference_params]
+    numbers["adam_vs_torch_reference_loop"] = max_diff(local_weights(models), reference_weights)
+    assert numbers["adam_vs_torch_reference_loop"] < 1e-6, numbers
 
     # Gradient reduction overlapped with backward (bucketed, started by the schedule).
     models, optimizer, scheduler = fresh_training_state(mesh, hf_config, hf_dir, overlap=True)
