@@ -162,9 +162,9 @@ def check_layout(mesh: Mesh, hf_config, hf_dir: str, batch, ref_grad_norm) -> di
     bound = lr * numbers["accumulation_grad_diff"] / eps + 1e-7
     assert numbers["accumulation_weight_diff"] <= bound, (numbers, bound)
 
-    # The optimizer's update against torch's reference AdamW loop (foreach and fused off; rlcli
-    # steps with the fused kernel on CPU) on the same weights and reduced gradients; no clipping,
-    # so the gradients the optimizer saw are exactly the ones left in the buffers.
+    # The optimizer's update against torch's reference AdamW loop (foreach and fused off, so the
+    # check holds whichever Adam megatron-core picks: TE's, Apex's or torch's) on the same weights
+    # and reduced gradients; no clipping, so the gradients it saw are the ones left in the buffers.
     models, optimizer, scheduler = fresh_training_state(mesh, hf_config, hf_dir, clip_grad=0.0)
     reference_params = [torch.nn.Parameter(w) for w in local_weights(models)]
     reference = torch.optim.AdamW(reference_params, weight_decay=0.0, foreach=False, fused=False)
