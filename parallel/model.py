@@ -218,7 +218,7 @@ def transformer_config_from_hf(
     `transformer_impl` is a resolved one ("transformer_engine" or "local"); it decides which
     fused kernels are switched on. `recompute`: megatron's activation-recomputation fields
     (`recompute_granularity`, `recompute_method`, `recompute_num_layers`), see
-    `parallel.memory_plan.recompute_options`."""
+    `parallel.memory_terms.recompute_options`."""
     family = get_family(hf_config.model_type)
     num_layers = hf_config.num_hidden_layers
     stages = pp * (vpp or 1)

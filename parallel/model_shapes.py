@@ -1,7 +1,7 @@
 """Model shapes for planning: parameter counts per (TP rank, pipeline stage) from an HF config's
 numbers alone, exact for megatron-core's GPTModel with the local / TE layer spec (checked against
 real Megatron models at TP1, TP2 and PP2 by tests/parallel/offload_worker.py). Pure arithmetic, no megatron import;
-``parallel.memory_plan`` turns these counts into bytes per phase."""
+``parallel.memory_terms`` turns these counts into bytes, ``parallel.memory_plan`` into phases."""
 
 from __future__ import annotations
 

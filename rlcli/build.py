@@ -215,7 +215,7 @@ def model_options(cfg: RLConfig, recompute: bool = False) -> dict[str, Any]:
         "transformer_impl": cfg.model.transformer_impl,
     }
     if recompute:
-        from parallel.memory_plan import recompute_options
+        from parallel.memory_terms import recompute_options
 
         a = cfg.actor
         options["recompute"] = recompute_options(

@@ -64,7 +64,8 @@ def _model_shape(cfg, model_config: Optional[Path]):
 
 def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flash_attention: bool):
     """parallel.memory_plan's inputs for a validated RLConfig on `world_size` GPUs."""
-    from parallel.memory_plan import PlanInputs, RolloutEngine, TrainedModel
+    from parallel.memory_plan import PlanInputs, RolloutEngine
+    from parallel.memory_terms import TrainedModel
     from parallel.reshard import AUTO_BUCKET_MB
     from rlcli.config_validation import derive_dp, validate
 

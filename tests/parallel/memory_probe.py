@@ -1,5 +1,5 @@
 """GPU probe (not a pytest test): measured memory per phase and offload / onload speed of a
-Qwen2.5-0.5B / 1.5B-shaped megatron model on one GPU, next to parallel.memory_plan's estimate.
+Qwen2.5-0.5B / 1.5B-shaped megatron model on one GPU, next to parallel.memory_terms' estimate.
 
     torchrun --nproc_per_node=1 tests/parallel/memory_probe.py [qwen2.5-0.5b qwen2.5-1.5b]
 
@@ -19,7 +19,7 @@ import time
 import torch
 from transformers import Qwen2Config
 
-from parallel.memory_plan import (
+from parallel.memory_terms import (
     TrainedModel,
     activation_bytes,
     forward_only_bytes,

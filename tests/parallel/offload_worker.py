@@ -10,7 +10,7 @@ optimizer (fp32 and bf16). For each case:
     (param.data, param.main_grad, the optimizer's master weights and Adam moments);
   * a following optimizer step equals, bit for bit, the same step taken without offload;
   * discard_grads frees the gradient buffers without copying and onload zeroes them;
-  * parallel.memory_plan's parameter, gradient and optimizer counts equal the real model's.
+  * parallel.memory_terms' parameter, gradient and optimizer counts equal the real model's.
 And full / selective recomputation give the same loss and gradients as none (fp32).
 Prints "OFFLOAD_WORKER_OK" from rank 0; exits non-zero on a failed check.
 """
@@ -27,7 +27,7 @@ from megatron.core import parallel_state
 from transformers import AutoConfig
 
 from parallel.convert import load_hf_weights
-from parallel.memory_plan import (
+from parallel.memory_terms import (
     TrainedModel,
     grad_numel_bytes,
     layer_activation_bytes,
@@ -119,7 +119,7 @@ def check_round_trip(mesh, hf_config, hf_dir, dtype, distributed) -> dict:
 
 
 def check_plan_counts(mesh, hf_config, hf_dir, dtype, distributed) -> dict:
-    """memory_plan's counts for this rank's stage equal the real model's."""
+    """memory_terms' counts for this rank's stage equal the real model's."""
     micro, loss_fn = batch_for(mesh, hf_config.vocab_size)
     models, optimizer, scheduler = fresh(mesh, hf_config, hf_dir, dtype, distributed)
     train_step(models, mesh, optimizer, scheduler, micro, loss_fn)
@@ -211,7 +211,7 @@ def measured_layer_activations(models, input_ids: torch.Tensor) -> int:
 
 
 def check_activation_estimate(mesh, hf_config, hf_dir) -> dict:
-    """memory_plan's per-layer activation bytes (local spec) against the saved tensors."""
+    """memory_terms' per-layer activation bytes (local spec) against the saved tensors."""
     shape = ModelShape.from_hf_config(json.loads((Path(hf_dir) / "config.json").read_text()))
     input_ids = torch.randint(0, hf_config.vocab_size, (2, 48), generator=torch.Generator())
     numbers = {}

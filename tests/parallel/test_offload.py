@@ -1,4 +1,4 @@
-"""parallel.offload round trips, activation recomputation and parallel.memory_plan's byte counts
+"""parallel.offload round trips, activation recomputation and parallel.memory_terms' byte counts
 against real megatron models (torchrun: 1 process at TP1, 2 processes at TP2, PP2, DP2)."""
 
 from __future__ import annotations

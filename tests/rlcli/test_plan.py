@@ -10,15 +10,13 @@ import dataclasses
 import pytest
 import torch
 
-from parallel.memory_plan import (
+from parallel.memory_plan import PlanInputs, RolloutEngine, plan_memory
+from parallel.memory_terms import (
     GB,
-    PlanInputs,
-    RolloutEngine,
     TrainedModel,
     activation_bytes,
     grad_bytes,
     optimizer_bytes,
-    plan_memory,
     weight_bytes,
 )
 from parallel.model_shapes import KNOWN_SHAPES, max_stage_params
