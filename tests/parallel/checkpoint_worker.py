@@ -100,6 +100,10 @@ def weights_as_hf(models, mesh: Mesh) -> dict[str, torch.Tensor]:
     return {name: tensor.clone() for name, tensor in iter_hf_weights(models, mesh)}
 
 
+def max_weight_diff(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    return max((weights[k] - reference[k]).abs().max().item() for k in reference)
+
+
 def main() -> None:
     hf_dir, ckpt_root = sys.argv[1], Path(sys.argv[2])
     hf_config = AutoConfig.from_pretrained(hf_dir)
@@ -129,9 +133,7 @@ def main() -> None:
     weights = weights_as_hf(models, mesh)
     report["resume_loss_diff"] = abs(resumed["loss"] - ref_next["loss"])
     report["resume_grad_norm_diff"] = abs(resumed["grad_norm"] - ref_next["grad_norm"])
-    report["resume_weight_diff"] = max(
-        (weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights
-    )
+    report["resume_weight_diff"] = max_weight_diff(weights, ref_weights)
     assert resumed["lr"] == ref_next["lr"], (resumed["lr"], ref_next["lr"])
     assert report["resume_loss_diff"] == 0.0 and report["resume_grad_norm_diff"] == 0.0, report
     assert report["resume_weight_diff"] == 0.0, report
@@ -140,9 +142,7 @@ def main() -> None:
     load_checkpoint(ckpt_root / "step0", models, mesh, optimizer, scheduler)
     resumed = step(models, mesh, optimizer, scheduler, batch)
     weights = weights_as_hf(models, mesh)
-    report["resume_before_any_step_weight_diff"] = max(
-        (weights[k] - first_weights[k]).abs().max().item() for k in first_weights
-    )
+    report["resume_before_any_step_weight_diff"] = max_weight_diff(weights, first_weights)
     assert resumed["grad_norm"] == first["grad_norm"], (resumed, first)
     assert report["resume_before_any_step_weight_diff"] == 0.0, report
     parallel_state.destroy_model_parallel()
@@ -162,9 +162,7 @@ def main() -> None:
     resharded = step(models, mesh, optimizer, scheduler, batch)
     weights = weights_as_hf(models, mesh)
     report["tp1_optimizer_grad_norm_diff"] = abs(resharded["grad_norm"] - ref_next["grad_norm"])
-    report["tp1_optimizer_weight_diff"] = max(
-        (weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights
-    )
+    report["tp1_optimizer_weight_diff"] = max_weight_diff(weights, ref_weights)
     assert report["tp1_optimizer_grad_norm_diff"] < 1e-5, report
     assert report["tp1_optimizer_weight_diff"] < 1e-5, report
 
@@ -189,9 +187,7 @@ def main() -> None:
         load_checkpoint(dist_ckpt, models, mesh, optimizer, scheduler)
         resumed = step(models, mesh, optimizer, scheduler, batch)
         weights = weights_as_hf(models, mesh)
-        report["dist_opt_resume_weight_diff"] = max(
-            (weights[k] - dist_weights[k]).abs().max().item() for k in dist_weights
-        )
+        report["dist_opt_resume_weight_diff"] = max_weight_diff(weights, dist_weights)
         assert resumed["grad_norm"] == dist_next["grad_norm"], (resumed, dist_next)
         assert report["dist_opt_resume_weight_diff"] == 0.0, report
     parallel_state.destroy_model_parallel()
