@@ -22,11 +22,9 @@ from algorithms.kl import (
 )
 from algorithms.policy_losses import POLICY_LOSSES, get_policy_loss, register_policy_loss
 from algorithms.utils import (
-    entropy_from_logits,
     group_ids_to_tensor,
     masked_mean,
     masked_sum,
-    masked_var,
     masked_whiten,
 )
 from algorithms.value import compute_value_loss
@@ -43,7 +41,6 @@ __all__ = [
     "apply_kl_penalty_to_rewards",
     "compute_kl_loss",
     "compute_value_loss",
-    "entropy_from_logits",
     "filter_groups",
     "get_advantage_estimator",
     "get_kl_controller",
@@ -52,7 +49,6 @@ __all__ = [
     "kl_penalty",
     "masked_mean",
     "masked_sum",
-    "masked_var",
     "masked_whiten",
     "overlong_penalty",
     "register_advantage_estimator",

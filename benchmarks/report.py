@@ -13,11 +13,11 @@ import shutil
 from pathlib import Path
 
 PHASE_LABELS = {
-    "offload": "actor offload",
+    "offload": "offload (residency plan)",
     "gen": "generation",
     "reward": "reward",
     "distribute": "distribute (DP share + collate)",
-    "onload": "actor onload",
+    "onload": "onload (residency plan)",
     "old_log_prob": "old log-probs",
     "ref": "reference log-probs",
     "adv": "advantages",

@@ -79,6 +79,7 @@ def device_section(workload: Workload, work_dir: Path) -> dict:
 
 
 def rollout_section(workload: Workload, work_dir: Path) -> dict:
+    from rlcli.config import RolloutConfig
     from rlcli.rollout import SamplingConfig, make_engine
 
     w = workload
@@ -102,13 +103,14 @@ def rollout_section(workload: Workload, work_dir: Path) -> dict:
     }
     for kind in ("hf", "vllm"):  # HF first: its memory is freed cleanly before vLLM starts
         with measure_peak_memory() as memory:
+            rollout = RolloutConfig(
+                engine=kind, kv_cache_gb=0.5, gpu_memory_utilization=0.4, load_format="auto"
+            )
             engine = make_engine(
-                kind,
+                rollout,
                 str(model_dir),
                 dtype=w.dtype,
                 seed=SEED,
-                kv_cache_gb=0.5,
-                gpu_memory_utilization=0.4,
                 max_model_len=w.rollout_prompt_len + w.rollout_max_tokens,
             )
             engine.generate(prompts, w.rollout_n, warmup)  # first calls allocate, pick kernels
@@ -253,10 +255,11 @@ def _megatron_training_steps(
     steps: int,
     max_tokens: int = 0,
 ) -> tuple[list[float], int]:
-    """rlcli's actor (`rlcli.policy.MegatronPolicy`: megatron-core GPTModel, DDP, distributed
-    optimizer off, Adam, clipping at 1.0) on one process: seconds of each timed step, params."""
+    """rlcli's actor (`rlcli.trained_model.TrainedModel`: megatron-core GPTModel, DDP,
+    distributed optimizer off, Adam, clipping at 1.0) on one process: seconds of each timed
+    step, params."""
     from parallel.mesh import destroy_parallel, init_parallel
-    from rlcli.policy import MegatronPolicy, OptimizerSettings
+    from rlcli.trained_model import MicroBatching, OptimizerSettings, TrainedModel
 
     mesh = init_parallel(tp=1, pp=1, seed=SEED)
     settings = OptimizerSettings(
@@ -264,10 +267,14 @@ def _megatron_training_steps(
         clip_grad=1.0, warmup_steps=0, total_steps=steps + 1, decay_style="constant",
         use_distributed_optimizer=False,
     )  # fmt: skip
-    actor = MegatronPolicy(mesh, str(model_dir), dtype, optim=settings)
-    seconds = _time_steps(
-        lambda: actor.train_step(batch, micro_batch_size, _nll_loss, max_tokens=max_tokens), steps
+    actor = TrainedModel(
+        mesh,
+        str(model_dir),
+        dtype=dtype,
+        optim=settings,
+        micro_batching=MicroBatching(micro_batch_size, max_tokens),
     )
+    seconds = _time_steps(lambda: actor.train_step(batch, _nll_loss), steps)
     params = len_unique_params(actor.models)
     destroy_parallel()
     return seconds, params

@@ -8,8 +8,8 @@ Public API (stable):
     Mesh: frozen dataclass
         world_size, rank, local_rank, tp, pp, dp, vpp, tp_rank, pp_rank, dp_rank,
         is_first_stage, is_last_stage                     (ints / bools, ignoring virtual stages)
-        tp_group, pp_group, dp_group, model_parallel_group (torch ProcessGroups, properties)
-        first_stage_global_rank(), last_stage_global_rank() (global ranks of this rank's pipeline)
+        tp_group, pp_group, dp_group (torch ProcessGroups, properties)
+        last_stage_global_rank() (the global rank of this rank's pipeline's last stage)
         broadcast_from_last_stage(tensor)                  (in place, over the pp group)
         broadcast_object_from_last_stage(obj) -> obj       (picklable objects, over the pp group)
 
@@ -72,15 +72,6 @@ class Mesh:
     @property
     def dp_group(self) -> dist.ProcessGroup:
         return parallel_state.get_data_parallel_group()
-
-    @property
-    def model_parallel_group(self) -> dist.ProcessGroup:
-        """TP x PP ranks holding one full model replica."""
-        return parallel_state.get_model_parallel_group()
-
-    def first_stage_global_rank(self) -> int:
-        """Global rank of the first pipeline stage in this rank's pipeline (same TP / DP rank)."""
-        return parallel_state.get_pipeline_model_parallel_first_rank()
 
     def last_stage_global_rank(self) -> int:
         """Global rank of the last pipeline stage in this rank's pipeline (same TP / DP rank)."""

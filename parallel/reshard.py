@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from megatron.core.utils import unwrap_model
 
 from parallel import cpu_compat
 from parallel.convert.mapping import ParamMapping, megatron_to_hf, param_mappings
@@ -87,12 +88,6 @@ class _Bucket:
     stage: int
     entries: tuple[_Entry, ...]
     dtype: torch.dtype
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):  # megatron DDP / Float16Module wrappers
-        chunk = chunk.module
-    return chunk
 
 
 def _module_of(global_name: str) -> str:
@@ -168,7 +163,7 @@ def iter_inference_buckets(
     buffer, freed when the caller drops them (at TP1 x PP1: views of the parameters; copy them
     before the next optimizer step if they must be kept).
     """
-    chunks = [_unwrap(chunk) for chunk in models]
+    chunks = unwrap_model(list(models))  # megatron DDP / Float16Module wrappers
     hf_config: Any = chunks[0].hf_config
     mappings = [
         m for m in param_mappings(chunks, hf_config, mesh.tp, mesh.tp_rank) if not m.skip_export

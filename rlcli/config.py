@@ -9,7 +9,7 @@ recipe <- overrides, validates (``rlcli.config_validation``) and turns every mis
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Optional
+from typing import Any, Literal, Optional, get_args, get_origin, get_type_hints
 
 from omegaconf import OmegaConf
 
@@ -24,14 +24,15 @@ class DataConfig:
     train_batch_size: int = 8  # prompts per step (each sampled rollout.n times)
     shuffle: bool = True  # reshuffle the training prompts every epoch
     apply_chat_template: Optional[bool] = None  # None: when the tokenizer has a chat template
-    synthetic: Optional[str] = None  # "arith": write the quickstart task under trainer.output_dir
+    # "arith": write the quickstart task under trainer.output_dir
+    synthetic: Optional[Literal["arith"]] = None
 
 
 @dataclass
 class ModelBuildConfig:
     """A small random model built locally when ``model.build`` is true (quickstart, tests)."""
 
-    architecture: str = "qwen2"
+    architecture: Literal["qwen2", "llama"] = "qwen2"
     hidden_size: int = 256
     num_layers: int = 4
     num_heads: int = 4
@@ -46,11 +47,11 @@ class ModelBuildConfig:
 class ModelConfig:
     path: str = ""  # HuggingFace model directory (safetensors + config.json + tokenizer)
     tokenizer_path: Optional[str] = None  # defaults to model.path
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights and compute
     build: bool = False  # build model.spec locally into model.path when it does not exist yet
     # auto | transformer_engine | local. auto: TE where it imports; on CUDA without a working TE
     # startup fails unless local (memory-hungry attention) is chosen explicitly.
-    transformer_impl: str = "auto"
+    transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
     spec: ModelBuildConfig = field(default_factory=ModelBuildConfig)
 
 
@@ -68,7 +69,7 @@ class ParallelConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "vllm"  # vllm | hf
+    engine: Literal["vllm", "hf"] = "vllm"  # the rollout engine
     tp: int = 1  # inference tensor parallel size, independent of parallel.tp / parallel.pp
     n: int = 8  # samples per prompt
     temperature: float = 1.0  # sampling temperature (the trainer's log-probs use the same)
@@ -81,25 +82,32 @@ class RolloutConfig:
     kv_cache_gb: float = 1.0  # CPU only: resident KV cache per engine
     enforce_eager: bool = True  # GPU: no CUDA graphs (faster start, slower decoding)
     sync_bucket_mb: int = 0  # 0: parallel.reshard.AUTO_BUCKET_MB (small models: one bucket)
-    sleep_level: int = 1  # GPU vLLM: 1 offloads weights to host, 2 discards them (sync on wake)
+    sleep_level: Literal[1, 2] = (
+        1  # GPU vLLM: 1 offloads weights to host, 2 discards them (sync on wake)
+    )
     # vLLM start weights: dummy (no checkpoint read; the trainer syncs from Megatron right after
     # the engine starts, which also proves the sync path) | auto (read model.path)
-    load_format: str = "dummy"
+    load_format: Literal["dummy", "auto"] = "dummy"
     val_temperature: float = 0.0  # greedy validation
     val_n: int = 1  # samples per held-out prompt
     # Trainer-vs-engine agreement on the sampled tokens' log-probs (a broken weight sync shows
     # here): largest allowed MEAN |difference| per token (typically ~1e-7 in fp32 on CPU, ~0.01
     # in bf16; unsynced weights give whole nats), and what to do beyond it: warn | stop (exit 2).
     max_logprob_diff: float = 0.5
-    logprob_diff_action: str = "warn"
+    logprob_diff_action: Literal["warn", "stop"] = "warn"
 
 
 @dataclass
-class ActorConfig:
+class TrainedModelConfig:
+    """What every model trained with megatron-core (the actor, PPO's critic) is configured by:
+    its Adam(W) and LR schedule, how its update is cut into mini- and micro-batches, and where its
+    state lives between phases. ``actor.*`` and ``critic.*`` both have these keys."""
+
     lr: float = 1e-6  # peak learning rate
     min_lr: float = 0.0  # floor of the linear / cosine decay
     lr_warmup_steps: int = 0  # linear warmup from 0 (steps)
-    lr_decay_style: str = "constant"  # constant | linear | cosine
+    # the LR schedule after warmup
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "constant"
     weight_decay: float = 0.0  # AdamW weight decay
     adam_beta1: float = 0.9  # AdamW beta1
     adam_beta2: float = 0.999  # AdamW beta2
@@ -109,17 +117,29 @@ class ActorConfig:
     ppo_mini_batch_size: Optional[int] = None  # prompts per optimizer step; None: the whole batch
     micro_batch_size: int = 8  # sequences per forward/backward
     # Token budgets (0: fixed micro_batch_size): micro-batches of similar lengths whose padded size
-    # (rows x longest row) stays within the budget; the no-grad passes (old log-probs, reference)
-    # use max_tokens_per_forward (0: the training setting).
+    # (rows x longest row) stays within the budget; the no-grad passes (old log-probs, reference,
+    # values) use max_tokens_per_forward (0: the training setting).
     max_tokens_per_micro_batch: int = 0
     max_tokens_per_forward: int = 0
+    loss_agg_mode: str = "token-mean"  # how per-token losses become one (algorithms.LOSS_AGG_MODES)
+    # Memory (see `rlcli plan`): move state to pinned host memory while the engine generates
+    offload_params: bool = False  # weights: back before the model's first forward of the step
+    offload_grads: bool = False  # gradient buffers: back (zeroed) before the update
+    offload_optimizer: bool = False  # fp32 master weights + Adam moments: back before the update
+    recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation
+    recompute_method: Literal["uniform", "block"] = "uniform"  # full only (megatron-core's)
+    recompute_num_layers: int = 1  # full only: layers per group (uniform) / per stage (block)
+
+
+@dataclass
+class ActorConfig(TrainedModelConfig):
+    """The policy: megatron-core GPT model(s) trained with the policy loss below."""
+
     # old log-probs of the PPO ratio: "actor" recomputes them (skipped when the update is
     # on-policy: one epoch, one mini-batch, no KL in the reward); "engine" takes the rollout
     # engine's sampled-token log-probs (rollout/logprob_diff_* still logged)
-    old_log_prob_source: str = "actor"
+    old_log_prob_source: Literal["actor", "engine"] = "actor"
     policy_loss: str = "vanilla"  # see algorithms.get_policy_loss
-    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
-    loss_agg_mode: str = "token-mean"
     clip_ratio_low: float = 0.2  # PPO clip below 1 (ratio >= 1 - low)
     clip_ratio_high: float = 0.2  # PPO clip above 1; DAPO's clip-higher: 0.28
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
@@ -127,13 +147,6 @@ class ActorConfig:
     use_kl_loss: bool = False  # KL to the reference as a loss term (GRPO style)
     kl_loss_coef: float = 0.001  # weight of that KL loss
     kl_loss_type: str = "low_var_kl"  # k1 | abs | k2 | k3 / low_var_kl (+ suffix: straight-through)
-    # Memory (see `rlcli plan`): move state to pinned host memory while vLLM generates
-    offload_params: bool = False  # weights: back before the log-prob forward
-    offload_grads: bool = False  # gradient buffers: back (zeroed) before the update
-    offload_optimizer: bool = False  # fp32 master weights + Adam moments: back before the update
-    recompute: str = "none"  # activation recomputation: none | selective | full
-    recompute_method: str = "uniform"  # full only: uniform | block (megatron-core's)
-    recompute_num_layers: int = 1  # full only: layers per group (uniform) / per stage (block)
 
 
 @dataclass
@@ -142,30 +155,19 @@ class RefConfig:
 
 
 @dataclass
-class CriticConfig:
+class CriticConfig(TrainedModelConfig):
     """The PPO value model (``algorithm.adv_estimator=gae``), trained with megatron-core on the
-    actor's ranks (colocated) and the actor's TP x PP layout; Adam betas / eps, recomputation
-    and offloading follow the actor's settings."""
+    actor's ranks (colocated) in the actor's TP x PP layout (megatron-core keeps one set of
+    process groups per process)."""
 
     model_path: Optional[str] = None  # HF directory; None: the actor's start weights (new head)
-    tp: Optional[int] = None  # None: parallel.tp (a different critic layout is not supported)
-    pp: Optional[int] = None  # None: parallel.pp (likewise)
-    lr: float = 1e-5
-    min_lr: float = 0.0
-    lr_warmup_steps: int = 0
-    lr_decay_style: str = "constant"  # constant | linear | cosine
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    ppo_epochs: int = 1
-    ppo_mini_batch_size: Optional[int] = None  # prompts per optimizer step; None: the whole batch
-    micro_batch_size: int = 8  # sequences per forward/backward
+    lr: float = 1e-5  # peak learning rate
     cliprange_value: float = 0.5  # value clipping around the rollout-time values
-    loss_agg_mode: str = "token-mean"
 
 
 @dataclass
 class KLControlConfig:
-    type: str = "fixed"  # fixed | adaptive
+    type: Literal["fixed", "adaptive"] = "fixed"  # the KL coefficient's controller
     kl_coef: float = 0.001  # (initial) KL coefficient
     target_kl: float = 0.1  # adaptive: KL the coefficient steers to
     horizon: int = 10000  # adaptive: samples over which it adapts
@@ -247,8 +249,10 @@ class TrainerConfig:
 
 @dataclass
 class LoggingConfig:
-    # console | tensorboard | jsonl | wandb
-    backends: list[str] = field(default_factory=lambda: ["console", "tensorboard", "jsonl"])
+    # where each step's metrics go
+    backends: list[Literal["console", "tensorboard", "jsonl", "wandb"]] = field(
+        default_factory=lambda: ["console", "tensorboard", "jsonl"]
+    )
 
 
 @dataclass
@@ -275,6 +279,15 @@ class RLConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+def choices(section: type, name: str) -> tuple[Any, ...]:
+    """The values a ``Literal``-typed field of a config section accepts (declared on the field;
+    for a list field, those of its items)."""
+    hint = get_type_hints(section)[name]
+    if get_origin(hint) is list:
+        hint = get_args(hint)[0]
+    return get_args(hint)
 
 
 def valid_keys(node: type = RLConfig, prefix: str = "") -> list[str]:

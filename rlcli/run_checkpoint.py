@@ -49,9 +49,8 @@ from rlcli.run_state import (
     write_text_atomically,
 )
 
-if TYPE_CHECKING:  # the policy pulls in megatron; `rlcli export` only needs the directory rules
-    from rlcli.critic import MegatronCritic
-    from rlcli.policy import MegatronPolicy
+if TYPE_CHECKING:  # the model pulls in megatron; `rlcli export` only needs the directory rules
+    from rlcli.trained_model import TrainedModel
 
 COMPLETE_MARKER = "COMPLETE"
 LATEST_POINTER = "latest"
@@ -295,14 +294,15 @@ def _why_not_a_checkpoint(path: Path) -> str:
 def save_run(
     ckpt: CheckpointManager,
     step: int,
-    actor: MegatronPolicy,
+    actor: TrainedModel,
     model_dir: str,
     state: Mapping[str, Any],
     save_optimizer: bool,
-    critic: MegatronCritic | None = None,
+    critic: TrainedModel | None = None,
 ) -> None:
     """Collective: commit ``step``'s checkpoint (model, optimizer, HF metadata, trainer state;
-    the critic's model and optimizer under ``critic/`` when there is one)."""
+    the critic's model and optimizer under ``critic/`` when there is one). Every kind of state
+    of both must be on the device (the trainer's ``checkpoint`` residency)."""
     from parallel.checkpoint import save_checkpoint
     from parallel.optim import all_weights_finite
 
@@ -326,7 +326,6 @@ def save_run(
         if actor.mesh.rank == 0:
             copy_hf_metadata(model_dir, directory / "hf")
         if critic is not None:
-            critic.offloader.onload_all()  # the step may have left its state on the host
             save_checkpoint(
                 directory / "critic" / "model",
                 critic.models,
@@ -342,9 +341,9 @@ def save_run(
 def resume_run(
     ckpt: CheckpointManager,
     resume: str | None,
-    actor: MegatronPolicy,
+    actor: TrainedModel,
     load_optimizer: bool,
-    critic: MegatronCritic | None = None,
+    critic: TrainedModel | None = None,
 ) -> dict[str, Any] | None:
     """Load the checkpoint ``trainer.resume`` names into ``actor`` (and ``critic``); its trainer
     state, or None when the run starts fresh."""

@@ -67,7 +67,8 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
     from parallel.memory_plan import PlanInputs, RolloutEngine
     from parallel.memory_terms import TrainedModel
     from parallel.reshard import AUTO_BUCKET_MB
-    from rlcli.config_validation import derive_dp, validate
+    from rlcli.batch import mini_batch_count
+    from rlcli.config_validation import derive_dp, uses_critic, validate
 
     validate(cfg, world_size=world_size)
     par = cfg.parallel
@@ -84,31 +85,34 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
     seq_len = cfg.data.max_prompt_length + cfg.rollout.max_tokens
     sequences = cfg.data.train_batch_size * cfg.rollout.n
 
-    def micro_batches_per_step(section) -> int:
-        """Micro-batches per optimizer step on one DP rank, for `actor` or `critic` settings."""
-        mini = (section.ppo_mini_batch_size or cfg.data.train_batch_size) * cfg.rollout.n
-        return max(1, mini // dp // section.micro_batch_size)
+    def trained(section, critic: bool = False) -> TrainedModel:
+        """The memory terms of the model an ``actor`` / ``critic`` section trains: the run's
+        layout, the section's micro-batches per optimizer step, recomputation and offloading."""
+        prompts = cfg.data.train_batch_size
+        mini = prompts // mini_batch_count(prompts, section.ppo_mini_batch_size) * cfg.rollout.n
+        return TrainedModel(
+            shape,
+            dtype=cfg.model.dtype,
+            tp=par.tp,
+            pp=par.pp,
+            vpp=par.vpp,
+            dp=dp,
+            distributed_optimizer=par.use_distributed_optimizer,
+            micro_batch_size=section.micro_batch_size,
+            seq_len=seq_len,
+            num_micro_batches=max(1, mini // dp // section.micro_batch_size),
+            recompute=section.recompute,
+            recompute_method=section.recompute_method,
+            recompute_num_layers=section.recompute_num_layers,
+            sequence_parallel=par.sequence_parallel,
+            flash_attention=flash_attention,
+            offload_params=section.offload_params,
+            offload_grads=section.offload_grads,
+            offload_optimizer=section.offload_optimizer,
+            critic=critic,
+        )
 
-    actor = TrainedModel(
-        shape,
-        dtype=cfg.model.dtype,
-        tp=par.tp,
-        pp=par.pp,
-        vpp=par.vpp,
-        dp=dp,
-        distributed_optimizer=par.use_distributed_optimizer,
-        micro_batch_size=cfg.actor.micro_batch_size,
-        seq_len=seq_len,
-        num_micro_batches=micro_batches_per_step(cfg.actor),
-        recompute=cfg.actor.recompute,
-        recompute_method=cfg.actor.recompute_method,
-        recompute_num_layers=cfg.actor.recompute_num_layers,
-        sequence_parallel=par.sequence_parallel,
-        flash_attention=flash_attention,
-        offload_params=cfg.actor.offload_params,
-        offload_grads=cfg.actor.offload_grads,
-        offload_optimizer=cfg.actor.offload_optimizer,
-    )
+    actor = trained(cfg.actor)
     engines = world_size // cfg.rollout.tp
     rollout = RolloutEngine(
         tp=cfg.rollout.tp,
@@ -118,15 +122,7 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
         dtype=cfg.model.dtype,
         sync_bucket_bytes=(cfg.rollout.sync_bucket_mb or AUTO_BUCKET_MB) * 1024**2,
     )
-    critic = None
-    if cfg.algorithm.adv_estimator == "gae":  # PPO: a critic with the actor's layout
-        # The actor's layout, recomputation and offloading; its own micro- and mini-batches.
-        critic = dataclasses.replace(
-            actor,
-            critic=True,
-            micro_batch_size=cfg.critic.micro_batch_size,
-            num_micro_batches=micro_batches_per_step(cfg.critic),
-        )
+    critic = trained(cfg.critic, critic=True) if uses_critic(cfg) else None
     return PlanInputs(
         actor=actor,
         rollout=rollout,
@@ -141,14 +137,14 @@ def _candidates(cfg, shape, gpus_per_node: int, world_size: int, plan) -> list[l
     """Single changes, cheapest first: offload, distributed optimizer, recompute, smaller
     micro-batches, less vLLM memory, more TP, more PP."""
     a, par = cfg.actor, cfg.parallel
+    # Each trained model has its own offload keys (PPO: the critic's too).
+    trained = ["actor", "critic"] if plan.inputs.critic is not None else ["actor"]
+    state = [f"{m}.offload_{kind}=true" for m in trained for kind in ("grads", "optimizer")]
     out = []
     if not (a.offload_grads and a.offload_optimizer):
-        out.append(["actor.offload_grads=true", "actor.offload_optimizer=true"])
+        out.append(state)
     if not (a.offload_params and cfg.ref.offload):
-        out.append(
-            ["actor.offload_params=true", "actor.offload_grads=true"]
-            + ["actor.offload_optimizer=true", "ref.offload=true"]
-        )
+        out.append([f"{m}.offload_params=true" for m in trained] + state + ["ref.offload=true"])
     if not par.use_distributed_optimizer and world_size // (par.tp * par.pp) > 1:
         out.append(["parallel.use_distributed_optimizer=true"])
     for mode in ("selective", "full"):
@@ -216,7 +212,6 @@ def plan_command(
     ),
 ) -> None:
     """Per-GPU memory of each phase (generate, log-probs, update, sync): does the layout fit?"""
-    import dataclasses
 
     from parallel.memory_plan import plan_memory
     from rlcli.config_loader import load_config
@@ -236,11 +231,12 @@ def plan_command(
 
     plan = plan_for([])
     actor = plan.inputs.actor
+    offloaded = dict(offload_params=True, offload_grads=True, offload_optimizer=True)
+    critic = plan.inputs.critic
     everything = dataclasses.replace(
         plan.inputs,
-        actor=dataclasses.replace(
-            actor, offload_params=True, offload_grads=True, offload_optimizer=True
-        ),
+        actor=dataclasses.replace(actor, **offloaded),
+        critic=dataclasses.replace(critic, **offloaded) if critic is not None else None,
         ref_offload=True,
     )
     echo = typer.echo
