@@ -8,7 +8,7 @@ one section into the next; a smoke run saves the start-up cost and runs them all
     rollout  vLLM engine vs HF `generate` engine: new tokens/s, same model, prompts, sampling
     sync     parallel.reshard weight sync vs naive per-tensor gather-and-load vs memcpy floor
              (sync_section.py)
-    train    Megatron actor update (rlcli.policy) vs a plain HF + torch AdamW loop: tokens/s
+    train    Megatron actor update (rlcli.trained_model) vs a plain HF + torch AdamW loop: tokens/s
     grpo     a short real `rlcli train` run of the quickstart recipe: per-phase time shares, and
              the plain PyTorch loop on the same model and batch (grpo.py)
 """

@@ -28,7 +28,7 @@ class Sample:
     group: int  # which prompt of this step it answers
     prompt_ids: list[int]
     response_ids: list[int]
-    engine_logprobs: list[float]  # per response token (0.0 on tokens the model did not generate)
+    engine_log_probs: list[float]  # per response token (0.0 on tokens the model did not generate)
     finish_reason: str
     item: PromptItem | None  # data_source, ground_truth, extra_info (None for SFT pairs)
     score: float = 0.0
@@ -136,7 +136,7 @@ def collate(samples: list[Sample], pad_id: int) -> RolloutBatch:
         else:
             loss_mask[row, :n_resp] = torch.tensor(s.loss_mask[:n_resp], dtype=torch.float32)
         engine_log_probs[row, :n_resp] = torch.tensor(
-            s.engine_logprobs[:n_resp], dtype=torch.float32
+            s.engine_log_probs[:n_resp], dtype=torch.float32
         )
     return RolloutBatch(
         input_ids=input_ids,

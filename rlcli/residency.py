@@ -140,9 +140,11 @@ class Residency:
         return moved
 
     def on_device(self, name: str) -> frozenset[str]:
-        """The kinds of model ``name`` on the device now (what a test checks against the plan)."""
-        offloader = self.models[name].offloader
-        return frozenset(kind for kind in KINDS if not offloader.is_offloaded(kind))
+        """The kinds of state model ``name`` holds on the device now (a frozen model has only
+        its params)."""
+        model = self.models[name]
+        kinds = KINDS if model.optimizer is not None else ("params",)
+        return frozenset(kind for kind in kinds if not model.offloader.is_offloaded(kind))
 
 
 @dataclass

@@ -30,7 +30,7 @@ def tokenize_pairs(pairs: list[tuple[str, str]], tokenizer) -> list[Sample]:
             group=i,
             prompt_ids=p,
             response_ids=r + [eos],
-            engine_logprobs=[0.0] * (len(r) + 1),
+            engine_log_probs=[0.0] * (len(r) + 1),
             finish_reason="stop",
             item=None,
         )

@@ -125,10 +125,10 @@ def run_layout(model_dir, tp, pp, engine, hf_engine, replica_index) -> None:
     all_samples = [s for index in sorted(replicas) for s in replicas[index]]
     trainer = megatron_logprobs(models, mesh, [p + c for p, c, _ in all_samples])
     worst = 0.0
-    for row, (prompt, completion, engine_logprobs) in enumerate(all_samples):
+    for row, (prompt, completion, engine_log_probs) in enumerate(all_samples):
         start = len(prompt) - 1
         expected = trainer[row, start : start + len(completion)]
-        worst = max(worst, (torch.tensor(engine_logprobs) - expected).abs().max().item())
+        worst = max(worst, (torch.tensor(engine_log_probs) - expected).abs().max().item())
     assert worst < 1e-3, f"tp={tp} pp={pp}: engine vs Megatron log-prob diff {worst}"
 
     greedy = SamplingConfig(temperature=0, max_tokens=12)

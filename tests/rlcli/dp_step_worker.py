@@ -43,7 +43,7 @@ def random_samples(seed: int):
                     group=group,
                     prompt_ids=[1] * rng.randrange(2, 6),
                     response_ids=response,
-                    engine_logprobs=[-rng.random() for _ in response],
+                    engine_log_probs=[-rng.random() for _ in response],
                     finish_reason="stop",
                     item=None,
                     score=float(rng.choice([0.0, 0.0, 1.0, 0.5])),

@@ -95,7 +95,7 @@ def test_rollout_replicas():
 # ---- HF engine ------------------------------------------------------------------------
 
 
-def test_hf_engine_logprobs_match_forward_and_stop_tokens(model_dir):
+def test_hf_engine_log_probs_match_forward_and_stop_tokens(model_dir):
     from transformers import AutoModelForCausalLM
 
     engine = engine_for("hf", model_dir)
