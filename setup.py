@@ -21,6 +21,7 @@ install_requires = [
     "numpy",
     "matplotlib",  # benchmark chart
     "jinja2",  # sbatch templates
+    "jsonschema>=4.18",  # tool schemas (rlcli/tools/schema.py)
 ]
 
 extras_require = {

@@ -68,6 +68,27 @@ class ParallelConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts: the model calls tools or talks to an environment over several turns
+    (docs/agentic.md). Each assistant turn generates up to ``rollout.max_tokens`` tokens."""
+
+    enable: bool = False  # multi-turn rollouts (false: one prompt, one completion)
+    max_assistant_turns: int = 4  # assistant turns per trajectory
+    max_tool_calls_per_turn: int = 4  # calls run per turn; each further one gets an error response
+    max_tool_response_tokens: int = 256  # a longer tool response is cut to this (marker included)
+    # which part of a long tool response is cut away
+    tool_response_truncate_side: Literal["left", "right", "middle"] = "middle"
+    # tokens after the prompt per trajectory: generated turns plus tool / environment messages
+    max_response_tokens: int = 1024
+    format: Literal["hermes"] = "hermes"  # how the model writes tool calls (hermes: Qwen2.5's tags)
+    tool_config: Optional[str] = None  # YAML file of the tools (docs/agentic.md); None: no tools
+    tool_timeout_s: float = 30.0  # per tool call; a call past it answers with a timeout error
+    # built-in name (running_sum), module:Class or path/file.py:Class; None: no environment
+    environment: Optional[str] = None
+    environment_kwargs: dict[str, Any] = field(default_factory=dict)  # the environment's config
+
+
+@dataclass
 class RolloutConfig:
     engine: Literal["vllm", "hf"] = "vllm"  # the rollout engine
     tp: int = 1  # inference tensor parallel size, independent of parallel.tp / parallel.pp
@@ -95,6 +116,7 @@ class RolloutConfig:
     # in bf16; unsynced weights give whole nats), and what to do beyond it: warn | stop (exit 2).
     max_logprob_diff: float = 0.5
     logprob_diff_action: Literal["warn", "stop"] = "warn"
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass

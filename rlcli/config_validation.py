@@ -51,6 +51,7 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
             f"trainer.critic_warmup={cfg.trainer.critic_warmup} needs a critic "
             "(algorithm.adv_estimator=gae); set trainer.critic_warmup=0"
         )
+    _check_multi_turn(cfg)
     positive = {
         "data.train_batch_size": cfg.data.train_batch_size,
         "data.max_prompt_length": cfg.data.max_prompt_length,
@@ -132,6 +133,38 @@ def _check_sampling(cfg: RLConfig) -> None:
             )
     if cfg.actor.clip_ratio_c <= 1:
         raise UserError(f"actor.clip_ratio_c must be > 1 (dual-clip), got {cfg.actor.clip_ratio_c}")
+
+
+def _check_multi_turn(cfg: RLConfig) -> None:
+    """``rollout.multi_turn``, checked only when enabled: limits, and the tool config and the
+    environment resolved (an unknown tool, a class that is not a tool, an invalid JSON schema)
+    before anything starts. Tools are built (and the python sandbox probed) by the rollout."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return
+    for key in (
+        "max_assistant_turns",
+        "max_tool_calls_per_turn",
+        "max_tool_response_tokens",
+        "max_response_tokens",
+    ):
+        if getattr(mt, key) < 1:
+            raise UserError(f"rollout.multi_turn.{key} must be >= 1, got {getattr(mt, key)}")
+    if not mt.tool_timeout_s > 0:
+        raise UserError(f"rollout.multi_turn.tool_timeout_s must be > 0, got {mt.tool_timeout_s}")
+    if mt.tool_config is None and mt.environment is None:
+        raise UserError(
+            "rollout.multi_turn.enable=true needs tools (rollout.multi_turn.tool_config=FILE) or "
+            "an environment (rollout.multi_turn.environment=NAME)"
+        )
+    if mt.tool_config is not None:
+        from rlcli.tools.tool_config import load_tool_config
+
+        load_tool_config(mt.tool_config)
+    if mt.environment is not None:
+        from rlcli.environments.base import resolve_environment_class
+
+        resolve_environment_class(mt.environment)
 
 
 def _check_schedules(cfg: RLConfig) -> None:
