@@ -3,7 +3,7 @@
 (``parallel.model.ValueHead`` without a bias, built by ``build_model(critic=True,
 head_bias=False)``), scored the way HF transformers scores it.
 
-    reward_model_problem(hf_dir) -> str | None                     why a folder is not a reward model
+    reward_model_problem(hf_dir, *, from_language_model=False) -> str | None   (why not an RM)
     load_reward_model(hf_dir, mesh, *, dtype=torch.float32, from_language_model=False,
                       pad_token_id=None, **build_options) -> list[torch.nn.Module]
     reward_model_config(hf_config, pad_token_id=None) -> hf_config  as *ForSequenceClassification

@@ -30,13 +30,9 @@ from transformers import AutoModelForSequenceClassification
 from parallel.convert import save_hf_checkpoint
 from parallel.mesh import Mesh, init_parallel
 from parallel.optim import build_optimizer, wrap_for_training
+from parallel.preference_pairs import TokenizedPairs, pad_sequences
 from parallel.reward_model import load_reward_model, score_sequences
-from parallel.reward_training import (
-    TokenizedPairs,
-    bradley_terry_step,
-    pad_sequences,
-    pairwise_accuracy,
-)
+from parallel.reward_training import bradley_terry_step, pairwise_accuracy
 
 LAYOUTS = [(2, 1), (1, 2), (1, 1)]  # (tp, pp); 1 x 1 on two processes is DP2
 PAD = 0
