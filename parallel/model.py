@@ -50,9 +50,8 @@ Forward call (megatron-core 0.16 - 0.19):
     Output on the post_process chunk:
         policy: logits [b, s, padded_vocab / tp] (this TP rank's vocab slice, fp32 in fp32 runs;
                 with labels=... GPTModel returns the per-token CE loss [b, s] instead)
-        critic: values [b, s] (ValueHead; sequence-parallel input is gathered first). A reward
-                model is built the same way with `head_bias=False` (its score at every position;
-                `parallel.reward_model` reads it at the last real token).
+        critic: values [b, s] (ValueHead; sequence-parallel input is gathered first); a reward
+                model is one with `head_bias=False` (`parallel.reward_model`).
     Output of other chunks: hidden states [s, b, h] (sequence-first; [s/tp, b, h] with sequence
     parallelism), which the pipeline schedule sends to the next stage.
 """
@@ -278,8 +277,7 @@ class ValueHead(torch.nn.Module):
     [b, s]. The head is replicated on every TP rank (its input is TP-replicated after the final
     norm; with sequence parallelism the sequence shards are gathered first). Its weights map to
     HF `score.weight` [1, h] and, with `bias=True`, `score.bias` [1]: a PPO critic's head has a
-    bias (as *ForTokenClassification), a reward model's has none (as
-    *ForSequenceClassification).
+    bias (as *ForTokenClassification), a reward model's none (as *ForSequenceClassification).
     """
 
     def __init__(self, config: TransformerConfig, bias: bool = True) -> None:
