@@ -248,6 +248,38 @@ class SFTConfig:
 
 
 @dataclass
+class RewardModelTrainingConfig:
+    """``rlcli rm``: a reward model trained on preference pairs with the Bradley-Terry loss, in
+    the layout of ``parallel.*`` (the model settings are ``model.*``)."""
+
+    # JSONL / Parquet rows {"prompt", "chosen", "rejected"[, "margin"]} (rlcli.data.preferences)
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)  # held-out pairs: pairwise accuracy
+    # "arith": write the quickstart's preference pairs (the correct answer preferred) under
+    # trainer.output_dir/data and train and validate on them
+    synthetic: Optional[Literal["arith"]] = None
+    # HF folder to start from: a language model (its transformer, a fresh score head) or a
+    # reward model (trained further); its tokenizer and chat template are the reward model's.
+    # None: model.path
+    init_path: Optional[str] = None
+    # the trained model as an HF *ForSequenceClassification folder (replaced if it exists)
+    out_dir: str = "${trainer.output_dir}/reward_model"
+    steps: int = 100  # optimizer steps
+    batch_size: int = 32  # pairs per step, all data-parallel ranks together
+    micro_batch_size: int = 16  # pairs per forward/backward
+    max_tokens: int = 0  # > 0: micro-batches by this token budget (both sequences of a pair)
+    max_length: int = 512  # pairs with a longer sequence (prompt + response) are dropped
+    lr: float = 1e-5  # Adam learning rate (betas / eps as actor.*), constant after warmup
+    lr_warmup_steps: int = 0  # linear warmup steps
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # global gradient-norm clip (0: off)
+    val_freq: int = 50  # held-out accuracy every N steps, besides before and after (0: never)
+    # checkpoint every N steps into <trainer.output_dir>/rm_checkpoints (0: none); a run
+    # resumes from the newest one as trainer.resume says
+    save_freq: int = 0
+
+
+@dataclass
 class TrainerConfig:
     total_steps: Optional[int] = None  # None: total_epochs over the training data
     total_epochs: int = 1  # used when total_steps is None
@@ -298,6 +330,7 @@ class RLConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    rm: RewardModelTrainingConfig = field(default_factory=RewardModelTrainingConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
