@@ -1,8 +1,13 @@
 """LoRA adapters on megatron-core's tensor-parallel linears, with a frozen base.
 
 rlcli's own adapters: NVIDIA's Megatron-Bridge holds LoRA for Megatron but cannot be installed
-next to this stack (it needs Transformer Engine, mamba-ssm and transformers < 5). They compute
-what HF PEFT's LoRA computes on the HF model (checked against PEFT by tests/parallel/lora_*):
+next to this stack (it needs Transformer Engine, mamba-ssm and transformers < 5), and PEFT's own
+megatron-core support (`LoraConfig(megatron_config=...)`, peft/tuners/lora/tp_layer.py) gives a
+fused linear_qkv or linear_fc1 ONE adapter (q, k, v share A: not an HF PEFT adapter), replaces
+the linears (their weights become `base_layer.weight`, names that conversion, resharding and
+checkpoints address) and has no sharded_state_dict (megatron's dist checkpoints would store its
+TP-split tensors as replicated). These compute what HF PEFT's LoRA computes on the HF model
+(checked against PEFT by tests/parallel/test_lora.py):
 
     y = W x + (alpha / r) * B (A dropout(x))       A [r, in] (kaiming-uniform), B [out, r] (zeros)
 
@@ -163,7 +168,9 @@ def lora_modules(hf_config: Any, spec: LoraSpec) -> list[LoraModule]:
 class LoraPiece(torch.nn.Module):
     """The adapter of one HF module: this TP rank's lora_A [r, in(/tp)] and lora_B [out(/tp), r]."""
 
-    def __init__(self, module: LoraModule, spec: LoraSpec, tp: int, tp_rank: int, like):
+    def __init__(
+        self, module: LoraModule, spec: LoraSpec, tp: int, tp_rank: int, like: torch.Tensor
+    ) -> None:
         super().__init__()
         self.hf_module = module.hf_module
         full_a = torch.empty(spec.rank, module.in_features, dtype=torch.float32)
@@ -194,7 +201,9 @@ class LoraAdapter(torch.nn.Module):
     TP sum, like the linear's own output).
     """
 
-    def __init__(self, linear, target: str, modules: list[LoraModule], spec: LoraSpec, name: str):
+    def __init__(
+        self, linear: Any, target: str, modules: list[LoraModule], spec: LoraSpec, name: str
+    ) -> None:
         super().__init__()
         self.target, self.linear_name = target, name
         self.parallel = modules[0].parallel

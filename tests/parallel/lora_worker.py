@@ -128,9 +128,9 @@ def grad_diff(models, mesh: Mesh, reference: dict[str, torch.Tensor]) -> float:
     return world_max(diff)
 
 
-def lora_model(hf_dir: str, mesh: Mesh, adapter_dir: str | None, **build_options):
+def lora_model(hf_dir: str, mesh: Mesh, adapter_dir: str | None, spec=SPEC, **build_options):
     models = load_hf_model(hf_dir, mesh, **build_options)
-    apply_lora(models, SPEC)
+    apply_lora(models, spec)
     if adapter_dir is not None:
         load_peft_adapter(models, mesh, adapter_dir)
     return models
@@ -254,6 +254,7 @@ def check_layout(mesh: Mesh, hf_dir: str, args) -> dict:
 
     if mesh.tp > 1:
         report.update(check_checkpoint(models, mesh, hf_dir, Path(args.out) / "ckpt", input_ids))
+        report.update(check_dropout(mesh, hf_dir, args, input_ids, mask, peft_logits))
     if mesh.dp > 1:
         report.update(check_dp_extras(mesh, hf_dir, args, input_ids, mask, counted))
     return report
@@ -279,6 +280,33 @@ def check_checkpoint(models, mesh: Mesh, hf_dir: str, ckpt: Path, tokens) -> dic
             torch.equal(a.param, b.param)
             for a, b in zip(adapter_params(models), adapter_params(fresh), strict=True)
         )
+    )
+    return report
+
+
+def check_dropout(mesh: Mesh, hf_dir: str, args, input_ids, mask, peft_logits) -> dict:
+    """Adapter dropout: off in eval mode (PEFT's logits), on in train mode; the adapter tensors
+    replicated over TP stay equal after a step (TP ranks draw the same masks where the input
+    is replicated)."""
+    models = lora_model(hf_dir, mesh, args.peft, spec=LoraSpec(rank=4, alpha=8.0, dropout=0.3))
+    for chunk in models:
+        chunk.eval()
+    report = {"dropout_eval_vs_peft": logits_diff(models, mesh, input_ids, peft_logits)}
+    for chunk in models:
+        chunk.train()
+    first, second = (megatron_logits(models, mesh, input_ids) for _ in range(2))
+    report["dropout_train_changes_logits"] = all_true(
+        first is None or not torch.equal(first, second)
+    )
+    models, optimizer, scheduler = trained(models, mesh)
+    step(models, mesh, optimizer, scheduler, input_ids, mask)
+    replicated = torch.cat(
+        [e.param.detach().flatten() for e in adapter_params(models) if e.partition_dim is None]
+    )
+    copies = [torch.empty_like(replicated) for _ in range(mesh.tp)]
+    dist.all_gather(copies, replicated, group=mesh.tp_group)
+    report["dropout_replicated_equal_over_tp"] = all_true(
+        all(torch.equal(copies[0], c) for c in copies)
     )
     return report
 

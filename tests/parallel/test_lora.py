@@ -93,6 +93,8 @@ def test_lora_matches_peft_at_tp2_pp2_dp2(tiny_qwen2_dir, tiny_qwen2_tied_dir, a
         assert report["exported_targets"] == sorted(HF_TARGETS), report
     tp2 = reports["tp2-pp1-dp1"]
     assert tp2["checkpoint_full_adapter_shapes"] and tp2["checkpoint_round_trip"], tp2
+    assert tp2["dropout_eval_vs_peft"] < LOGIT_TOLERANCE, tp2
+    assert tp2["dropout_train_changes_logits"] and tp2["dropout_replicated_equal_over_tp"], tp2
     dp2 = reports["tp1-pp1-dp2"]
     assert dp2["distributed_optimizer_state_is_adapters"], dp2
     assert dp2["distributed_grad_buffer_only_adapters"], dp2
@@ -141,3 +143,19 @@ def test_lora_parameter_count_worked_by_hand():
     by_hand = (256 + 128) + 2 * (256 + 64) + (128 + 256) + 2 * (256 + 192) + (192 + 256)
     count = lora_stage_params(shape, tp=2, pp=2, rank=4, target_modules=LORA_TARGET_MODULES)
     assert count == by_hand == 2752
+
+
+def test_memory_terms_count_only_adapters_as_trainable():
+    from parallel.memory_terms import TrainedModel, grad_bytes, optimizer_bytes, weight_bytes
+    from parallel.model_shapes import KNOWN_SHAPES
+
+    full = TrainedModel(KNOWN_SHAPES["qwen2.5-7b"], dtype="bfloat16", tp=2, dp=4)
+    lora = TrainedModel(KNOWN_SHAPES["qwen2.5-7b"], dtype="bfloat16", tp=2, dp=4, lora_rank=32)
+    adapters = lora_stage_params(
+        lora.shape, tp=2, pp=1, rank=32, target_modules=LORA_TARGET_MODULES
+    )
+    assert lora.lora_params == adapters and full.lora_params == 0
+    assert grad_bytes(lora) == 4 * adapters  # fp32 gradient buffer of the adapters only
+    assert optimizer_bytes(lora) == 4 * 3 * adapters  # fp32 master + Adam's two moments
+    assert weight_bytes(lora) == 2 * (full.params + adapters)  # the frozen base stays resident
+    assert grad_bytes(lora) < grad_bytes(full) / 50
