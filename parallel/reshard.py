@@ -109,7 +109,9 @@ def _module_of(global_name: str) -> str:
     return global_name.rpartition(".")[0]
 
 
-def _base_entries(chunks, hf_config, mesh: Mesh, lora: bool):
+def _base_entries(
+    chunks: list[torch.nn.Module], hf_config: Any, mesh: Mesh, lora: bool
+) -> tuple[list[_Entry], dict[str, torch.Tensor]]:
     """The exported base parameters (with each adapted linear's adapters right after it when
     `lora`) as (entries, {global_name: local tensor})."""
     mappings = [
@@ -128,10 +130,12 @@ def _base_entries(chunks, hf_config, mesh: Mesh, lora: bool):
         )
         if index + 1 == len(mappings) or _module_of(mappings[index + 1].global_name) != module:
             entries += adapters.pop(module, [])
+    if adapters:
+        raise RuntimeError(f"LoRA adapters of unknown linears: {sorted(adapters)}")
     return entries, tensors
 
 
-def _adapter_entries(chunks) -> list[tuple[_Entry, torch.Tensor]]:
+def _adapter_entries(chunks: list[torch.nn.Module]) -> list[tuple[_Entry, torch.Tensor]]:
     return [
         (
             _Entry(
