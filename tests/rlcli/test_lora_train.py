@@ -72,7 +72,14 @@ def test_merged_sync_at_tp2_checkpoint_and_exports(tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
+    # Rewards that vary within every group: step 1's update surely moves the adapters.
+    reward = tmp_path / "hash_reward.py"
+    reward.write_text(
+        "import zlib\n\n\ndef compute_score(data_source, solution_str, ground_truth, "
+        "extra_info=None):\n    return zlib.crc32(solution_str.encode()) % 100 / 100\n"
+    )
     overrides = [*LORA, "actor.lora.dropout=0.1", "actor.use_kl_loss=true"]
+    overrides += [f"reward.fn={reward}:compute_score"]
     train(out, "parallel.tp=2", "rollout.engine=vllm", "trainer.total_steps=2", *overrides)
     steps = records(out)
     assert [r["step"] for r in steps] == [1, 2]
@@ -80,8 +87,9 @@ def test_merged_sync_at_tp2_checkpoint_and_exports(tmp_path):
         # Also proves the no-grad passes ran without adapter dropout (the agreement is measured
         # on the old-log-prob pass: 2 mini-batches per step).
         check_step_metrics(record)
-    # The reference is the base: at step 1 (B = 0) the policy is the base exactly.
-    assert steps[0]["actor/kl_to_ref"] == 0.0
+    # The reference is the base: at step 1 (B = 0) the policy is the base exactly; after the
+    # adapters moved it is not.
+    assert steps[0]["actor/kl_to_ref"] == 0.0 and steps[0]["actor/grad_norm"] > 0
     assert steps[1]["actor/kl_to_ref"] > 0.0
     step_dir = out / "checkpoints" / "step_000002"
     only_adapters_saved(step_dir, tmp_path)
@@ -102,7 +110,8 @@ def test_merged_sync_at_tp2_checkpoint_and_exports(tmp_path):
     assert config["base_model_name_or_path"] == str(out / "model")
     assert config["r"] == 8 and config["lora_alpha"] == 16
 
-    tokens = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    vocab = json.loads((out / "model" / "config.json").read_text())["vocab_size"]
+    tokens = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
     torch.save(tokens, tmp_path / "tokens.pt")
     subprocess.run(
         [sys.executable, str(WORKER), str(step_dir), tmp_path / "tokens.pt", tmp_path / "mg.pt"],
