@@ -6,6 +6,7 @@
     save_peft_adapter(models, mesh, out_dir, base_model_name_or_path) -> Path   collective
     load_peft_adapter(models, mesh, adapter_dir)               every rank reads its own shards
     sync_lora_adapter(models, mesh, engine, folder) -> SyncStats   the `adapter` weight sync
+    save_merged_hf_checkpoint(models, mesh, out_dir, hf_config, tokenizer_dir)   collective
     default_adapter_folder() -> Path                           this rank's folder in /dev/shm
 
 A PEFT adapter folder is `adapter_config.json` (written by PEFT's own LoraConfig) and
@@ -43,7 +44,7 @@ from parallel.lora import (
     peft_tensor_name,
 )
 from parallel.mesh import Mesh
-from parallel.reshard import SyncStats, iter_adapter_buckets
+from parallel.reshard import SyncStats, iter_adapter_buckets, iter_inference_buckets
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -253,3 +254,19 @@ def sync_lora_adapter(
     num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     seconds = time.perf_counter() - start
     return SyncStats(num_bytes, seconds, num_bytes / max(seconds, 1e-9) / 1e9, 1)
+
+
+def save_merged_hf_checkpoint(
+    models: Sequence[torch.nn.Module],
+    mesh: Mesh,
+    out_dir: str | os.PathLike,
+    hf_config: Any,
+    tokenizer_dir: str | os.PathLike | None = None,
+) -> None:
+    """The model with its adapters merged, W + (alpha/r) B A per adapted tensor, as a plain HF
+    checkpoint in `out_dir` (rank 0 writes; collective). The tensors are those the `merged`
+    weight sync sends (`iter_inference_buckets`); the model itself stays unmerged."""
+    from parallel.convert import save_hf_checkpoint
+
+    merged = (pair for bucket in iter_inference_buckets(models, mesh) for pair in bucket)
+    save_hf_checkpoint(models, mesh, out_dir, hf_config, tokenizer_dir, tensors=merged)
