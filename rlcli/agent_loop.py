@@ -194,7 +194,7 @@ class AgentLoop:
             tools = self._tools_of(item) if parts.tools is not None else None
             if parts.environment is not None:
                 state = parts.environment.start(item.extra_info.get("interaction_kwargs") or {})
-        return Trajectory(number, group, item, tools, state, copy.deepcopy(item.messages))
+        return Trajectory(number, group, item, tools, state, copy.deepcopy(item.prompt_messages))
 
     def _tools_of(self, item: PromptItem) -> TrajectoryTools:
         where = item.origin or f"prompt {item.index}"

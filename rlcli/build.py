@@ -19,12 +19,18 @@ from rlcli.config_validation import uses_critic
 from rlcli.data import PromptLoader
 from rlcli.errors import UserError
 from rlcli.inputs import RunInputs, barrier, prepare_inputs
+from rlcli.lora import lora_spec
 from rlcli.metrics import MetricsLogger
 from rlcli.rewards import RewardManager
 from rlcli.rollout.base import RolloutEngine
 from rlcli.run_checkpoint import CheckpointManager, checkpoint_root, resume_run
 from rlcli.sampling import ReplicaInfo
-from rlcli.trained_model import MicroBatching, OptimizerSettings, TrainedModel
+from rlcli.trained_model import (
+    LoraReference,
+    MicroBatching,
+    OptimizerSettings,
+    TrainedModel,
+)
 from rlcli.trainer import Trainer, say
 
 
@@ -48,13 +54,7 @@ def build_trainer(cfg: RLConfig, reference: bool | None = None, logger: bool = T
     actor = build_actor(inputs, total_steps=total)
     ref = None
     if needs_reference(cfg) if reference is None else reference:
-        ref = TrainedModel(
-            mesh,
-            inputs.model_dir,
-            dtype=cfg.model.dtype,
-            micro_batching=MicroBatching.of(cfg.actor),
-            model_options=model_options(cfg),
-        )
+        ref = build_reference(inputs, actor)
     critic = build_critic(inputs, total_steps=total) if uses_critic(cfg) else None
     say(mesh, f"starting the {cfg.rollout.engine} engine (rollout.tp={cfg.rollout.tp})")
     engine, replica = build_engine(inputs)
@@ -68,7 +68,7 @@ def build_trainer(cfg: RLConfig, reference: bool | None = None, logger: bool = T
         actor=actor,
         reference=ref,
         engine=engine,
-        transport=make_transport(cfg.rollout, engine),
+        transport=make_transport(cfg.rollout, engine, adapters=actor.lora is not None),
         replica=replica,
         rewards=rewards,
         loader=loader,
@@ -166,6 +166,24 @@ def build_actor(inputs: RunInputs, total_steps: int, sft: bool = False) -> Train
         optim=settings,
         micro_batching=micro_batching,
         model_options=model_options(cfg, cfg.actor),
+        # The SFT warm start trains the whole model; RL then adapts what it left.
+        lora=None if sft else lora_spec(cfg.actor.lora, cfg.trainer.seed),
+        adapter_path=None if sft else cfg.actor.lora.adapter_path,
+    )
+
+
+def build_reference(inputs: RunInputs, actor: TrainedModel) -> TrainedModel | LoraReference:
+    """The frozen reference policy: the actor's start weights, a model of its own; or, for a
+    LoRA actor, the actor itself with its adapters switched off (the base it started from)."""
+    if actor.lora is not None:
+        return LoraReference(actor)
+    cfg = inputs.cfg
+    return TrainedModel(
+        inputs.mesh,
+        inputs.model_dir,
+        dtype=cfg.model.dtype,
+        micro_batching=MicroBatching.of(cfg.actor),
+        model_options=model_options(cfg),
     )
 
 
@@ -240,12 +258,14 @@ def build_engine(inputs: RunInputs) -> tuple[RolloutEngine, ReplicaInfo]:
     index, count = rollout_replicas(mesh.world_size, mesh.rank, r.tp)
     # A multi-turn trajectory is the prompt and up to max_response_tokens after it.
     response = r.multi_turn.max_response_tokens if r.multi_turn.enable else r.max_tokens
+    adapters = cfg.actor.lora.enable and r.lora_sync == "adapter"
     engine = make_engine(
         r,
         inputs.model_dir,
         dtype=cfg.model.dtype,
         seed=cfg.trainer.seed,  # engines space request seeds per replica themselves
         max_model_len=r.max_model_len or (cfg.data.max_prompt_length + response),
+        max_lora_rank=cfg.actor.lora.rank if adapters else 0,
     )
     replica = ReplicaInfo(index=index, count=count, is_leader=mesh.rank % r.tp == 0)
     return engine, replica

@@ -43,6 +43,6 @@ def test_rows_conversations_and_reward(tmp_path):
     tokenizer = train_tokenizer([r["prompt"][0]["content"] for r in train], 300, "chatml")
     data = load_prompt_dataset(paths["train"], tokenizer, max_prompt_length=64, tools=TOOLS)
     item = data[0]
-    assert item.messages == row["prompt"] and item.extra_info == row["extra_info"]
+    assert item.prompt_messages == row["prompt"] and item.extra_info == row["extra_info"]
     assert item.prompt_text.startswith("<|im_start|>system\nTools: calculator(expression)\n")
     assert item.prompt_text.endswith("<|im_start|>assistant\n")
