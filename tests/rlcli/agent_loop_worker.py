@@ -50,7 +50,7 @@ def main(model_dir: str, tool_config: str, out: str) -> None:
     )
     messages = [{"role": "user", "content": QUESTION}]
     prompt = loop.components.renderer.prompt_ids(messages)
-    item = PromptItem(0, prompt, "tool_multiply", "201954", {}, messages=messages)
+    item = PromptItem(0, prompt, "tool_multiply", "201954", {}, prompt_messages=messages)
     actor = TrainedModel(mesh, model_dir, micro_batching=MicroBatching(8))
     results: dict = {}
     # vLLM last, never closed: its shutdown destroys the process group megatron-core uses.

@@ -63,7 +63,7 @@ def _item(loop: AgentLoop) -> PromptItem:
     messages = [{"role": "user", "content": QUESTION}]
     prompt = loop.components.renderer.prompt_ids(messages)
     extra = {"tools_kwargs": {"calculator": {"create_kwargs": {}}}, "index": 0}
-    return PromptItem(0, prompt, "tool_multiply", "201954", extra, messages=messages)
+    return PromptItem(0, prompt, "tool_multiply", "201954", extra, prompt_messages=messages)
 
 
 def _run(model, n=2, sampling=SAMPLING, **settings):
@@ -220,7 +220,7 @@ def test_an_environment_answers_turns_without_tool_calls(model):
     loop = AgentLoop(build_multi_turn(config, tokenizer), tokenizer)
     messages = [{"role": "user", "content": QUESTION}]
     prompt = loop.components.renderer.prompt_ids(messages)
-    item = PromptItem(0, prompt, "x", "1", {}, messages=messages)
+    item = PromptItem(0, prompt, "x", "1", {}, prompt_messages=messages)
     [sample] = loop.run(engine, [(0, item)], 1, SAMPLING, 0)
     record = sample.trajectory
     assert record.assistant_turns == 3 and record.environment_reward == 1.0
