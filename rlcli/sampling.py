@@ -28,6 +28,7 @@ from rlcli.errors import UserError
 from rlcli.metrics import Timer
 from rlcli.rewards import RewardInput, RewardManager
 from rlcli.rollout.base import RolloutEngine, SamplingConfig
+from rlcli.trajectory import response_limit
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -186,12 +187,6 @@ def rollout_metrics(samples: list[Sample], max_tokens: int, prefix: str = "") ->
         f"{prefix}response_length/max": lengths.max().item(),
         f"{prefix}response_length/clip_ratio": sum(clipped) / len(samples),
     }
-
-
-def response_limit(cfg: RLConfig) -> int:
-    """The longest response: ``rollout.max_tokens``, or a multi-turn trajectory's budget."""
-    multi_turn = cfg.rollout.multi_turn
-    return multi_turn.max_response_tokens if multi_turn.enable else cfg.rollout.max_tokens
 
 
 @contextmanager

@@ -8,9 +8,12 @@ it (the generated text as ``solution_str``; the message list, tool rewards and c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rlcli.tools.runner import ToolCallOutcome
+
+if TYPE_CHECKING:
+    from rlcli.config import RLConfig
 
 BudgetCut = Literal["max_assistant_turns", "max_response_tokens"]
 
@@ -40,3 +43,11 @@ class TrajectoryRecord:
             "environment_reward": self.environment_reward,
             "cut_by": self.cut_by,
         }
+
+
+def response_limit(cfg: RLConfig) -> int:
+    """The longest response of a run: ``rollout.max_tokens``, or with multi-turn rollouts a
+    trajectory's budget (``rollout.multi_turn.max_response_tokens``). Also the constant length
+    ``seq-mean-token-sum-norm`` divides by."""
+    multi_turn = cfg.rollout.multi_turn
+    return multi_turn.max_response_tokens if multi_turn.enable else cfg.rollout.max_tokens

@@ -165,3 +165,25 @@ def test_multi_turn_row_naming_a_tool_the_config_lacks(tmp_path):
         f"rollout.multi_turn.tool_config={write_tool_config(tmp_path)}",
     )
     assert_user_error(proc, str(path), "line 4", "'search'", "tools: calculator")
+
+
+@pytest.mark.parametrize(
+    ("override", "needles"),
+    [
+        ("rollout.multi_turn.max_assistant_turns=0", ["rollout.multi_turn.max_assistant_turns"]),
+        ("rollout.multi_turn.format=xml", ["rollout.multi_turn.format", "hermes"]),
+        ("rollout.multi_turn.tool_config=null", ["rollout.multi_turn.tool_config=FILE"]),
+        ("rollout.multi_turn.max_response_tokenz=9", ["rollout.multi_turn.max_response_tokenz"]),
+    ],
+)
+def test_bad_multi_turn_settings(tmp_path, model_dir, override, needles):
+    rows = write_rows(tmp_path / "train.jsonl", [good_row(i) for i in range(8)])
+    proc = train(
+        tmp_path,
+        model_dir,
+        f"data.train_files=[{rows}]",
+        "rollout.multi_turn.enable=true",
+        f"rollout.multi_turn.tool_config={write_tool_config(tmp_path)}",
+        override,
+    )
+    assert_user_error(proc, *needles)
