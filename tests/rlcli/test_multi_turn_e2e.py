@@ -59,7 +59,7 @@ def test_grpo_with_tool_calls_dp2_rollout_tp2(tmp_path):
         "rollout.max_tokens=48",
         "rollout.multi_turn.enable=true",
         f"rollout.multi_turn.tool_config={write_tool_config(tmp_path / 'tools.json')}",
-        "rollout.multi_turn.max_response_tokens=160",
+        "rollout.multi_turn.max_response_tokens=256",  # the conversation: 192 tokens
         "trainer.total_steps=2",
         "trainer.val_before_train=true",
         "checkpoint.save_freq=0",

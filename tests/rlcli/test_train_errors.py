@@ -161,6 +161,7 @@ def test_multi_turn_row_naming_a_tool_the_config_lacks(tmp_path):
         tmp_path,
         model,
         f"data.train_files=[{path}]",
+        "data.max_prompt_length=64",  # the system prompt lists the tools
         "rollout.multi_turn.enable=true",
         f"rollout.multi_turn.tool_config={write_tool_config(tmp_path)}",
     )
