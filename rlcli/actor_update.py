@@ -20,6 +20,7 @@ from rlcli.batch import RolloutBatch, mini_batch_count, response_values
 from rlcli.config import RLConfig
 from rlcli.dp_stats import DataParallelStats
 from rlcli.trained_model import TrainedModel, mean_over_steps, reduce_step
+from rlcli.trajectory import response_limit
 
 # Where the old log-probs of the PPO ratio come from (``old_log_prob_plan``):
 #   "actor_pass":     a separate no-grad actor forward before the update (the old_log_prob phase);
@@ -208,7 +209,7 @@ def update_actor(
             min(mini_batch_count(cfg.data.train_batch_size, a.ppo_mini_batch_size), fewest_groups),
         ),
         loss_agg_mode=a.loss_agg_mode,
-        norm_length=cfg.rollout.max_tokens,
+        norm_length=response_limit(cfg),
         temperature=cfg.rollout.temperature or 1.0,
         compute_entropy=a.entropy_coeff != 0,
     )

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rlcli.data import PromptItem
+
+if TYPE_CHECKING:
+    from rlcli.trajectory import TrajectoryRecord
 
 
 @dataclass
@@ -37,6 +40,8 @@ class Sample:
     # Per response token: 1 where the model generated it, 0 where a tool or environment wrote it
     # (multi-turn). None: every response token was generated (a single-turn answer).
     loss_mask: list[int] | None = None
+    # Multi-turn: the trajectory's messages, tool calls and budget cut (None: single-turn).
+    trajectory: TrajectoryRecord | None = None
 
     @property
     def num_tokens(self) -> int:

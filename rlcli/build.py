@@ -39,6 +39,7 @@ def build_trainer(cfg: RLConfig, reference: bool | None = None, logger: bool = T
     model (default: only when a KL term uses it); ``logger=False`` builds no metrics logger."""
     rewards = build_rewards(cfg)
     inputs = prepare_inputs(cfg)
+    check_multi_turn(inputs)
     if cfg.sft.steps > 0:
         inputs.model_dir = str(warm_start(inputs))
     loader = PromptLoader(
@@ -99,6 +100,17 @@ def build_trainer(cfg: RLConfig, reference: bool | None = None, logger: bool = T
         resumed = 0 if restarted and trainer.resumed_from is None else trainer.resumed_from
         trainer.logger = build_logger(inputs, total, resumed)
     return trainer
+
+
+def check_multi_turn(inputs: RunInputs) -> None:
+    """Build the multi-turn rollout's tools and environment now (the python tool probes its
+    sandbox), and check every row's ``extra_info.tools_kwargs``: a mistake stops the run before
+    the model is built, naming the tool config or the row."""
+    from rlcli.agent_loop import agent_loop_for
+
+    agent = agent_loop_for(inputs.cfg, inputs.tokenizer)
+    if agent is not None:
+        agent.check_items([*inputs.train_data, *(inputs.val_data or [])])
 
 
 def run_sft_only(cfg: RLConfig) -> Path:
@@ -244,13 +256,15 @@ def build_engine(inputs: RunInputs) -> tuple[RolloutEngine, ReplicaInfo]:
     cfg, mesh = inputs.cfg, inputs.mesh
     r = cfg.rollout
     index, count = rollout_replicas(mesh.world_size, mesh.rank, r.tp)
+    # A multi-turn trajectory is the prompt and up to max_response_tokens after it.
+    response = r.multi_turn.max_response_tokens if r.multi_turn.enable else r.max_tokens
     adapters = cfg.actor.lora.enable and r.lora_sync == "adapter"
     engine = make_engine(
         r,
         inputs.model_dir,
         dtype=cfg.model.dtype,
         seed=cfg.trainer.seed,  # engines space request seeds per replica themselves
-        max_model_len=r.max_model_len or (cfg.data.max_prompt_length + r.max_tokens),
+        max_model_len=r.max_model_len or (cfg.data.max_prompt_length + response),
         max_lora_rank=cfg.actor.lora.rank if adapters else 0,
     )
     replica = ReplicaInfo(index=index, count=count, is_leader=mesh.rank % r.tp == 0)

@@ -24,8 +24,9 @@ class DataConfig:
     train_batch_size: int = 8  # prompts per step (each sampled rollout.n times)
     shuffle: bool = True  # reshuffle the training prompts every epoch
     apply_chat_template: Optional[bool] = None  # None: when the tokenizer has a chat template
-    # "arith": write the quickstart task under trainer.output_dir
-    synthetic: Optional[Literal["arith"]] = None
+    # write a synthetic task under trainer.output_dir: "arith" (the quickstart) or
+    # "tool_multiply" (3-digit products with the calculator tool: recipes/tool_quickstart.yaml)
+    synthetic: Optional[Literal["arith", "tool_multiply"]] = None
 
 
 @dataclass
@@ -41,6 +42,9 @@ class ModelBuildConfig:
     vocab_size: int = 512  # of the byte-level BPE tokenizer trained on the task's text
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 512
+    # chatml: the tokenizer gets ChatML tokens and a chat template with tool messages (for
+    # rollout.multi_turn; rlcli/chat_template.py), EOS <|im_end|>; none: no chat template
+    chat_template: Literal["none", "chatml"] = "none"
 
 
 @dataclass
@@ -96,9 +100,10 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature (the trainer's log-probs use the same)
     top_p: float = 1.0  # nucleus sampling (1.0: off)
     top_k: int = -1  # top-k sampling (-1: off)
-    max_tokens: int = 64  # max new tokens per response
+    max_tokens: int = 64  # max new tokens per response (multi-turn: per assistant turn)
     stop_token_ids: list[int] = field(default_factory=list)  # EOS is always a stop token
-    max_model_len: Optional[int] = None  # default: data.max_prompt_length + rollout.max_tokens
+    # default: data.max_prompt_length + rollout.max_tokens (multi-turn: + max_response_tokens)
+    max_model_len: Optional[int] = None
     gpu_memory_utilization: float = 0.5  # GPU: share of memory vLLM takes for weights + KV cache
     kv_cache_gb: float = 1.0  # CPU only: resident KV cache per engine
     enforce_eager: bool = True  # GPU: no CUDA graphs (faster start, slower decoding)

@@ -196,6 +196,18 @@ def _check_multi_turn(cfg: RLConfig) -> None:
             raise UserError(f"rollout.multi_turn.{key} must be >= 1, got {getattr(mt, key)}")
     if not mt.tool_timeout_s > 0:
         raise UserError(f"rollout.multi_turn.tool_timeout_s must be > 0, got {mt.tool_timeout_s}")
+    if cfg.data.apply_chat_template is False:
+        raise UserError(
+            "rollout.multi_turn.enable=true renders every turn with the chat template: set "
+            "data.apply_chat_template to null (auto) or true"
+        )
+    if cfg.rollout.max_model_len is not None:
+        need = cfg.data.max_prompt_length + mt.max_response_tokens
+        if cfg.rollout.max_model_len < need:
+            raise UserError(
+                f"rollout.max_model_len={cfg.rollout.max_model_len} is shorter than "
+                f"data.max_prompt_length + rollout.multi_turn.max_response_tokens = {need}"
+            )
     if mt.tool_config is None and mt.environment is None:
         raise UserError(
             "rollout.multi_turn.enable=true needs tools (rollout.multi_turn.tool_config=FILE) or "

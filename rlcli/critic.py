@@ -28,6 +28,7 @@ from rlcli.batch import RolloutBatch, mini_batch_count, response_values
 from rlcli.config import RLConfig
 from rlcli.dp_stats import DataParallelStats
 from rlcli.trained_model import TrainedModel, mean_over_steps, reduce_step
+from rlcli.trajectory import response_limit
 
 
 def make_value_loss(cfg: RLConfig, denominator: torch.Tensor) -> LossFn:
@@ -71,7 +72,7 @@ def update_critic(
             min(mini_batch_count(cfg.data.train_batch_size, c.ppo_mini_batch_size), fewest_groups),
         ),
         loss_agg_mode=c.loss_agg_mode,
-        norm_length=cfg.rollout.max_tokens,
+        norm_length=response_limit(cfg),
     )
     out = mean_over_steps([_step_metrics(result) for result in results])
     out["critic/optimizer_steps"] = float(len(results))

@@ -28,12 +28,19 @@ class RunInputs:
     tokenizer: PreTrainedTokenizerBase
     train_data: PromptDataset
     val_data: PromptDataset | None
-    sft_files: list[str]  # SFT pairs of the synthetic task (for the warm start)
+    sft_files: list[str]  # SFT rows of the synthetic task (for the warm start)
 
 
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def tokenizer_setting(cfg: RLConfig) -> str:
+    """The config key (and value) that names the run's tokenizer, for error messages."""
+    if cfg.model.tokenizer_path:
+        return f"model.tokenizer_path={cfg.model.tokenizer_path}"
+    return f"model.path={cfg.model.path}"
 
 
 def prepare_inputs(cfg: RLConfig) -> RunInputs:
@@ -62,6 +69,16 @@ def prepare_inputs(cfg: RLConfig) -> RunInputs:
         cfg.data.train_files = cfg.data.train_files or [str(data_dir / "train.jsonl")]
         cfg.data.val_files = cfg.data.val_files or [str(data_dir / "val.jsonl")]
         sft_files = [str(data_dir / "sft_train.jsonl")]
+    elif cfg.data.synthetic == "tool_multiply":
+        from rlcli.data.tool_task import write_tool_multiply_dataset
+
+        data_dir = output_dir / "data"
+        if mesh.rank == 0 and not (data_dir / "val.jsonl").exists():
+            write_tool_multiply_dataset(str(data_dir), seed=cfg.trainer.seed)
+        barrier()
+        cfg.data.train_files = cfg.data.train_files or [str(data_dir / "train.jsonl")]
+        cfg.data.val_files = cfg.data.val_files or [str(data_dir / "val.jsonl")]
+        sft_files = [str(data_dir / "sft_train.jsonl")]
     model_dir = cfg.model.path
     if cfg.model.build:
         # Only rank 0 looks: another rank could see a half-written config.json and skip the
@@ -82,16 +99,32 @@ def prepare_inputs(cfg: RLConfig) -> RunInputs:
         max_prompt_length=cfg.data.max_prompt_length,
         apply_chat_template=cfg.data.apply_chat_template,
     )
+    if cfg.rollout.multi_turn.enable:
+        kwargs["tools"] = multi_turn_prompt_tools(cfg, tokenizer)
     train = load_prompt_dataset(cfg.data.train_files, **kwargs)
     val = load_prompt_dataset(cfg.data.val_files, **kwargs) if cfg.data.val_files else None
     return RunInputs(cfg, mesh, output_dir, model_dir, tokenizer, train, val, sft_files)
 
 
+def multi_turn_prompt_tools(cfg: RLConfig, tokenizer: PreTrainedTokenizerBase) -> list | None:
+    """The tools multi-turn prompts list; ``UserError`` naming the tokenizer's key when it has no
+    chat template (or one that cannot append messages turn by turn)."""
+    from rlcli.tools.multi_turn import prompt_tools
+    from rlcli.tools.rendering import MessageRenderer
+
+    tools = prompt_tools(cfg.rollout.multi_turn)
+    MessageRenderer(tokenizer, tools, tokenizer_setting(cfg))  # checks the template
+    return tools
+
+
 def _build_model(cfg: RLConfig, model_dir: str, sft_files: list[str]) -> None:
-    from rlcli.data import read_sft_pairs
+    from rlcli.data.sft_rows import read_sft_rows, sft_corpus
     from rlcli.model_builder import build_model_dir
 
-    corpus = [p + r for f in sft_files for p, r in read_sft_pairs(f)]
+    corpus = sft_corpus([row for f in sft_files for row in read_sft_rows(f)])
     if not corpus:
-        raise UserError("model.build needs text to train its tokenizer: use data.synthetic=arith")
+        raise UserError(
+            "model.build needs text to train its tokenizer: use data.synthetic=arith or "
+            "data.synthetic=tool_multiply"
+        )
     build_model_dir(cfg.model.spec, model_dir, corpus, seed=cfg.trainer.seed)

@@ -20,8 +20,10 @@ EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 
 
-def train_tokenizer(corpus: list[str], vocab_size: int):
-    """A byte-level BPE ``PreTrainedTokenizerFast`` whose digits are always single tokens."""
+def train_tokenizer(corpus: list[str], vocab_size: int, chat_template: str = "none"):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` whose digits are always single tokens;
+    ``chat_template="chatml"`` adds ChatML's tokens and template (``rlcli.chat_template``), with
+    ``<|im_end|>`` as EOS."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -39,8 +41,21 @@ def train_tokenizer(corpus: list[str], vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
+    if chat_template == "none":
+        tok.train_from_iterator(corpus, trainer=trainer)
+        return PreTrainedTokenizerFast(
+            tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN
+        )
+    from rlcli import chat_template as chatml
+
+    tok.train_from_iterator([*corpus, chatml.TEMPLATE_WORDS], trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD_TOKEN)
+    tokenizer.add_special_tokens(
+        {"eos_token": chatml.IM_END, "additional_special_tokens": [chatml.IM_START, chatml.IM_END]}
+    )
+    tokenizer.add_tokens(chatml.TOOL_TAGS)
+    tokenizer.chat_template = chatml.CHATML
+    return tokenizer
 
 
 def build_random_model(
@@ -75,7 +90,7 @@ def build_model_dir(
     """Write tokenizer + random model into ``out_dir`` (atomically: a half-built dir never stays)."""
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".building")
-    tokenizer = train_tokenizer(corpus, spec.vocab_size)
+    tokenizer = train_tokenizer(corpus, spec.vocab_size, spec.chat_template)
     model = build_random_model(
         spec, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, seed
     )

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import algorithms
 from parallel import cpu_compat
+from rlcli.agent_loop import AgentLoop, agent_loop_for, multi_turn_metrics
 from rlcli.batch import Sample, groups_of, split_evenly
 from rlcli.config import RLConfig
 from rlcli.data import PromptItem
@@ -27,6 +28,7 @@ from rlcli.errors import UserError
 from rlcli.metrics import Timer
 from rlcli.rewards import RewardInput, RewardManager
 from rlcli.rollout.base import RolloutEngine, SamplingConfig
+from rlcli.trajectory import response_limit
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -46,10 +48,15 @@ def generate_samples(
     sampling: SamplingConfig,
     replica: ReplicaInfo,
     group_offset: int = 0,
+    agent: AgentLoop | None = None,
 ) -> list[Sample]:
     """Sample ``n`` responses for each prompt of ``items``; returns ALL replicas' samples, on every
-    rank, ordered by prompt. ``group`` numbers prompts from ``group_offset``."""
+    rank, ordered by prompt. ``group`` numbers prompts from ``group_offset``. With an ``agent``
+    (multi-turn rollouts) each response is a whole trajectory (``rlcli.agent_loop``)."""
     mine = split_evenly(list(enumerate(items)), replica.count)[replica.index]
+    if agent is not None:
+        prompts = [(group_offset + position, item) for position, item in mine]
+        return _gathered(agent.run(engine, prompts, n, sampling, replica.index), replica)
     # Called even with no prompts: the ranks of a replica (and vLLM's groups) step together.
     with cpu_compat.suspended():  # the engine never calls megatron-core
         outputs = engine.generate([item.prompt_token_ids for _, item in mine], n, sampling)
@@ -66,6 +73,11 @@ def generate_samples(
                     item=item,
                 )
             )
+    return _gathered(local, replica)
+
+
+def _gathered(local: list[Sample], replica: ReplicaInfo) -> list[Sample]:
+    """Every replica leader's ``local`` samples, on every rank, ordered by prompt."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return local
     gathered: list[list[Sample] | None] = [None] * dist.get_world_size()
@@ -92,15 +104,7 @@ def score_samples(
         world, rank = dist.get_world_size(), dist.get_rank()
     mine = split_evenly(samples, world)[rank]
     texts = tokenizer.batch_decode([s.response_ids for s in mine], skip_special_tokens=True)
-    inputs = [
-        RewardInput(
-            data_source=s.item.data_source,
-            solution_str=text,
-            ground_truth=s.item.ground_truth,
-            extra_info=s.item.extra_info,
-        )
-        for s, text in zip(mine, texts, strict=True)
-    ]
+    inputs = [reward_input(s, text) for s, text in zip(mine, texts, strict=True)]
     scores: list[float] = []
     extras: dict[str, list] = {}
     stats: dict[str, int] = {"reward/num_failed": 0, "reward/num_timeout": 0}
@@ -142,6 +146,25 @@ def score_samples(
             "reward.max_failure_rate."
         )
     return totals
+
+
+def reward_input(sample: Sample, decoded_response: str) -> RewardInput:
+    """What the reward sees of a sample: its decoded response; a multi-turn trajectory's
+    generated text, with its messages and counts added to ``extra_info``."""
+    item, record = sample.item, sample.trajectory
+    if record is None:
+        return RewardInput(
+            data_source=item.data_source,
+            solution_str=decoded_response,
+            ground_truth=item.ground_truth,
+            extra_info=item.extra_info,
+        )
+    return RewardInput(
+        data_source=item.data_source,
+        solution_str=record.solution_str,
+        ground_truth=item.ground_truth,
+        extra_info=record.reward_extra_info(item.extra_info),
+    )
 
 
 def accuracy_of(samples: list[Sample]) -> float:
@@ -215,6 +238,7 @@ def collect_rollouts(
     remax = cfg.algorithm.adv_estimator == "remax"
     train = sampling_params(cfg, tokenizer.eos_token_id, step, train=True)
     greedy = sampling_params(cfg, tokenizer.eos_token_id, step, train=False)
+    agent = agent_loop_for(cfg, tokenizer)  # None: single-turn
     kept: list[list[Sample]] = []
     metrics: dict[str, float] = {}
     drawn = 0
@@ -222,9 +246,13 @@ def collect_rollouts(
         for round_index in range(dyn.max_gen_batches if dyn.enabled else 1):
             items = next(loader)
             with timer("gen"):
-                samples = generate_samples(engine, items, cfg.rollout.n, train, replica, drawn)
+                samples = generate_samples(
+                    engine, items, cfg.rollout.n, train, replica, drawn, agent
+                )
                 baselines = (
-                    generate_samples(engine, items, 1, greedy, replica, drawn) if remax else []
+                    generate_samples(engine, items, 1, greedy, replica, drawn, agent)
+                    if remax
+                    else []
                 )
             drawn += len(items)
             with timer("reward"):
@@ -236,8 +264,9 @@ def collect_rollouts(
                     for s in samples:
                         s.reward_baseline = baseline[s.group]
             if round_index == 0:
-                metrics.update(rollout_metrics(samples, cfg.rollout.max_tokens))
+                metrics.update(rollout_metrics(samples, response_limit(cfg)))
                 metrics.update(reward_stats)
+                metrics.update(multi_turn_metrics(samples))
             groups = groups_of(samples)
             if dyn.enabled:
                 groups = informative_groups(samples, dyn.metric)
@@ -282,9 +311,11 @@ def evaluate(
             cfg.rollout.val_n,
             sampling_params(cfg, tokenizer.eos_token_id, step, train=False),
             replica,
+            agent=agent_loop_for(cfg, tokenizer),
         )
     score_samples(samples, rewards, tokenizer, cfg.reward.max_failure_rate, step)
-    metrics = rollout_metrics(samples, cfg.rollout.max_tokens, prefix="val/")
+    metrics = rollout_metrics(samples, response_limit(cfg), prefix="val/")
+    metrics.update(multi_turn_metrics(samples, prefix="val/"))
     metrics["val/num_prompts"] = float(len(data))
     metrics["timing/val"] = time.perf_counter() - start
     return metrics

@@ -1,7 +1,11 @@
-"""Supervised warm start on Megatron: cross-entropy on the response tokens of prompt/response pairs.
+"""Supervised warm start on Megatron: cross-entropy on the response tokens of prompt/response pairs,
+and on the assistant turns of conversations (``rlcli.data.sft_rows``).
 
 Uses the same model, batch layout and forward/backward schedule as RL; the result is written as
-an ordinary HF model directory, which RL (and the rollout engine) then start from.
+an ordinary HF model directory, which RL (and the rollout engine) then start from. A conversation
+is tokenized the way a multi-turn rollout builds a trajectory (``rlcli.tools.rendering``): its
+prompt rendered with the run's tools, each assistant turn as the engine would generate it (loss
+mask 1), each tool / user message rendered alone and appended (loss mask 0).
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 from rlcli.batch import RolloutBatch, Sample, collate, response_values, split_evenly
-from rlcli.data import read_sft_pairs
+from rlcli.data.sft_rows import SFTConversation, SFTRow, read_sft_rows
 from rlcli.errors import UserError
-from rlcli.inputs import RunInputs
+from rlcli.inputs import RunInputs, tokenizer_setting
+from rlcli.tools.rendering import MessageRenderer
 from rlcli.trained_model import TrainedModel
 
 
@@ -36,6 +41,61 @@ def tokenize_pairs(pairs: list[tuple[str, str]], tokenizer) -> list[Sample]:
         )
         for i, (p, r) in enumerate(zip(prompts, responses, strict=True))
     ]
+
+
+def tokenize_conversations(
+    conversations: list[SFTConversation], renderer: MessageRenderer, first_group: int = 0
+) -> list[Sample]:
+    """Conversations as samples whose ``loss_mask`` is 1 exactly on the assistant turns."""
+    samples = []
+    for number, conversation in enumerate(conversations):
+        response: list[int] = []
+        mask: list[int] = []
+        turns = conversation.messages[conversation.first_assistant :]
+        position = 0
+        while position < len(turns):
+            generated = renderer.assistant_ids(turns[position]["content"])
+            response += generated
+            mask += [1] * len(generated)
+            position += 1
+            following = []
+            while position < len(turns) and turns[position]["role"] != "assistant":
+                following.append(turns[position])
+                position += 1
+            if following:
+                appended = renderer.append_ids(generated, following)
+                response += appended
+                mask += [0] * len(appended)
+        samples.append(
+            Sample(
+                group=first_group + number,
+                prompt_ids=renderer.prompt_ids(conversation.prompt),
+                response_ids=response,
+                engine_log_probs=[0.0] * len(response),
+                finish_reason="stop",
+                item=None,
+                loss_mask=mask,
+            )
+        )
+    return samples
+
+
+def tokenize_rows(rows: list[SFTRow], c: RunInputs) -> list[Sample]:
+    """Pairs first, then conversations (rendered with the run's tools)."""
+    pairs = [row for row in rows if isinstance(row, tuple)]
+    conversations = [row for row in rows if isinstance(row, SFTConversation)]
+    samples = tokenize_pairs(pairs, c.tokenizer) if pairs else []
+    if conversations:
+        from rlcli.tools.multi_turn import prompt_tools
+
+        tools = prompt_tools(c.cfg.rollout.multi_turn)
+        renderer = MessageRenderer(c.tokenizer, tools, tokenizer_setting(c.cfg))
+        samples += tokenize_conversations(conversations, renderer, len(samples))
+    return samples
+
+
+def generated_tokens(sample: Sample) -> int:
+    return len(sample.response_ids) if sample.loss_mask is None else sum(sample.loss_mask)
 
 
 def make_sft_loss(denominator: float):
@@ -65,7 +125,7 @@ def sft_warm_start(
         raise UserError(
             "sft.steps > 0 needs SFT pairs: set sft.train_files (JSONL with prompt/response)"
         )
-    samples = tokenize_pairs([pair for f in files for pair in read_sft_pairs(f)], c.tokenizer)
+    samples = tokenize_rows([row for f in files for row in read_sft_rows(f)], c)
     if len(samples) < cfg.sft.batch_size:
         raise UserError(f"sft.batch_size={cfg.sft.batch_size} exceeds the {len(samples)} SFT pairs")
     actor = build_actor()
@@ -75,7 +135,7 @@ def sft_warm_start(
         chosen = [samples[i] for i in rng.choice(len(samples), cfg.sft.batch_size, replace=False)]
         local = split_evenly(chosen, mesh.dp)[mesh.dp_rank]
         batch = collate(local, c.tokenizer.pad_token_id)
-        tokens = sum(len(s.response_ids) for s in chosen)  # of the whole batch, all DP ranks
+        tokens = sum(generated_tokens(s) for s in chosen)  # of the whole batch, all DP ranks
         result = actor.train_step(batch.tensors(), make_sft_loss(tokens / mesh.dp))
         if step % 50 == 0 or step == cfg.sft.steps:
             loss = sum(m["sft/loss"] for m in result["micro_batch_metrics"])

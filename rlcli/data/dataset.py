@@ -96,6 +96,7 @@ def load_prompt_dataset(
     prompt_key: str = "prompt",
     max_prompt_length: int | None = None,
     apply_chat_template: bool | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> PromptDataset:
     """Read, validate and tokenize prompt files (``.jsonl`` / ``.parquet``).
 
@@ -107,6 +108,8 @@ def load_prompt_dataset(
             ``num_dropped_too_long`` and logged); ``None`` keeps all.
         apply_chat_template: ``None`` uses the chat template when the tokenizer has one;
             ``True`` requires one; ``False`` joins message contents.
+        tools: OpenAI function schemas the chat template shows in the prompt (multi-turn
+            rollouts with tools: the prompt the model sees lists them).
 
     Raises ``UserError`` naming the file, the row and the key for every bad input, and when
     no prompt is left.
@@ -131,7 +134,7 @@ def load_prompt_dataset(
     if not parsed:
         raise UserError(f"no prompts in {', '.join(paths)}: the data files are empty")
 
-    texts = [_render_prompt(row, tokenizer, use_template) for row in parsed]
+    texts = [_render_prompt(row, tokenizer, use_template, tools) for row in parsed]
     token_ids: list[list[int]] = []
     for start in range(0, len(texts), _ENCODE_CHUNK):
         chunk = texts[start : start + _ENCODE_CHUNK]
@@ -228,12 +231,17 @@ def parse_messages(value: Any, location: RowLocation, prompt_key: str) -> list[d
     return messages
 
 
-def _render_prompt(row: _ParsedRow, tokenizer: Any, use_template: bool) -> str:
+def _render_prompt(
+    row: _ParsedRow, tokenizer: Any, use_template: bool, tools: list[dict[str, Any]] | None
+) -> str:
     if not use_template:
         return "\n".join(message["content"] for message in row.messages)
     try:
         return tokenizer.apply_chat_template(
-            row.messages, tokenize=False, add_generation_prompt=True
+            row.messages,
+            **({"tools": tools} if tools else {}),
+            tokenize=False,
+            add_generation_prompt=True,
         )
     except Exception as error:  # jinja raises for messages a template rejects
         raise UserError(f"{row.location}: the tokenizer's chat template failed: {error}") from error

@@ -59,19 +59,23 @@ class MultiTurnComponents:
     max_tool_response_tokens: int
     truncate_side: TruncateSide
 
-    def tool_response_ids(
-        self, generated_ids: Sequence[int], outcomes: Sequence[ToolCallOutcome]
-    ) -> list[int]:
-        """Ids appended after a turn whose calls gave ``outcomes``: each response cut to
-        ``max_tool_response_tokens``, rendered as ``tool`` messages, then the next turn's header."""
-        messages = [
+    def tool_messages(self, outcomes: Sequence[ToolCallOutcome]) -> list[dict[str, Any]]:
+        """The ``tool`` messages of a turn's calls, each response cut to
+        ``max_tool_response_tokens``."""
+        return [
             tool_message(
                 o.name,
                 self.renderer.truncate(o.text, self.max_tool_response_tokens, self.truncate_side),
             )
             for o in outcomes
         ]
-        return self.renderer.append_ids(generated_ids, messages)
+
+    def tool_response_ids(
+        self, generated_ids: Sequence[int], outcomes: Sequence[ToolCallOutcome]
+    ) -> list[int]:
+        """Ids appended after a turn whose calls gave ``outcomes``: the ``tool_messages``, then
+        the next turn's header."""
+        return self.renderer.append_ids(generated_ids, self.tool_messages(outcomes))
 
     def environment_response_ids(self, generated_ids: Sequence[int], text: str) -> list[int]:
         """Ids appended after a turn the environment answered with ``text`` (a ``user`` message)."""
@@ -80,6 +84,14 @@ class MultiTurnComponents:
     def close(self) -> None:
         if self.runner is not None:
             self.runner.close()
+
+
+def prompt_tools(multi_turn: MultiTurnConfig) -> list[dict[str, Any]] | None:
+    """The OpenAI function schemas a multi-turn run's prompts show (None without tools): the
+    same list, in the same order, as ``ToolSet.openai_schemas`` of the built tools."""
+    if not multi_turn.enable or multi_turn.tool_config is None:
+        return None
+    return [spec.schema.to_openai() for spec in load_tool_config(multi_turn.tool_config)]
 
 
 def build_tools(multi_turn: MultiTurnConfig) -> ToolSet | None:

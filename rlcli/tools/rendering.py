@@ -61,6 +61,21 @@ class MessageRenderer:
         self._base_ids = self._encode(self._base_text)
         self.closing_ids = self._assistant_closing_ids()
 
+    @property
+    def end_of_turn_id(self) -> int | None:
+        """The token that ends an assistant turn, where the engine stops: the first of the
+        template's closing ids when it is a special token (``<|im_end|>``, ``<|eot_id|>``), else
+        the tokenizer's EOS."""
+        special = set(self.tokenizer.all_special_ids)
+        if self.closing_ids and self.closing_ids[0] in special:
+            return self.closing_ids[0]
+        return self.tokenizer.eos_token_id
+
+    def assistant_ids(self, text: str) -> list[int]:
+        """An assistant turn as the engine generates it: ``text``'s ids, then the end of turn."""
+        end = self.end_of_turn_id
+        return self._encode(text) + ([end] if end is not None else [])
+
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """The first turn's prompt: ``messages`` rendered with the tools and the generation prompt."""
         return self._encode(self._render(messages, add_generation_prompt=True))

@@ -122,3 +122,69 @@ def test_user_error_in_the_ranks_of_nproc_2(tmp_path, model_dir):
     assert_user_error(proc, str(path), "line 6", "not UTF-8")
     assert "ChildFailedError" not in proc.stderr + proc.stdout
     assert proc.stderr.count("not UTF-8") == 1, proc.stderr[-3000:]
+
+
+def write_tool_config(tmp_path: Path) -> Path:
+    path = tmp_path / "tools.yaml"
+    path.write_text("tools:\n  - class: calculator\n")
+    return path
+
+
+def test_multi_turn_with_a_tokenizer_without_chat_template(tmp_path, model_dir):
+    rows = write_rows(tmp_path / "train.jsonl", [good_row(i) for i in range(8)])
+    proc = train(
+        tmp_path,
+        model_dir,
+        f"data.train_files=[{rows}]",
+        "rollout.multi_turn.enable=true",
+        f"rollout.multi_turn.tool_config={write_tool_config(tmp_path)}",
+    )
+    assert_user_error(proc, f"model.path={model_dir}", "has none", "chat template")
+
+
+def test_multi_turn_row_naming_a_tool_the_config_lacks(tmp_path):
+    train_rows, _ = arith_split(num_max=10, num_val=10)
+    spec = ModelBuildConfig(
+        hidden_size=128,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=2,
+        intermediate_size=128,
+        chat_template="chatml",
+    )
+    corpus = [e.prompt_text + e.response_text for e in train_rows]
+    model = build_model_dir(spec, tmp_path / "chat_model", corpus, seed=0)
+    rows = [good_row(i) for i in range(8)]
+    rows[3]["extra_info"] = {"tools_kwargs": {"search": {"create_kwargs": {"k": 1}}}}
+    path = write_rows(tmp_path / "train.jsonl", rows)
+    proc = train(
+        tmp_path,
+        model,
+        f"data.train_files=[{path}]",
+        "data.max_prompt_length=64",  # the system prompt lists the tools
+        "rollout.multi_turn.enable=true",
+        f"rollout.multi_turn.tool_config={write_tool_config(tmp_path)}",
+    )
+    assert_user_error(proc, str(path), "line 4", "'search'", "tools: calculator")
+
+
+@pytest.mark.parametrize(
+    ("override", "needles"),
+    [
+        ("rollout.multi_turn.max_assistant_turns=0", ["rollout.multi_turn.max_assistant_turns"]),
+        ("rollout.multi_turn.format=xml", ["rollout.multi_turn.format", "hermes"]),
+        ("rollout.multi_turn.tool_config=null", ["rollout.multi_turn.tool_config=FILE"]),
+        ("rollout.multi_turn.max_response_tokenz=9", ["rollout.multi_turn.max_response_tokenz"]),
+    ],
+)
+def test_bad_multi_turn_settings(tmp_path, model_dir, override, needles):
+    rows = write_rows(tmp_path / "train.jsonl", [good_row(i) for i in range(8)])
+    proc = train(
+        tmp_path,
+        model_dir,
+        f"data.train_files=[{rows}]",
+        "rollout.multi_turn.enable=true",
+        f"rollout.multi_turn.tool_config={write_tool_config(tmp_path)}",
+        override,
+    )
+    assert_user_error(proc, *needles)

@@ -1,0 +1,86 @@
+"""SFT rows: prompt/response pairs, or whole conversations with tool calls and tool responses.
+
+``{"prompt": str, "response": str}``: the loss is on the response (the trainer appends EOS).
+
+``{"messages": [...]}``: chat messages (``role``, ``content``; a ``tool`` message may carry the
+tool's ``name``). The messages before the first assistant message are the prompt; from there on
+the loss is on the assistant messages only (their tokens and their end-of-turn token, exactly as
+a multi-turn rollout generates them), never on tool or user messages, which the model reads but
+does not write. The conversation must end with an assistant message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rlcli.data.rows import read_rows
+from rlcli.errors import UserError
+
+
+@dataclass(frozen=True)
+class SFTConversation:
+    messages: list[dict[str, Any]]
+    origin: str  # file and line, for errors
+
+    @property
+    def prompt(self) -> list[dict[str, Any]]:
+        return self.messages[: self.first_assistant]
+
+    @property
+    def first_assistant(self) -> int:
+        return next(i for i, m in enumerate(self.messages) if m["role"] == "assistant")
+
+
+SFTRow = tuple[str, str] | SFTConversation
+
+
+def read_sft_rows(path: str) -> list[SFTRow]:
+    """The rows of an SFT file: ``(prompt, response)`` pairs and ``SFTConversation``s."""
+    rows: list[SFTRow] = []
+    for location, row in read_rows(path):
+        if "messages" in row:
+            rows.append(_conversation(row["messages"], str(location)))
+            continue
+        for key in ("prompt", "response"):
+            if not isinstance(row.get(key), str):
+                raise UserError(
+                    f"{location}: an SFT row needs string keys 'prompt' and 'response', or "
+                    f"'messages' (a conversation); {key!r} is missing"
+                )
+        rows.append((row["prompt"], row["response"]))
+    if not rows:
+        raise UserError(f"{path} has no SFT rows")
+    return rows
+
+
+def _conversation(messages: Any, where: str) -> SFTConversation:
+    if not isinstance(messages, list) or not messages:
+        raise UserError(f"{where}: 'messages' must be a non-empty list of chat messages")
+    for position, message in enumerate(messages):
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
+            or not isinstance(message.get("content"), str)
+        ):
+            raise UserError(
+                f"{where}: messages[{position}] must be an object with string 'role' and "
+                f"'content', got {message!r:.100}"
+            )
+    roles = [m["role"] for m in messages]
+    consecutive = any(a == b == "assistant" for a, b in zip(roles, roles[1:], strict=False))
+    if roles[0] == "assistant" or roles[-1] != "assistant" or consecutive:
+        raise UserError(
+            f"{where}: an SFT conversation starts with the prompt (system / user messages), "
+            "ends with an assistant message, and has a tool or user message between two "
+            f"assistant messages; its roles are {roles}"
+        )
+    return SFTConversation([dict(m) for m in messages], where)
+
+
+def sft_corpus(rows: list[SFTRow]) -> list[str]:
+    """The text of the rows (to train a locally built tokenizer on)."""
+    return [
+        row[0] + row[1] if isinstance(row, tuple) else "\n".join(m["content"] for m in row.messages)
+        for row in rows
+    ]
