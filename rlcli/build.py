@@ -24,7 +24,8 @@ from rlcli.metrics import MetricsLogger
 from rlcli.policy import MegatronPolicy, OptimizerSettings
 from rlcli.rewards import RewardManager
 from rlcli.rollout.base import RolloutEngine
-from rlcli.run_checkpoint import CheckpointManager, checkpoint_root, resume_run
+from rlcli.run_checkpoint import CheckpointManager, checkpoint_root
+from rlcli.run_save_resume import resume_run
 from rlcli.sampling import ReplicaInfo
 from rlcli.trainer import Trainer, say
 

@@ -38,7 +38,8 @@ from rlcli.metrics import MetricsLogger, Timer
 from rlcli.policy import MegatronPolicy
 from rlcli.rewards import RewardManager
 from rlcli.rollout.base import RolloutEngine
-from rlcli.run_checkpoint import CheckpointManager, save_run
+from rlcli.run_checkpoint import CheckpointManager
+from rlcli.run_save_resume import save_run
 from rlcli.sampling import ReplicaInfo, collect_rollouts, evaluate
 
 if TYPE_CHECKING:

@@ -135,10 +135,19 @@ def export(
 ) -> None:
     """Write a training checkpoint's policy (or, with --critic, its value model) as a
     HuggingFace model directory."""
+    from rlcli.checkpoint_manifest import check_checkpoint
     from rlcli.run_checkpoint import is_complete_checkpoint
 
     if not is_complete_checkpoint(checkpoint):
         raise UserError(f"{checkpoint} is not a complete rlcli checkpoint (no COMPLETE marker)")
+    health = check_checkpoint(checkpoint)
+    if not health.loadable:
+        raise UserError(
+            f"{checkpoint}: the checkpoint is damaged: {health.describe()}. Export an intact one "
+            f"(`rlcli checkpoint verify {checkpoint.parent}` lists them) or restore the file."
+        )
+    if health.state == "unverifiable":
+        typer.echo(f"note: {checkpoint} has {health.describe()}")
     if critic:
         export_critic(checkpoint, out)
     else:
