@@ -156,6 +156,8 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.rank = distributed_rank() if rank is None else rank
         self.world_size = _distributed_world_size() if world_size is None else world_size
+        # A rank given without its world (tools, tests) hashes every file itself.
+        self._hash_rank = self.rank if self.world_size > 1 else 0
         self._barrier = barrier or _distributed_barrier
         self._all_gather = all_gather or _distributed_all_gather
 
@@ -164,7 +166,7 @@ class CheckpointManager:
         return check_checkpoint(
             path,
             checksums,
-            rank=self.rank if self.world_size > 1 else 0,
+            rank=self._hash_rank,
             world_size=self.world_size,
             all_gather=self._all_gather,
         )
@@ -237,7 +239,7 @@ class CheckpointManager:
         self._barrier()
         write_manifest(
             temporary,
-            rank=self.rank if self.world_size > 1 else 0,
+            rank=self._hash_rank,
             world_size=self.world_size,
             all_gather=self._all_gather,
         )

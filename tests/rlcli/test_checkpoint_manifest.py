@@ -239,3 +239,14 @@ def test_checkpoint_verify_lists_each_state_and_exits_with_its_code(tmp_path, ca
     assert _verify(damaged, capsys)[0] == 1
     code, _, err = _verify(tmp_path / "nothing-here", capsys)
     assert code == 2 and "no checkpoints there" in err
+
+
+def test_export_refuses_a_damaged_checkpoint(tmp_path, capsys):
+    damaged = _save(CheckpointManager(tmp_path), 1)
+    _delete_shard(damaged)
+    with pytest.raises(SystemExit) as exit_:
+        main(["export", str(damaged), "--out", str(tmp_path / "hf")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    assert f"{damaged}: the checkpoint is damaged: {SHARD} is missing" in err
+    assert not (tmp_path / "hf").exists()

@@ -134,7 +134,8 @@ def test_lr_schedule_counts_rl_steps_and_resume_takes_the_new_lr(tmp_path):
 def _resume_equals_uninterrupted(tmp_path: Path, *overrides: str, sigterm: bool) -> None:
     """An uninterrupted 3-step run against one stopped after a step (SIGTERM, or the stop file
     the sbatch script uses) and started again: same weights, optimizer state, metrics and
-    loader positions."""
+    loader positions; the stopped run leaves no process behind (its checkpoint writer
+    included)."""
     steps = ["trainer.total_steps=3", *overrides]
     whole = tmp_path / "whole"
     code, output = finish(rlcli_train(whole, *steps))
@@ -142,7 +143,8 @@ def _resume_equals_uninterrupted(tmp_path: Path, *overrides: str, sigterm: bool)
 
     split = tmp_path / "split"
     stop_file = tmp_path / "stop"
-    env = {} if sigterm else {"RLCLI_STOP_FILE": str(stop_file)}
+    tag = f"stopped-{os.getpid()}-{time.monotonic_ns()}"
+    env = {RUN_TAG: tag, **({} if sigterm else {"RLCLI_STOP_FILE": str(stop_file)})}
     if not sigterm:
         stop_file.touch()  # asks the run to stop after its first step
     proc = rlcli_train(split, *steps, env=env)
@@ -154,6 +156,7 @@ def _resume_equals_uninterrupted(tmp_path: Path, *overrides: str, sigterm: bool)
     code, output = finish(proc)
     assert code == 0, output[-3000:]  # the documented code: 0, with a checkpoint
     assert "checkpoint saved: run the same command again" in output
+    assert processes_left(tag) == {}
     stopped_at = max(r["step"] for r in rows(split))
     assert stopped_at < 3
     assert (split / "checkpoints" / f"step_{stopped_at:06d}" / "COMPLETE").is_file()
@@ -281,8 +284,10 @@ def test_rank_killed_mid_run_restarts_and_finishes(tmp_path):
 @pytest.mark.dist
 def test_a_user_error_is_not_retried_by_torchrun_restarts(tmp_path):
     """A reward that fails on every sample stops the run with exit 2 and its own message, once:
-    the ranks ask torchrun to stop instead of being restarted --max-restarts times."""
+    the ranks ask torchrun to stop instead of being restarted --max-restarts times, and leave
+    no process behind (reward workers included)."""
     out = tmp_path / "run"
+    tag = f"user-error-{os.getpid()}-{time.monotonic_ns()}"
     code, output = finish(
         rlcli_train(
             out,
@@ -290,6 +295,7 @@ def test_a_user_error_is_not_retried_by_torchrun_restarts(tmp_path):
             "trainer.total_steps=2",
             "--max-restarts",
             "3",
+            env={RUN_TAG: tag},
             nproc=2,
         )
     )
@@ -298,6 +304,7 @@ def test_a_user_error_is_not_retried_by_torchrun_restarts(tmp_path):
     assert "TypeError: compute_score() got an unexpected keyword argument" in output
     assert "ChildFailedError" not in output
     assert output.count("building actor") == 1  # one start, no restarts
+    assert processes_left(tag) == {}
 
 
 @pytest.mark.dist
