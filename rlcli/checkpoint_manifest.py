@@ -20,8 +20,9 @@ BLAKE2b) and it releases the GIL, so threads hash files in parallel.
 
 Hashing is spread over the ranks: each takes a share of the files balanced by size (largest
 first, to the least-loaded rank) and the results are gathered, so a checkpoint of hundreds of GB
-costs each rank only its part. The shares depend only on the file list, so every rank computes
-the same split without talking.
+costs each rank only its part. At save time each rank takes the megatron shards it wrote itself
+(still in its page cache). The shares depend only on the file list, so every rank computes the
+same split without talking.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import heapq
 import json
 import os
+import re
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +43,7 @@ from rlcli.run_state import TEMPORARY_PREFIX, write_text_atomically
 MANIFEST_FILE = "MANIFEST.json"
 MANIFEST_FORMAT = 1
 _READ_CHUNK = 8 << 20
+_SHARD_NAME = re.compile(r"__(\d+)_\d+\.distcp")
 
 # Collective gather: every rank passes its object and gets everyone's, in rank order.
 AllGather = Callable[[Any], list[Any]]
@@ -138,17 +141,37 @@ def checkpoint_files(directory: Path) -> list[str]:
     return sorted(names)
 
 
-def share_of_files(sizes: dict[str, int], rank: int, world_size: int) -> list[str]:
-    """The files ``rank`` hashes: largest first, each to the rank with the fewest bytes so far
-    (ties to the lower rank), so every rank gets about the same number of bytes."""
-    loads = [(0, index) for index in range(world_size)]
-    mine = []
-    for name in sorted(sizes, key=lambda name: (-sizes[name], name)):
+def share_of_files(
+    sizes: dict[str, int], rank: int, world_size: int, writers: dict[str, int] | None = None
+) -> list[str]:
+    """The files ``rank`` hashes. Those in ``writers`` go to the rank that wrote them; the
+    others, largest first, each to the rank with the fewest bytes so far (ties to the lower
+    rank), so every rank gets about the same number of bytes."""
+    writers = {name: owner for name, owner in (writers or {}).items() if 0 <= owner < world_size}
+    totals = [0] * world_size
+    for name, owner in writers.items():
+        totals[owner] += sizes[name]
+    mine = sorted(name for name, owner in writers.items() if owner == rank)
+    loads = [(total, index) for index, total in enumerate(totals)]
+    heapq.heapify(loads)
+    for name in sorted(sizes.keys() - writers.keys(), key=lambda name: (-sizes[name], name)):
         load, owner = heapq.heappop(loads)
         heapq.heappush(loads, (load + sizes[name], owner))
         if owner == rank:
             mine.append(name)
     return mine
+
+
+def shard_writers(names: list[str]) -> dict[str, int]:
+    """The rank that wrote each megatron-core ``torch_dist`` shard (named
+    ``__<global rank>_<index>.distcp`` by its writer). At save time that rank hashes it: the
+    file is still in its node's page cache, where another node would read it over the network."""
+    writers = {}
+    for name in names:
+        match = _SHARD_NAME.fullmatch(name.rsplit("/", 1)[-1])
+        if match is not None:
+            writers[name] = int(match.group(1))
+    return writers
 
 
 def write_manifest(
@@ -163,9 +186,8 @@ def write_manifest(
     finished writing (after a barrier)."""
     names = checkpoint_files(directory)
     sizes = {name: (directory / name).stat().st_size for name in names}
-    mine = _map(
-        lambda name: _record(directory, name), share_of_files(sizes, rank, world_size), threads
-    )
+    share = share_of_files(sizes, rank, world_size, shard_writers(names))
+    mine = _map(lambda name: _record(directory, name), share, threads)
     records = {record.path: record for part in all_gather(mine) for record in part}
     if rank != 0:
         return

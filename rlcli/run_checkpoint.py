@@ -224,8 +224,9 @@ class CheckpointManager:
 
         On normal exit, after a barrier, the ranks hash the files for the manifest, then rank 0
         marks it complete, renames it to ``step_N``, updates ``latest`` and prunes old
-        checkpoints; a final barrier keeps other ranks from reading before that. On an exception nothing is committed and the exception propagates
-        (the leftover temporary directory is removed by the next save).
+        checkpoints; a final barrier keeps other ranks from reading before that. On an exception
+        nothing is committed and the exception propagates (the leftover temporary directory is
+        removed by the next save).
         """
         temporary = self.root_dir / f"{TEMPORARY_PREFIX}{step_dir_name(step)}"
         if self.rank == 0:

@@ -43,9 +43,9 @@ def save_run(
     # the good ones it replaces).
     if not all_weights_finite([*actor.models, *(critic.models if critic is not None else [])]):
         raise UserError(
-            f"step {step}: the actor's or critic's weights are not finite; not saving a checkpoint (the newest "
-            f"good one is {ckpt.latest_dir() or 'none'}). Lower actor.lr, keep actor.grad_clip > "
-            "0, or use model.dtype=float32 / bfloat16 instead of float16."
+            f"step {step}: the actor's or critic's weights are not finite; not saving a "
+            f"checkpoint (the newest good one is {ckpt.latest_dir() or 'none'}). Lower actor.lr, "
+            "keep actor.grad_clip > 0, or use model.dtype=float32 / bfloat16 instead of float16."
         )
     subdirs = ("model", "critic/model") if critic is not None else ("model",)
     with ckpt.saving(step, subdirs=subdirs) as directory:

@@ -14,7 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlcli.checkpoint_manifest import MANIFEST_FILE, check_checkpoint, share_of_files
+from rlcli.checkpoint_manifest import (
+    MANIFEST_FILE,
+    check_checkpoint,
+    shard_writers,
+    share_of_files,
+)
 from rlcli.cli import main
 from rlcli.errors import UserError
 from rlcli.run_checkpoint import CheckpointManager
@@ -174,6 +179,17 @@ def test_hashing_shares_cover_every_file_once_and_balance_bytes():
     loads = [sum(sizes[name] for name in share) for share in shares]
     assert max(loads) - min(loads) <= max(sizes.values())
     assert share_of_files(sizes, 0, 1) == sorted(sizes, key=lambda name: -sizes[name])
+
+
+def test_at_save_time_each_rank_hashes_the_shards_it_wrote():
+    names = ["model/__0_0.distcp", "model/__1_0.distcp", "model/__1_1.distcp", "model/common.pt"]
+    writers = shard_writers([*names, "model/.metadata"])
+    assert writers == {names[0]: 0, names[1]: 1, names[2]: 1}
+    sizes = {name: 100 for name in names}
+    assert share_of_files(sizes, 0, 2, writers) == [names[0], names[3]]  # the lighter rank
+    assert share_of_files(sizes, 1, 2, writers) == [names[1], names[2]]
+    # Written by rank 3 of a larger world: shared out like any other file.
+    assert share_of_files({"__3_0.distcp": 5}, 1, 2, {"__3_0.distcp": 3}) == []
 
 
 def _two_rank_check(rank: int, root: Path, init_file: Path) -> None:
