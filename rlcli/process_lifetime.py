@@ -15,8 +15,8 @@ What runs beside a rank, and what ends it:
   workers end by themselves once every process holding their pipe has ended; the reward workers
   (``rlcli.rewards.workers``) die with the forkserver, and a worker past its deadline is killed
   with its process group.
-* megatron's writer processes (forked during a save, one per file) end when their file is
-  written.
+* megatron's writer processes (forked during a save, one per file, joined before the save
+  returns) end when their file is written.
 * vLLM runs in the rank's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): no process.
 * A rank started by torchrun is in its own session, so the terminal's signals do not reach it,
   and when torchrun's agent dies it would go on alone: :func:`tie_rank_to_agent` kills it with
