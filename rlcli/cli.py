@@ -12,7 +12,19 @@ import sys
 
 import typer
 
-from rlcli.commands import checkpoint, config, convert, data, docs, launch, plan, plot, train
+from rlcli.commands import (
+    checkpoint,
+    config,
+    convert,
+    data,
+    docs,
+    launch,
+    plan,
+    plot,
+    rm,
+    tool,
+    train,
+)
 from rlcli.commands.relaunch import report_user_error_to_parent, stop_agent_restarts, under_torchrun
 from rlcli.errors import USER_ERROR_EXIT_CODE, UserError
 from rlcli.process_lifetime import tie_rank_to_agent, tie_spawned_helper_to_parent
@@ -29,6 +41,7 @@ app = typer.Typer(
 )
 app.command()(train.train)
 app.command()(train.sft)
+app.command()(rm.rm)
 app.command()(convert.export)
 app.command("plan")(plan.plan_command)
 config.config_app.command("docs")(docs.config_docs)
@@ -37,6 +50,7 @@ app.add_typer(config.config_app, name="config")
 app.add_typer(data.data_app, name="data")
 app.add_typer(launch.launch_app, name="launch")
 app.add_typer(convert.convert_app, name="convert")
+app.add_typer(tool.tool_app, name="tool")
 app.add_typer(checkpoint.checkpoint_app, name="checkpoint")
 
 
