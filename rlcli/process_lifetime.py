@@ -17,6 +17,10 @@ What runs beside a rank, and what ends it:
   with its process group.
 * megatron's writer processes (forked during a save, one per file, joined before the save
   returns) end when their file is written.
+* the ``python`` tool's sandboxes (``rlcli.tools.sandbox``) run under bubblewrap with
+  ``--die-with-parent`` in their own pid namespace: when the rank dies, bwrap's child is killed
+  and with it every process of the namespace (a per-call cgroup of a killed rank stays behind,
+  empty: no process).
 * vLLM runs in the rank's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): no process.
 * A rank started by torchrun is in its own session, so the terminal's signals do not reach it,
   and when torchrun's agent dies it would go on alone: :func:`tie_rank_to_agent` kills it with
