@@ -25,8 +25,11 @@ What reshards:
   * the scheduler: a small plain dict, stored once (rank 0) and read on every rank.
 
 Pitfalls: megatron-core's filesystem writer needs ``psutil`` and starts a
-``multiprocessing`` Manager with the spawn method, so the entry script must be guarded by
-``if __name__ == "__main__":``, or the child re-imports it and hangs.
+``multiprocessing`` Manager with the spawn method at the first save (kept for the life of the
+process; no strategy option avoids it), so the entry script must be guarded by
+``if __name__ == "__main__":``, or the child re-imports it and hangs. A SIGKILLed process leaves
+that Manager running unless the child is told to die with it: the ``rlcli`` entry point does so
+as the child imports it.
 """
 
 from __future__ import annotations

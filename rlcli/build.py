@@ -23,7 +23,8 @@ from rlcli.lora import lora_spec
 from rlcli.metrics import MetricsLogger
 from rlcli.rewards import RewardManager
 from rlcli.rollout.base import RolloutEngine
-from rlcli.run_checkpoint import CheckpointManager, checkpoint_root, resume_run
+from rlcli.run_checkpoint import CheckpointManager, checkpoint_root
+from rlcli.run_save_resume import resume_run
 from rlcli.sampling import ReplicaInfo
 from rlcli.trained_model import (
     LoraReference,

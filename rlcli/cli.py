@@ -12,9 +12,26 @@ import sys
 
 import typer
 
-from rlcli.commands import config, convert, data, docs, launch, plan, plot, rm, tool, train
-from rlcli.commands.relaunch import report_user_error_to_parent, stop_agent_restarts
+from rlcli.commands import (
+    checkpoint,
+    config,
+    convert,
+    data,
+    docs,
+    launch,
+    plan,
+    plot,
+    rm,
+    tool,
+    train,
+)
+from rlcli.commands.relaunch import report_user_error_to_parent, stop_agent_restarts, under_torchrun
 from rlcli.errors import USER_ERROR_EXIT_CODE, UserError
+from rlcli.process_lifetime import tie_rank_to_agent, tie_spawned_helper_to_parent
+
+# multiprocessing's spawn children (megatron-core's checkpoint-writer Manager among them) import
+# this module before running their target: tie each to the rank that started it.
+tie_spawned_helper_to_parent()
 
 app = typer.Typer(
     help="rlcli: Megatron-centric RL post-training for LLMs with colocated vLLM rollouts.",
@@ -34,6 +51,7 @@ app.add_typer(data.data_app, name="data")
 app.add_typer(launch.launch_app, name="launch")
 app.add_typer(convert.convert_app, name="convert")
 app.add_typer(tool.tool_app, name="tool")
+app.add_typer(checkpoint.checkpoint_app, name="checkpoint")
 
 
 def _quiet_third_party_noise() -> None:
@@ -62,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     typer's short usage message and exit 2; a :class:`UserError` prints one line and exits 2
     (under ``--nproc`` the parent prints it: ``rlcli.commands.relaunch``); never a traceback."""
     _quiet_third_party_noise()
+    if under_torchrun():
+        tie_rank_to_agent()
     try:
         # Standalone mode: click prints usage errors itself and exits with their code (2).
         app(args=argv, prog_name="rlcli")

@@ -320,7 +320,7 @@ class TrainerConfig:
     experiment_name: str = "default"  # names the run and its output folder
     # model, data, checkpoints, metrics.jsonl, tensorboard/
     output_dir: str = "outputs/${trainer.experiment_name}"
-    resume: str = "auto"  # auto | none | path to a checkpoint directory
+    resume: str = "auto"  # auto (newest intact checkpoint) | none | a step_N checkpoint folder
     # Stop (exit 2) after this many consecutive steps with a non-finite loss or gradient (each
     # one is dropped, not applied).
     max_nonfinite_steps: int = 3
@@ -342,7 +342,7 @@ class LoggingConfig:
 @dataclass
 class CheckpointConfig:
     save_freq: int = 0  # save every N steps (0: only at the end)
-    keep_last: int = 2  # complete checkpoints kept (older ones pruned)
+    keep_last: int = 2  # intact checkpoints kept (older ones pruned; damaged ones do not count)
     dir: Optional[str] = None  # default: <trainer.output_dir>/checkpoints
     # false: model-only checkpoints (smaller; resume reloads master weights)
     save_optimizer: bool = True

@@ -1,31 +1,33 @@
-"""Run-level checkpoints: directories that are either complete or ignored, and saving / resuming
-a run (the sharded model and optimizer I/O itself is ``parallel.checkpoint``; the trainer's own
-state and RNGs are ``rlcli.run_state``).
+"""Run-level checkpoints: directories that are either complete and intact or ignored, and the
+choice of the one to resume from (what a run writes into them is ``rlcli.run_save_resume``; the
+sharded model and optimizer I/O itself is ``parallel.checkpoint``; the trainer's own state and
+RNGs are ``rlcli.run_state``; the manifest is ``rlcli.checkpoint_manifest``).
 
 Layout under the checkpoint root::
 
-    step_000010/            a complete checkpoint: has the COMPLETE marker
+    step_000010/            a committed checkpoint: has the COMPLETE marker
         COMPLETE
+        MANIFEST.json       every other file with its size and CRC-32
         trainer_state.json
         rng_state_rank0.safetensors, rng_state_rank1.safetensors, ...
         ...                 whatever the trainer wrote (e.g. megatron dist_checkpointing shards)
     .tmp-step_000020/       a save in progress (or one that crashed): never loaded
     latest                  text file naming the most recently committed step directory
 
-A run's checkpoint (``save_run``) holds ``model/`` (megatron dist_checkpointing: model, optimizer,
-scheduler), ``hf/`` (config and tokenizer, so it converts to HF on its own) and the trainer state
-(step, data position, KL coefficient, RNG states). A LoRA actor's ``model/`` holds only its
-adapters and their optimizer state; the base is the run's HF model (``rlcli.lora``). A PPO run adds ``critic/model/`` (the value
-model, its optimizer and scheduler, same format) and ``critic/hf/`` (the config and tokenizer the
-critic was built from; ``rlcli export --critic`` turns the two into an HF model).
+A save writes everything into ``.tmp-step_N``; after every rank finished writing, the ranks hash
+the files (each a share) and rank 0 writes the manifest, each node fsyncs the files, then rank 0
+adds the marker and renames the directory to ``step_N`` in one ``os.replace``. A crash at any
+point leaves either no ``step_N`` or a complete one with its manifest. Saving a step that already
+has a checkpoint (a resumed run redoing it) first renames the old one to ``.replaced-step_N``,
+which still counts as step N's checkpoint until the new one is in place, so a commit never leaves
+fewer complete checkpoints than there were. Pruning renames a directory away before deleting it,
+so a half-deleted checkpoint never looks complete either.
 
-A save writes everything into ``.tmp-step_N``; after every rank finished writing, each node
-fsyncs the files, then rank 0 adds the marker and renames the directory to ``step_N`` in one
-``os.replace``. A crash at any point leaves either no ``step_N`` or a complete one. Saving a step
-that already has a checkpoint (a resumed run redoing it) first renames the old one to
-``.replaced-step_N``, which still counts as step N's checkpoint until the new one is in place,
-so a commit never leaves fewer complete checkpoints than there were. Pruning renames a directory
-away before deleting it, so a half-deleted checkpoint never looks complete either.
+Damage after the commit (a disk or copy fault) is caught by the manifest: an explicit
+``trainer.resume=DIR`` that is damaged is a user error naming the file and what differs; ``auto``
+and torchrun restarts skip damaged checkpoints (saying so) for the newest intact one; pruning does
+not count damaged checkpoints (a ``stat`` per file finds missing and truncated ones) toward
+``keep_last``. Checkpoints without a manifest (older rlcli) load with a note.
 """
 
 from __future__ import annotations
@@ -34,24 +36,21 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from rlcli.errors import UserError
-from rlcli.run_state import (
-    TEMPORARY_PREFIX,
-    distributed_rank,
-    load_trainer_state,
-    save_trainer_state,
-    write_text_atomically,
+from rlcli.checkpoint_manifest import (
+    AllGather,
+    CheckpointHealth,
+    check_checkpoint,
+    write_manifest,
 )
-
-if TYPE_CHECKING:  # the model pulls in megatron; `rlcli export` only needs the directory rules
-    from rlcli.trained_model import TrainedModel
+from rlcli.errors import UserError
+from rlcli.run_state import TEMPORARY_PREFIX, distributed_rank, write_text_atomically
 
 COMPLETE_MARKER = "COMPLETE"
 LATEST_POINTER = "latest"
@@ -109,17 +108,35 @@ def _distributed_barrier() -> None:
         torch.distributed.barrier()
 
 
-class CheckpointManager:
-    """Creates, finds and prunes ``step_N`` checkpoint directories under ``root_dir``.
+def _distributed_all_gather(obj: Any) -> list[Any]:
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [obj]
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, obj)
+    return gathered
 
-    Every rank constructs one and enters :meth:`saving` together (it is a collective).
+
+def _distributed_world_size() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return 1
+
+
+class CheckpointManager:
+    """Creates, checks, finds and prunes ``step_N`` checkpoint directories under ``root_dir``.
+
+    Every rank constructs one and enters :meth:`saving` and :meth:`resolve_resume` together
+    (they are collectives: the ranks share the hashing).
 
     Args:
         root_dir: the checkpoint root (shared by all ranks, e.g. on a network filesystem).
-        keep_last: how many complete checkpoints to keep; ``None`` keeps all.
+        keep_last: how many intact checkpoints to keep; ``None`` keeps all.
         rank: this process's global rank (default: from torch.distributed, else 0).
         barrier: waits for every rank (default: ``torch.distributed.barrier`` when initialised,
             else nothing).
+        world_size, all_gather: the ranks that share the hashing and how they exchange results
+            (default: torch.distributed's world and ``all_gather_object`` when initialised, else
+            this process alone).
     """
 
     def __init__(
@@ -128,6 +145,8 @@ class CheckpointManager:
         keep_last: int | None = None,
         rank: int | None = None,
         barrier: Callable[[], None] | None = None,
+        world_size: int | None = None,
+        all_gather: AllGather | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise UserError(
@@ -136,7 +155,21 @@ class CheckpointManager:
         self.root_dir = Path(root_dir)
         self.keep_last = keep_last
         self.rank = distributed_rank() if rank is None else rank
+        self.world_size = _distributed_world_size() if world_size is None else world_size
+        # A rank given without its world (tools, tests) hashes every file itself.
+        self._hash_rank = self.rank if self.world_size > 1 else 0
         self._barrier = barrier or _distributed_barrier
+        self._all_gather = all_gather or _distributed_all_gather
+
+    def check(self, path: str | os.PathLike[str], checksums: bool = True) -> CheckpointHealth:
+        """Collective: ``path`` against its manifest, the hashing spread over the ranks."""
+        return check_checkpoint(
+            path,
+            checksums,
+            rank=self._hash_rank,
+            world_size=self.world_size,
+            all_gather=self._all_gather,
+        )
 
     def step_dir(self, step: int) -> Path:
         """Where the complete checkpoint of ``step`` lives (whether or not it exists)."""
@@ -145,6 +178,10 @@ class CheckpointManager:
     def complete_steps(self) -> list[int]:
         """Steps with a complete checkpoint, ascending."""
         return sorted(step for _, step, _ in self._commit_order())
+
+    def complete_dirs(self) -> list[Path]:
+        """Every complete checkpoint directory, the most recently committed first."""
+        return [path for _, _, path in reversed(self._commit_order())]
 
     def _commit_order(self) -> list[tuple[int, int, Path]]:
         """``(commit sequence, step, directory)`` of every complete checkpoint, oldest commit
@@ -185,10 +222,11 @@ class CheckpointManager:
         ``subdirs`` are created (by rank 0, before every rank may write) for writers that need an
         existing, empty folder, such as megatron-core's ``dist_checkpointing.save``.
 
-        On normal exit, after a barrier, rank 0 marks it complete, renames it to ``step_N``,
-        updates ``latest`` and prunes old checkpoints; a final barrier keeps other ranks from
-        reading before that. On an exception nothing is committed and the exception propagates
-        (the leftover temporary directory is removed by the next save).
+        On normal exit, after a barrier, the ranks hash the files for the manifest, then rank 0
+        marks it complete, renames it to ``step_N``, updates ``latest`` and prunes old
+        checkpoints; a final barrier keeps other ranks from reading before that. On an exception
+        nothing is committed and the exception propagates (the leftover temporary directory is
+        removed by the next save).
         """
         temporary = self.root_dir / f"{TEMPORARY_PREFIX}{step_dir_name(step)}"
         if self.rank == 0:
@@ -200,6 +238,12 @@ class CheckpointManager:
         self._barrier()
         yield temporary
         self._barrier()
+        write_manifest(
+            temporary,
+            rank=self._hash_rank,
+            world_size=self.world_size,
+            all_gather=self._all_gather,
+        )
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once per node: its ranks' files
             _fsync_tree(temporary)
         self._barrier()
@@ -231,9 +275,22 @@ class CheckpointManager:
     def _prune(self) -> None:
         if self.keep_last is None:
             return
-        # Oldest commits go first, so a resumed run's new checkpoints outlive an abandoned run's.
-        for _, _, path in self._commit_order()[: -self.keep_last]:
-            self._delete(path)
+        # Newest commits are kept first, so a resumed run's new checkpoints outlive an abandoned
+        # run's. A damaged checkpoint does not take the place of an intact one: it is kept (for
+        # inspection or repair) without counting, until keep_last newer intact ones exist.
+        kept = 0
+        for path in self.complete_dirs():
+            if kept == self.keep_last:
+                self._delete(path)
+                continue
+            health = check_checkpoint(path, checksums=False)  # rank 0 alone: a stat per file
+            if health.loadable:
+                kept += 1
+            else:
+                self._say(
+                    f"checkpoint {path} is damaged ({health.describe()}): kept, but not counted "
+                    "toward checkpoint.keep_last"
+                )
 
     def _delete(self, path: Path) -> None:
         # Renamed away first: a crash half-way through rmtree must not leave a marked directory.
@@ -250,21 +307,65 @@ class CheckpointManager:
                 if is_complete_checkpoint(original):  # else it is still a step's only copy
                     shutil.rmtree(path)
 
-    def resolve_resume(self, resume: str | os.PathLike[str] | None) -> Path | None:
-        """The checkpoint to resume from for ``trainer.resume``: ``"auto"``, ``"none"`` or a path.
+    def resolve_resume(
+        self, resume: str | os.PathLike[str] | None, restarted: bool = False
+    ) -> Path | None:
+        """Collective: the checkpoint to resume from for ``trainer.resume`` (``"auto"``,
+        ``"none"`` or a path), checked against its manifest.
 
-        ``auto`` takes the newest complete checkpoint under the root (``None`` when there is
-        none: a fresh start); ``none`` (or ``None``) never resumes; a path must be a complete
-        ``step_N`` checkpoint directory.
+        ``auto`` takes the newest intact checkpoint under the root, skipping damaged ones with a
+        note (``None`` when there is none: a fresh start); ``none`` (or ``None``) never resumes;
+        a path must be a complete ``step_N`` checkpoint directory that is not damaged.
+        ``restarted`` (torchrun restarted the group after a rank died) continues from this run's
+        newest intact checkpoint whatever ``resume`` named for the first start. A checkpoint
+        without a manifest is taken with a note that it cannot be verified.
         """
+        if restarted and self.latest_dir() is not None:
+            return self._newest_loadable("torchrun restarted the group")
         if resume is None or str(resume).lower() in ("none", "null", ""):
             return None
         if str(resume).lower() == "auto":
-            return self.latest_dir()
+            return self._newest_loadable("trainer.resume=auto")
         path = Path(resume)
-        if is_complete_checkpoint(path):
+        if not is_complete_checkpoint(path):
+            raise UserError(_why_not_a_checkpoint(path))
+        health = self.check(path)
+        if not health.loadable:
+            raise UserError(
+                f"trainer.resume={str(path)!r}: the checkpoint is damaged: {health.describe()}. "
+                f"Resume from an intact one (`rlcli checkpoint verify {path.parent}` lists them; "
+                "trainer.resume=auto takes the newest) or restore the file."
+            )
+        self._note_unverifiable(health)
+        return path
+
+    def _newest_loadable(self, reason: str) -> Path | None:
+        damaged: list[CheckpointHealth] = []
+        for path in self.complete_dirs():
+            health = self.check(path)
+            if not health.loadable:
+                damaged.append(health)
+                self._say(f"{reason}: skipping damaged checkpoint {path}: {health.describe()}")
+                continue
+            if damaged:
+                self._say(f"{reason}: resuming from {path}, the newest intact checkpoint")
+            self._note_unverifiable(health)
             return path
-        raise UserError(_why_not_a_checkpoint(path))
+        if not damaged:
+            return None
+        raise UserError(
+            f"{reason}: every checkpoint under {self.root_dir} is damaged ("
+            + "; ".join(f"{health.directory.name}: {health.describe(1)}" for health in damaged)
+            + "). Restore the files, or set trainer.resume=none to start over."
+        )
+
+    def _note_unverifiable(self, health: CheckpointHealth) -> None:
+        if health.state == "unverifiable":
+            self._say(f"checkpoint {health.directory} has {health.describe()}; loading it as is")
+
+    def _say(self, message: str) -> None:
+        if self.rank == 0:
+            print(f"[rlcli] {message}", flush=True)
 
 
 def _commit_sequence(path: Path) -> int:
@@ -277,7 +378,7 @@ def _commit_sequence(path: Path) -> int:
 
 def _why_not_a_checkpoint(path: Path) -> str:
     prefix = f"trainer.resume={str(path)!r}"
-    choices = "use 'auto' (newest complete checkpoint), 'none', or a step_N checkpoint directory"
+    choices = "use 'auto' (newest intact checkpoint), 'none', or a step_N checkpoint directory"
     if not path.exists():
         return f"{prefix}: no such directory; {choices}."
     if not path.is_dir():
@@ -290,113 +391,6 @@ def _why_not_a_checkpoint(path: Path) -> str:
         f"{prefix} has no {COMPLETE_MARKER} marker: the save was interrupted and the checkpoint "
         f"is incomplete; {choices}."
     )
-
-
-def save_run(
-    ckpt: CheckpointManager,
-    step: int,
-    actor: TrainedModel,
-    model_dir: str,
-    state: Mapping[str, Any],
-    save_optimizer: bool,
-    critic: TrainedModel | None = None,
-) -> None:
-    """Collective: commit ``step``'s checkpoint (model, optimizer, HF metadata, trainer state;
-    the critic's model and optimizer under ``critic/`` when there is one). Every kind of state
-    of both must be on the device (the trainer's ``checkpoint`` residency)."""
-    from parallel.checkpoint import save_checkpoint
-    from parallel.optim import all_weights_finite
-
-    # Collective. A non-finite weight must never reach a checkpoint (pruning would then delete
-    # the good ones it replaces).
-    if not all_weights_finite([*actor.models, *(critic.models if critic is not None else [])]):
-        raise UserError(
-            f"step {step}: the actor's or critic's weights are not finite; not saving a checkpoint (the newest "
-            f"good one is {ckpt.latest_dir() or 'none'}). Lower actor.lr, keep actor.grad_clip > "
-            "0, or use model.dtype=float32 / bfloat16 instead of float16."
-        )
-    subdirs = ("model", "critic/model") if critic is not None else ("model",)
-    with ckpt.saving(step, subdirs=subdirs) as directory:
-        save_checkpoint(
-            directory / "model",
-            actor.models,
-            actor.mesh,
-            optimizer=actor.optimizer if save_optimizer else None,
-            scheduler=actor.scheduler,
-            adapters_only=actor.lora is not None,
-        )
-        if actor.mesh.rank == 0:
-            copy_hf_metadata(model_dir, directory / "hf")
-        if critic is not None:
-            save_checkpoint(
-                directory / "critic" / "model",
-                critic.models,
-                critic.mesh,
-                optimizer=critic.optimizer if save_optimizer else None,
-                scheduler=critic.scheduler,
-            )
-            if critic.mesh.rank == 0:
-                copy_hf_metadata(critic.hf_dir, directory / "critic" / "hf")
-        save_trainer_state(directory, state)
-
-
-def resume_run(
-    ckpt: CheckpointManager,
-    resume: str | None,
-    actor: TrainedModel,
-    load_optimizer: bool,
-    critic: TrainedModel | None = None,
-) -> dict[str, Any] | None:
-    """Load the checkpoint ``trainer.resume`` names into ``actor`` (and ``critic``); its trainer
-    state, or None when the run starts fresh."""
-    from parallel.checkpoint import load_checkpoint
-    from rlcli.lora import check_resumed_lora, lora_state
-
-    path = ckpt.resolve_resume(resume)
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if restarted and ckpt.latest_dir() is not None:
-        # torchrun restarted the group after a rank died: continue from this run's newest
-        # checkpoint whatever trainer.resume named for the first start.
-        path = ckpt.latest_dir()
-    if path is None:
-        return None
-    if critic is not None and not (path / "critic" / "model" / "metadata.json").is_file():
-        raise UserError(
-            f"trainer.resume: {path} has no critic (critic/model) to resume PPO's value model "
-            "from; it was written by a run without algorithm.adv_estimator=gae"
-        )
-    state = load_trainer_state(path)
-    check_resumed_lora(path, state.get("lora"), lora_state(actor.lora))
-    for model, folder in ((actor, path / "model"), (critic, path / "critic" / "model")):
-        if model is None:
-            continue
-        changed = load_checkpoint(
-            folder,
-            model.models,
-            model.mesh,
-            optimizer=model.optimizer if load_optimizer else None,
-            scheduler=model.scheduler,
-            adapters_only=model.lora is not None,
-        )
-        if changed and model.mesh.rank == 0:
-            # The current config wins over the checkpoint's hyper-parameters; say what changed.
-            print(f"[rlcli] resuming {folder} with the config's values: " + "; ".join(changed))
-        if not load_optimizer and model.optimizer is not None:
-            from parallel.optim import reload_master_weights
-
-            # bf16 / distributed optimizers keep fp32 master weights; without this the first
-            # step writes the pre-resume weights back over the loaded ones.
-            reload_master_weights(model.optimizer)
-    return state
-
-
-def copy_hf_metadata(model_dir: str, out: Path) -> None:
-    from parallel.convert.hf_io import copy_tokenizer_files
-
-    copy_tokenizer_files(model_dir, out)
-    for name in ("config.json", "generation_config.json"):
-        if (Path(model_dir) / name).is_file():
-            shutil.copy2(Path(model_dir) / name, out / name)
 
 
 def checkpoint_root(checkpoint_dir: str | None, output_dir: str) -> str:

@@ -35,7 +35,8 @@ from rlcli.residency import Residency, StepPhases, residency_plan
 from rlcli.rewards import RewardManager
 from rlcli.rollout.base import RolloutEngine
 from rlcli.rollout.transport import WeightTransport
-from rlcli.run_checkpoint import CheckpointManager, save_run
+from rlcli.run_checkpoint import CheckpointManager
+from rlcli.run_save_resume import save_run
 from rlcli.sampling import ReplicaInfo, collect_rollouts, evaluate
 from rlcli.trained_model import LoraReference, TrainedModel
 

@@ -149,12 +149,21 @@ def export(
     """Write a training checkpoint's policy (or, with --critic, its value model) as a
     HuggingFace model directory; a LoRA run's policy as a PEFT adapter (--lora) or merged into
     its base model (--merge)."""
+    from rlcli.checkpoint_manifest import check_checkpoint
     from rlcli.lora import spec_of_state
     from rlcli.run_checkpoint import is_complete_checkpoint
     from rlcli.run_state import load_trainer_state
 
     if not is_complete_checkpoint(checkpoint):
         raise UserError(f"{checkpoint} is not a complete rlcli checkpoint (no COMPLETE marker)")
+    health = check_checkpoint(checkpoint)
+    if not health.loadable:
+        raise UserError(
+            f"{checkpoint}: the checkpoint is damaged: {health.describe()}. Export an intact one "
+            f"(`rlcli checkpoint verify {checkpoint.parent}` lists them) or restore the file."
+        )
+    if health.state == "unverifiable":
+        typer.echo(f"note: {checkpoint} has {health.describe()}")
     state = load_trainer_state(checkpoint, rank=0, restore_rng=False)
     spec = spec_of_state(state)
     if lora and merge:

@@ -10,7 +10,6 @@ inherit), ignore Ctrl-C (the trainer owns shutdown) and die with their parent.
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import os
 import pickle
@@ -22,19 +21,12 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from rlcli.errors import UserError
+from rlcli.process_lifetime import die_with_parent
 
 START_TIMEOUT_S = 120.0  # a cold worker imports the reward module (and maybe torch): be patient
 
 # Outcome of one call: ("ok", result) | ("error", message) | ("timeout", None)
 Outcome = tuple[str, Any]
-
-
-def _die_with_parent() -> None:
-    try:
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: workers still exit on EOF from the parent
-        pass
 
 
 def _release_forkserver_keepalive() -> None:
@@ -54,7 +46,7 @@ def _worker_main(conn: Connection, fn_bytes: bytes) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.setpgrp()  # own process group, so a kill also reaches anything the reward spawned
     _release_forkserver_keepalive()
-    _die_with_parent()
+    die_with_parent()  # not on Linux: workers still exit on EOF from the parent
     try:
         fn = pickle.loads(fn_bytes)
     except BaseException as error:  # report any failure to the parent instead of a bare exit

@@ -183,6 +183,7 @@ def test_two_ranks_commit_only_after_both_wrote(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002"]
     assert sorted(p.name for p in final.iterdir()) == [
         "COMPLETE",
+        "MANIFEST.json",
         "model",
         "rng_state_rank0.safetensors",
         "rng_state_rank1.safetensors",

@@ -1,5 +1,6 @@
 """Runs that survive: non-finite steps, the LR schedule in RL steps, resume with a changed config,
-SIGTERM, exact resume (GRPO and DAPO), and a rank killed mid-run under torchrun restarts.
+SIGTERM, exact resume (GRPO and DAPO), and a rank killed mid-run under torchrun restarts (which
+leaves no process behind).
 
 Single-process runs use the HF engine and a tiny Qwen2 (the end-to-end tests' settings); weights
 are compared by reading the checkpoints' torch-distributed shards back with torch's converter.
@@ -16,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -23,6 +25,8 @@ from tests.rlcli.test_train_e2e import REPO, TINY
 
 HERE = Path(__file__).parent
 HF = [*TINY, "rollout.engine=hf"]
+# Environment variable a test sets to recognise every process of its run.
+RUN_TAG = "RLCLI_TEST_RUN_TAG"
 # Metrics that measure time or memory: they differ between any two runs.
 TIMING_PREFIXES = ("timing/", "perf/", "sync/gbps")
 
@@ -130,7 +134,8 @@ def test_lr_schedule_counts_rl_steps_and_resume_takes_the_new_lr(tmp_path):
 def _resume_equals_uninterrupted(tmp_path: Path, *overrides: str, sigterm: bool) -> None:
     """An uninterrupted 3-step run against one stopped after a step (SIGTERM, or the stop file
     the sbatch script uses) and started again: same weights, optimizer state, metrics and
-    loader positions."""
+    loader positions; the stopped run leaves no process behind (its checkpoint writer
+    included)."""
     steps = ["trainer.total_steps=3", *overrides]
     whole = tmp_path / "whole"
     code, output = finish(rlcli_train(whole, *steps))
@@ -138,7 +143,8 @@ def _resume_equals_uninterrupted(tmp_path: Path, *overrides: str, sigterm: bool)
 
     split = tmp_path / "split"
     stop_file = tmp_path / "stop"
-    env = {} if sigterm else {"RLCLI_STOP_FILE": str(stop_file)}
+    tag = f"stopped-{os.getpid()}-{time.monotonic_ns()}"
+    env = {RUN_TAG: tag, **({} if sigterm else {"RLCLI_STOP_FILE": str(stop_file)})}
     if not sigterm:
         stop_file.touch()  # asks the run to stop after its first step
     proc = rlcli_train(split, *steps, env=env)
@@ -150,6 +156,7 @@ def _resume_equals_uninterrupted(tmp_path: Path, *overrides: str, sigterm: bool)
     code, output = finish(proc)
     assert code == 0, output[-3000:]  # the documented code: 0, with a checkpoint
     assert "checkpoint saved: run the same command again" in output
+    assert processes_left(tag) == {}
     stopped_at = max(r["step"] for r in rows(split))
     assert stopped_at < 3
     assert (split / "checkpoints" / f"step_{stopped_at:06d}" / "COMPLETE").is_file()
@@ -188,15 +195,44 @@ def test_dapo_resume_equals_uninterrupted(tmp_path):
     )
 
 
+def processes_of_run(tag: str) -> dict[int, str]:
+    """Running processes whose environment carries ``RLCLI_TEST_RUN_TAG=tag`` (everything a run
+    starts inherits it): pid -> command line. Zombies count as ended (this container's init does
+    not reap orphans)."""
+    found = {}
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(RUN_TAG) == tag and process.status() != psutil.STATUS_ZOMBIE:
+                found[process.pid] = " ".join(process.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+def processes_left(tag: str, within_s: float = 20) -> dict[int, str]:
+    """The run's processes still running ``within_s`` after it ended (killed then, so that a
+    failing test leaves nothing either)."""
+    deadline = time.monotonic() + within_s
+    while (left := processes_of_run(tag)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
 @pytest.mark.dist
 def test_rank_killed_mid_run_restarts_and_finishes(tmp_path):
     """`--nproc 2 --max-restarts 2`: rank 1 SIGKILLs itself during step 3; torchrun restarts the
-    group, which resumes from step 2's checkpoint and finishes; each step is logged once."""
+    group, which resumes from step 2's checkpoint and finishes; each step is logged once; and
+    no process of the run is left once it has finished (the killed rank's checkpoint-writer
+    Manager used to stay, with parent 1)."""
     out = tmp_path / "run"
     marker = tmp_path / "killed"
+    tag = f"survival-{os.getpid()}-{time.monotonic_ns()}"
     env = {
         "RLCLI_TEST_KILL_AFTER": str(out / "checkpoints" / "step_000002"),
         "RLCLI_TEST_KILL_MARKER": str(marker),
+        RUN_TAG: tag,
     }
     proc = rlcli_train(
         out,
@@ -208,11 +244,19 @@ def test_rank_killed_mid_run_restarts_and_finishes(tmp_path):
         nproc=2,
     )
     killed_at = first_step_after = None
+    before_kill: dict[int, str] = {}
+    seen: dict[int, str] = {}
+    next_sample = 0.0
     deadline = time.monotonic() + 600
     while proc.poll() is None and time.monotonic() < deadline:
         now = time.monotonic()
         if killed_at is None and marker.exists():
             killed_at = now
+        if now >= next_sample:
+            sample = processes_of_run(tag)
+            seen.update(sample)
+            before_kill = sample if killed_at is None else before_kill
+            next_sample = now + 1.0
         if (
             killed_at is not None
             and first_step_after is None
@@ -225,6 +269,12 @@ def test_rank_killed_mid_run_restarts_and_finishes(tmp_path):
     assert marker.exists(), "rank 1 was never killed"
     assert [r["step"] for r in rows(out)] == [1, 2, 3, 4]
     assert "resumed from step 2" in output
+    managers = [pid for pid, command in seen.items() if "multiprocessing.spawn" in command]
+    # Two ranks saved before the kill, two restarted ranks after: the count can see them.
+    assert len(managers) >= 3, seen
+    left = processes_left(tag)
+    print(f"processes of the run: {len(before_kill)} before the kill, {len(left)} after the end")
+    assert left == {}, left
     if first_step_after is not None:
         print(f"restart-to-first-step: {first_step_after - killed_at:.1f} s")
 
@@ -232,8 +282,10 @@ def test_rank_killed_mid_run_restarts_and_finishes(tmp_path):
 @pytest.mark.dist
 def test_a_user_error_is_not_retried_by_torchrun_restarts(tmp_path):
     """A reward that fails on every sample stops the run with exit 2 and its own message, once:
-    the ranks ask torchrun to stop instead of being restarted --max-restarts times."""
+    the ranks ask torchrun to stop instead of being restarted --max-restarts times, and leave
+    no process behind (reward workers included)."""
     out = tmp_path / "run"
+    tag = f"user-error-{os.getpid()}-{time.monotonic_ns()}"
     code, output = finish(
         rlcli_train(
             out,
@@ -241,6 +293,7 @@ def test_a_user_error_is_not_retried_by_torchrun_restarts(tmp_path):
             "trainer.total_steps=2",
             "--max-restarts",
             "3",
+            env={RUN_TAG: tag},
             nproc=2,
         )
     )
@@ -249,6 +302,7 @@ def test_a_user_error_is_not_retried_by_torchrun_restarts(tmp_path):
     assert "TypeError: compute_score() got an unexpected keyword argument" in output
     assert "ChildFailedError" not in output
     assert output.count("building actor") == 1  # one start, no restarts
+    assert processes_left(tag) == {}
 
 
 @pytest.mark.dist

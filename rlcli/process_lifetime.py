@@ -1,0 +1,69 @@
+"""No process outlives its run: every helper process ends when the rank that started it ends,
+however the rank ends (normal exit, user error, SIGTERM, SIGKILL of the rank or of its torchrun
+agent).
+
+What runs beside a rank, and what ends it:
+
+* megatron-core's checkpoint writer starts a ``multiprocessing`` Manager (spawn) at the rank's
+  first save and keeps it for the life of the process (``filesystem_async.
+  _get_write_results_queue``; no strategy option avoids it). At a normal exit or a user error
+  multiprocessing's exit hook shuts it down; when the rank is killed nothing would. Spawn
+  children run the parent's main module (``rlcli.cli``, which calls
+  :func:`tie_spawned_helper_to_parent` as it is imported) before their target, so the Manager
+  asks Linux to kill it when the rank dies (``PR_SET_PDEATHSIG``), with no patch to megatron.
+* multiprocessing's resource tracker (started with the Manager) and the forkserver of the reward
+  workers end by themselves once every process holding their pipe has ended; the reward workers
+  (``rlcli.rewards.workers``) die with the forkserver, and a worker past its deadline is killed
+  with its process group.
+* megatron's writer processes (forked during a save, one per file, joined before the save
+  returns) end when their file is written.
+* the ``python`` tool's sandboxes (``rlcli.tools.sandbox``) run under bubblewrap with
+  ``--die-with-parent`` in their own pid namespace: when the rank dies, bwrap's child is killed
+  and with it every process of the namespace (a per-call cgroup of a killed rank stays behind,
+  empty: no process).
+* vLLM runs in the rank's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): no process.
+* A rank started by torchrun is in its own session, so the terminal's signals do not reach it,
+  and when torchrun's agent dies it would go on alone: :func:`tie_rank_to_agent` kills it with
+  its agent (the agent itself kills each live rank's process group when it stops a group).
+
+These are Linux guarantees (``prctl``); elsewhere the helpers end at a normal exit only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import signal
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(signal_number: int = signal.SIGKILL) -> bool:
+    """Ask Linux to send ``signal_number`` to this process when its parent ends (the death signal
+    follows the thread that started this process: start helpers from the main thread). False
+    where ``prctl`` does not exist."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal_number)) != 0:
+            return False
+    except (OSError, AttributeError):  # not Linux
+        return False
+    if os.getppid() == 1:  # the parent ended before the request: it would never come
+        os.kill(os.getpid(), signal_number)
+    return True
+
+
+def tie_spawned_helper_to_parent() -> None:
+    """In a process multiprocessing started (spawn; its name is not ``MainProcess``): die with
+    the parent. Called while ``rlcli.cli`` is imported, which a spawn child does before running
+    its target."""
+    if multiprocessing.current_process().name != "MainProcess":
+        die_with_parent()
+
+
+def tie_rank_to_agent() -> None:
+    """Call in a rank that torchrun started: die with the agent. SIGKILL, not SIGTERM: without
+    its agent the group can neither be restarted nor report, and the newest committed
+    checkpoint is safe whenever the rank dies."""
+    die_with_parent()

@@ -1,0 +1,89 @@
+"""Helper processes end with their rank (``rlcli.process_lifetime``), checked on megatron-core's
+real checkpoint-writer Manager: it dies when its rank is SIGKILLed, and a SIGKILLed torchrun
+agent takes its rank and the rank's helpers with it. Before the ties both cases left the Manager
+(~300 MB) and multiprocessing's resource tracker running with parent 1.
+
+(The same in a whole 2-process run with a restart: ``test_run_survival.py::
+test_rank_killed_mid_run_restarts_and_finishes``.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("helper_lifetime_worker.py")
+
+
+def _start(tmp_path: Path, *launcher: str) -> tuple[subprocess.Popen, dict]:
+    """Start the worker (under ``launcher``); once it saved: the launched process and what the
+    worker reported (its pid, its helpers' pids and command lines)."""
+    out = tmp_path / "pids.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+    log = open(tmp_path / "worker.log", "w")
+    cmd = [sys.executable, *launcher, str(WORKER), str(out), str(tmp_path / "ckpt")]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 240
+    while not out.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError((tmp_path / "worker.log").read_text()[-3000:])
+        time.sleep(0.2)
+    return proc, json.loads(out.read_text())
+
+
+def _processes(pids: list[int]) -> list[psutil.Process]:
+    return [psutil.Process(pid) for pid in pids]  # remembers the start time: no pid reuse
+
+
+def _still_running(processes: list[psutil.Process], within_s: float = 20) -> list[str]:
+    """Command lines of the processes still running after ``within_s`` (zombies count as ended:
+    this container's init does not reap orphans)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = []
+        for process in processes:
+            try:
+                if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(process)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for process in alive:  # don't leave them to the next test
+        process.kill()
+    return [" ".join(process.cmdline()) for process in alive]
+
+
+def test_the_checkpoint_writer_dies_with_its_rank(tmp_path):
+    proc, info = _start(tmp_path)
+    helpers = _processes([helper["pid"] for helper in info["helpers"]])
+    assert any("multiprocessing.spawn" in h["cmdline"] for h in info["helpers"]), info
+    os.kill(info["rank"], signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert _still_running(helpers) == []
+
+
+@pytest.mark.dist
+def test_a_killed_torchrun_agent_takes_its_rank_and_the_helpers(tmp_path):
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
+    agent, info = _start(tmp_path, *torchrun)
+    processes = _processes([info["rank"], *(helper["pid"] for helper in info["helpers"])])
+    assert any("multiprocessing.spawn" in h["cmdline"] for h in info["helpers"]), info
+    agent.kill()
+    agent.wait(timeout=30)
+    assert _still_running(processes) == []
