@@ -3,6 +3,8 @@
 Every rank builds the same things in the same order: rewards (a reward spec that does not import
 fails at once), inputs (process groups, data, model), the SFT warm start, the actor, the
 reference, PPO's critic, the rollout engine, then resumes from the newest checkpoint when asked.
+With ``rollout.placement=separate`` (``run_role``) the trainer ranks build all of that but the
+engine and the rewards; the rollout ranks build only those (``RolloutWorker``).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import algorithms
 from rlcli.advantages import KLController
@@ -22,26 +24,57 @@ from rlcli.inputs import RunInputs, barrier, prepare_inputs
 from rlcli.metrics import MetricsLogger
 from rlcli.rewards import RewardManager
 from rlcli.rollout.base import RolloutEngine
+from rlcli.rollout_channel import RolloutChannel, RunEnded
+from rlcli.rollouts import ColocatedRollouts, Rollouts
 from rlcli.run_checkpoint import CheckpointManager, checkpoint_root, resume_run
 from rlcli.sampling import ReplicaInfo
 from rlcli.trained_model import MicroBatching, OptimizerSettings, TrainedModel
 from rlcli.trainer import Trainer, say
 
+if TYPE_CHECKING:
+    from rlcli.rollout_worker import RolloutWorker
 
-def build_trainer(cfg: RLConfig, reference: bool | None = None, logger: bool = True) -> Trainer:
-    """Everything a run needs, from the config. ``reference`` forces building the reference
-    model (default: only when a KL term uses it); ``logger=False`` builds no metrics logger."""
-    rewards = build_rewards(cfg)
+
+def run_role(cfg: RLConfig) -> None:
+    """What ``rlcli train`` runs on every rank: the trainer; with ``rollout.placement=separate``
+    the rollout ranks run the rollout worker instead. A failure on either side ends the other
+    side's waits with the same message."""
     inputs = prepare_inputs(cfg)
+    channel = None
+    if inputs.roles is not None:
+        channel = RolloutChannel(inputs.roles, timeout_s=cfg.parallel.timeout_minutes * 60)
+    try:
+        if inputs.roles is not None and not inputs.roles.is_trainer:
+            build_rollout_worker(inputs, channel).fit()
+        else:
+            build_trainer(cfg, inputs=inputs, channel=channel).fit()
+    except BaseException as error:
+        if channel is not None and not isinstance(error, RunEnded):
+            channel.report_failure(error)
+        raise
+
+
+def build_trainer(
+    cfg: RLConfig,
+    reference: bool | None = None,
+    logger: bool = True,
+    inputs: RunInputs | None = None,
+    channel: RolloutChannel | None = None,
+) -> Trainer:
+    """Everything a run needs, from the config. ``reference`` forces building the reference
+    model (default: only when a KL term uses it); ``logger=False`` builds no metrics logger.
+    ``inputs`` / ``channel``: already prepared (``run_role``)."""
+    separate = cfg.rollout.placement == "separate"
+    rewards = None if separate else build_rewards(cfg)
+    inputs = inputs or prepare_inputs(cfg)
+    if inputs.mesh is None:
+        raise RuntimeError("a rollout rank builds a RolloutWorker, not a Trainer (run_role)")
     if cfg.sft.steps > 0:
         inputs.model_dir = str(warm_start(inputs))
-    loader = PromptLoader(
-        inputs.train_data,
-        cfg.data.train_batch_size,
-        shuffle=cfg.data.shuffle,
-        seed=cfg.trainer.seed,
-    )
-    total = cfg.trainer.total_steps or cfg.trainer.total_epochs * loader.batches_per_epoch
+    if inputs.roles is not None:  # the rollout ranks wait for the model the engines load
+        inputs.roles.barrier_all("warm_start")
+    loader = build_loader(inputs)
+    total = planned_steps(cfg, loader)
     mesh = inputs.mesh
     say(mesh, f"building actor (tp={mesh.tp} pp={mesh.pp} dp={mesh.dp}) from {inputs.model_dir}")
     actor = build_actor(inputs, total_steps=total)
@@ -55,10 +88,11 @@ def build_trainer(cfg: RLConfig, reference: bool | None = None, logger: bool = T
             model_options=model_options(cfg),
         )
     critic = build_critic(inputs, total_steps=total) if uses_critic(cfg) else None
-    say(mesh, f"starting the {cfg.rollout.engine} engine (rollout.tp={cfg.rollout.tp})")
-    engine, replica = build_engine(inputs)
-    from rlcli.rollout.transport import make_transport
-
+    if separate:
+        channel = channel or RolloutChannel(inputs.roles, cfg.parallel.timeout_minutes * 60)
+        rollouts = build_streamed_rollouts(inputs, channel)
+    else:
+        rollouts = build_colocated_rollouts(inputs, rewards)
     trainer = Trainer(
         cfg=cfg,
         mesh=mesh,
@@ -66,12 +100,8 @@ def build_trainer(cfg: RLConfig, reference: bool | None = None, logger: bool = T
         model_dir=inputs.model_dir,
         actor=actor,
         reference=ref,
-        engine=engine,
-        transport=make_transport(cfg.rollout, engine),
-        replica=replica,
-        rewards=rewards,
+        rollouts=rollouts,
         loader=loader,
-        val_data=inputs.val_data,
         kl_ctrl=build_kl_controller(cfg),
         checkpoints=CheckpointManager(
             checkpoint_root(cfg.checkpoint.dir, cfg.trainer.output_dir),
@@ -101,7 +131,97 @@ def build_trainer(cfg: RLConfig, reference: bool | None = None, logger: bool = T
     return trainer
 
 
+def build_loader(inputs: RunInputs) -> PromptLoader:
+    cfg = inputs.cfg
+    return PromptLoader(
+        inputs.train_data,
+        cfg.data.train_batch_size,
+        shuffle=cfg.data.shuffle,
+        seed=cfg.trainer.seed,
+    )
+
+
+def planned_steps(cfg: RLConfig, loader: PromptLoader) -> int:
+    """``trainer.total_steps``, else ``trainer.total_epochs`` over the training prompts."""
+    return cfg.trainer.total_steps or cfg.trainer.total_epochs * loader.batches_per_epoch
+
+
+def build_colocated_rollouts(inputs: RunInputs, rewards: RewardManager) -> ColocatedRollouts:
+    from rlcli.rollout.transport import make_transport
+
+    cfg = inputs.cfg
+    say(inputs.mesh, f"starting the {cfg.rollout.engine} engine (rollout.tp={cfg.rollout.tp})")
+    engine, replica = build_engine(inputs)
+    return ColocatedRollouts(
+        cfg,
+        engine,
+        replica,
+        make_transport(cfg.rollout, engine),
+        rewards,
+        inputs.tokenizer,
+        inputs.val_data,
+    )
+
+
+def build_streamed_rollouts(inputs: RunInputs, channel: RolloutChannel) -> Rollouts:
+    """The trainer's side of engines on their own ranks."""
+    from rlcli.rollout.transport import make_transport
+    from rlcli.streamed_rollouts import StreamedRollouts
+
+    cfg, roles = inputs.cfg, inputs.roles
+    say(
+        inputs.mesh,
+        f"rollout.placement=separate: ranks 0-{roles.num_trainer_ranks - 1} train, ranks "
+        f"{roles.num_trainer_ranks}-{roles.global_size - 1} run the {cfg.rollout.engine} engines "
+        f"(rollout.tp={cfg.rollout.tp}); trainer.max_staleness={cfg.trainer.max_staleness}",
+    )
+    transport = make_transport(cfg.rollout, weights_group=roles.weights)
+    return StreamedRollouts(channel, transport, inputs.mesh, cfg.trainer.max_staleness)
+
+
+def build_rollout_worker(inputs: RunInputs, channel: RolloutChannel) -> RolloutWorker:
+    """A rollout rank: its engine (one TP shard of a replica of rollout.tp rollout ranks), the
+    rewards, its own loader (set to the trainer's position by the first notice)."""
+    from rlcli.rollout.base import rollout_replicas
+    from rlcli.rollout.factory import make_engine
+    from rlcli.rollout_worker import RolloutWorker
+
+    cfg, roles = inputs.cfg, inputs.roles
+    rewards = build_rewards(cfg)
+    roles.barrier_all("warm_start")  # the trainer ranks' SFT writes the model the engines load
+    if cfg.sft.steps > 0:
+        inputs.model_dir = str(inputs.output_dir / "sft_model")
+    r = cfg.rollout
+    index, count = rollout_replicas(roles.size, roles.rank, r.tp)
+    with roles.role_environment():
+        engine = make_engine(
+            r,
+            inputs.model_dir,
+            dtype=cfg.model.dtype,
+            seed=cfg.trainer.seed,
+            max_model_len=r.max_model_len or (cfg.data.max_prompt_length + r.max_tokens),
+        )
+    loader = build_loader(inputs)
+    return RolloutWorker(
+        cfg=cfg,
+        world=roles,
+        channel=channel,
+        engine=engine,
+        replica=ReplicaInfo(index=index, count=count, is_leader=roles.rank % r.tp == 0),
+        rewards=rewards,
+        tokenizer=inputs.tokenizer,
+        loader=loader,
+        val_data=inputs.val_data,
+        total_steps=planned_steps(cfg, loader),
+    )
+
+
 def run_sft_only(cfg: RLConfig) -> Path:
+    if cfg.rollout.placement == "separate":
+        raise UserError(
+            "rlcli sft trains on every process; rollout.placement=separate is rlcli train's "
+            "(set rollout.placement=colocated and rollout.num_ranks=0 for the SFT run)"
+        )
     return warm_start(prepare_inputs(cfg), force=True)
 
 

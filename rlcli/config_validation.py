@@ -66,6 +66,8 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
     for key, value in positive.items():
         if value < 1:
             raise UserError(f"{key} must be >= 1, got {value}")
+    _check_placement(cfg)
+    _check_off_policy(cfg)
     if cfg.rollout.sync_bucket_mb < 0:
         raise UserError(
             f"rollout.sync_bucket_mb must be >= 0 (0: automatic), got {cfg.rollout.sync_bucket_mb}"
@@ -75,11 +77,115 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
     if not cfg.model.path and not cfg.model.build:
         raise UserError("model.path is empty: give a HuggingFace model directory (model.path=DIR)")
     if world_size is not None:
-        derive_dp(cfg.parallel, world_size)
-        if world_size % cfg.rollout.tp:
+        _check_world(cfg, world_size)
+
+
+def is_separate(cfg: RLConfig) -> bool:
+    """Engines on their own ranks (``rollout.placement=separate``)."""
+    return cfg.rollout.placement == "separate"
+
+
+def trainer_ranks(cfg: RLConfig, world_size: int) -> int:
+    """How many of ``world_size`` ranks train: all of them colocated, all but the
+    ``rollout.num_ranks`` engine ranks in the separate placement."""
+    return world_size - cfg.rollout.num_ranks if is_separate(cfg) else world_size
+
+
+def _check_world(cfg: RLConfig, world_size: int) -> None:
+    """The layout of ``world_size`` ranks: the trainer's TP x PP x DP, the engines' TP."""
+    r, par = cfg.rollout, cfg.parallel
+    if not is_separate(cfg):
+        derive_dp(par, world_size)
+        if world_size % r.tp:
+            raise UserError(f"world size {world_size} is not divisible by rollout.tp={r.tp}")
+        return
+    trainers = world_size - r.num_ranks
+    if trainers < 1:
+        raise UserError(
+            f"rollout.num_ranks={r.num_ranks} makes every one of the {world_size} processes a "
+            f"rollout rank: leave at least parallel.tp x parallel.pp = {par.tp * par.pp} to train "
+            "(launch more processes or lower rollout.num_ranks)"
+        )
+    if trainers % (par.tp * par.pp):
+        raise UserError(
+            f"{trainers} trainer ranks ({world_size} processes - rollout.num_ranks="
+            f"{r.num_ranks}) are not divisible by parallel.tp x parallel.pp = {par.tp * par.pp}"
+        )
+    derive_dp(par, trainers)
+
+
+def _check_placement(cfg: RLConfig) -> None:
+    """``rollout.placement`` / ``rollout.num_ranks`` on their own (the world is checked later)."""
+    r = cfg.rollout
+    if r.num_ranks < 0:
+        raise UserError(f"rollout.num_ranks must be >= 0, got {r.num_ranks}")
+    if not is_separate(cfg):
+        if r.num_ranks:
             raise UserError(
-                f"world size {world_size} is not divisible by rollout.tp={cfg.rollout.tp}"
+                f"rollout.num_ranks={r.num_ranks} applies only to rollout.placement=separate "
+                "(colocated engines share every rank with the trainer): set "
+                "rollout.placement=separate, or rollout.num_ranks=0"
             )
+        return
+    if r.num_ranks == 0:
+        raise UserError(
+            "rollout.placement=separate needs rollout ranks: set rollout.num_ranks (how many of "
+            f"the processes only run engines; a multiple of rollout.tp={r.tp})"
+        )
+    if r.num_ranks % r.tp:
+        raise UserError(
+            f"rollout.num_ranks={r.num_ranks} is not divisible by rollout.tp={r.tp}: each engine "
+            f"takes rollout.tp ranks"
+        )
+    offloaded = [k for k in ("params", "grads", "optimizer") if getattr(cfg.actor, f"offload_{k}")]
+    if offloaded:
+        keys = ", ".join(f"actor.offload_{k}=true" for k in offloaded)
+        raise UserError(
+            f"{keys} has no effect with rollout.placement=separate: the engines run on their own "
+            "ranks, so nothing leaves the trainer's device for them; set it to false"
+        )
+
+
+def _check_off_policy(cfg: RLConfig) -> None:
+    """Staleness and the off-policy correction: only settings whose samples can be corrected
+    for the policy that generated them."""
+    k = cfg.trainer.max_staleness
+    correction = cfg.algorithm.off_policy_correction
+    engine_old = cfg.actor.old_log_prob_source == "engine"
+    if k < 0:
+        raise UserError(f"trainer.max_staleness must be >= 0, got {k}")
+    if not cfg.algorithm.tis_cap >= 1:
+        raise UserError(
+            f"algorithm.tis_cap must be >= 1 (a cap below 1 would shrink the weight of on-policy "
+            f"tokens too), got {cfg.algorithm.tis_cap}"
+        )
+    if correction == "decoupled_ppo" and engine_old:
+        raise UserError(
+            "algorithm.off_policy_correction=decoupled_ppo needs the trainer's log-probs before "
+            "the update (the proximal policy), but actor.old_log_prob_source=engine puts the "
+            "engine's in their place: set actor.old_log_prob_source=actor"
+        )
+    if k == 0:
+        return
+    if not is_separate(cfg):
+        raise UserError(
+            f"trainer.max_staleness={k} needs rollout.placement=separate: colocated engines "
+            "generate between the trainer's phases on the same ranks, so there is nothing to "
+            "overlap; set trainer.max_staleness=0 or rollout.placement=separate"
+        )
+    if correction == "none" and not engine_old:
+        raise UserError(
+            f"trainer.max_staleness={k} trains on samples up to {k} weight versions old, but "
+            "algorithm.off_policy_correction=none takes the PPO ratio against the trainer's "
+            "recomputed log-probs, which are not the policy that sampled them (the correction "
+            "would silently vanish): set algorithm.off_policy_correction=decoupled_ppo (or tis), "
+            "or actor.old_log_prob_source=engine"
+        )
+    if cfg.rollout.temperature == 0:
+        raise UserError(
+            f"trainer.max_staleness={k} with rollout.temperature=0: greedy samples have no "
+            "behaviour distribution to correct with; sample with rollout.temperature > 0"
+        )
 
 
 def uses_critic(cfg: RLConfig) -> bool:
@@ -211,6 +317,11 @@ def _check_algorithm_names(cfg: RLConfig) -> None:
             algorithms.get_advantage_estimator,
         ),
         ("actor.policy_loss", cfg.actor.policy_loss, algorithms.get_policy_loss),
+        (
+            "algorithm.off_policy_correction",
+            cfg.algorithm.off_policy_correction,
+            algorithms.get_off_policy_correction,
+        ),
     ]
     for key, name, lookup in checks:
         try:
