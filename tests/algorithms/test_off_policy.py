@@ -93,5 +93,8 @@ def test_weights_never_overflow_and_the_registry_names_its_choices():
         get_off_policy_correction("aipo")
     with pytest.raises(ValueError, match="proximal"):
         get_off_policy_correction("decoupled_ppo")(
-            log_prob=CURRENT, behaviour_log_prob=BEHAVIOUR, proximal_log_prob=None, response_mask=MASK
+            log_prob=CURRENT,
+            behaviour_log_prob=BEHAVIOUR,
+            proximal_log_prob=None,
+            response_mask=MASK,
         )
