@@ -113,7 +113,9 @@ def test_config_validation_checks_the_tool_config(tmp_path):
         load_config(None, _recipe(tmp_path))
     with pytest.raises(UserError, match="rollout.multi_turn.environment='nope' is not a known"):
         load_config(None, _recipe(tmp_path, environment="nope"))
-    with pytest.raises(UserError, match="tool_response_truncate_side=.up. is not valid; choose one of"):
+    with pytest.raises(
+        UserError, match="tool_response_truncate_side=.up. is not valid; choose one of"
+    ):
         load_config(None, _recipe(tmp_path, tool_config=good, tool_response_truncate_side="up"))
     with pytest.raises(UserError, match="rollout.multi_turn.max_tool_calls_per_turn must be >= 1"):
         load_config(None, _recipe(tmp_path, tool_config=good, max_tool_calls_per_turn=0))
