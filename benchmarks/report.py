@@ -12,6 +12,8 @@ import json
 import shutil
 from pathlib import Path
 
+from benchmarks.placement import placement_table
+
 PHASE_LABELS = {
     "offload": "offload (residency plan)",
     "gen": "generation",
@@ -97,6 +99,7 @@ def markdown_table(results: dict) -> str:
     lines += _sync_rows(results.get("sync"))
     lines += _train_rows(results.get("train"), device)
     lines += _grpo_table(results.get("grpo"))
+    lines += placement_table(results.get("placement"))
     lines += _memory_table(results)
     errors = results.get("errors", {})
     if errors:

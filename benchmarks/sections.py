@@ -11,6 +11,9 @@ one section into the next; a smoke run saves the start-up cost and runs them all
     train    Megatron actor update (rlcli.trained_model) vs a plain HF + torch AdamW loop: tokens/s
     grpo     a short real `rlcli train` run of the quickstart recipe: per-phase time shares, and
              the plain PyTorch loop on the same model and batch (grpo.py)
+    placement  colocated vs separate (synchronous, staleness 1) `rlcli train --nproc 2` runs of
+             the quickstart task: steps/s, idle shares, held-out accuracy per second
+             (placement.py)
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from benchmarks.grpo import grpo_section
 from benchmarks.hardware import detect_hardware, measure_matmul_flops
 from benchmarks.memory import measure_peak_memory
+from benchmarks.placement import placement_section
 from benchmarks.sync_section import sync_section
 from benchmarks.workload import Workload, ensure_model
 
@@ -318,6 +322,7 @@ SECTIONS: dict[str, Callable[[Workload, Path], dict]] = {
     "sync": sync_section,
     "train": train_section,
     "grpo": grpo_section,
+    "placement": placement_section,
 }
 
 

@@ -6,6 +6,8 @@ Public API:
     RoleWorld: role ("trainer" | "rollout"), rank / size (in the role's world), global_rank,
         global_size, num_trainer_ranks, store, weights (group), samples (group),
         barrier_all(name), role_environment()
+    (the store's server lives in global rank 0's process: every rank passes a last
+    ``barrier_all`` before that process may exit)
     broadcast_tensor(group, tensor, root=0), broadcast_object(group, obj, root=0, device=None)
 
 Why separate worlds: megatron-core's ``initialize_model_parallel`` builds its groups over
@@ -62,6 +64,7 @@ class RoleWorld:
     store: dist.Store  # shared by every rank of the launch (this attempt's prefix)
     weights: dist.ProcessGroup | None  # trainer rank 0 + every rollout rank; None elsewhere
     samples: dist.ProcessGroup | None  # trainer rank 0 + rollout rank 0; None elsewhere
+    timeout_s: float = 1800.0
 
     @property
     def is_trainer(self) -> bool:
@@ -69,11 +72,14 @@ class RoleWorld:
 
     def barrier_all(self, name: str) -> None:
         """Wait until every rank of the launch, of both roles, reached the barrier ``name``
-        (each name once per attempt)."""
+        (each name once per attempt); RuntimeError after ``timeout_s``."""
         key = f"barrier/{name}"
         if self.store.add(key, 1) == self.global_size:
             self.store.set(f"{key}/done", b"1")
+        deadline = time.monotonic() + self.timeout_s
         while not self.store.check([f"{key}/done"]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not every rank reached {name!r} within {self.timeout_s:.0f} s")
             time.sleep(BARRIER_POLL_S)
 
     @contextmanager
@@ -139,7 +145,9 @@ def init_role_world(num_rollout_ranks: int, timeout_s: int = 1800) -> RoleWorld:
     if rank == 0:
         samples_rank = 0 if role == "trainer" else 1
         samples = _group(PrefixStore("samples/", store), samples_rank, 2, False, timeout)
-    return RoleWorld(role, rank, size, global_rank, global_size, trainers, store, weights, samples)
+    return RoleWorld(
+        role, rank, size, global_rank, global_size, trainers, store, weights, samples, timeout_s
+    )
 
 
 def _group(

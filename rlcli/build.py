@@ -48,10 +48,14 @@ def run_role(cfg: RLConfig) -> None:
             build_rollout_worker(inputs, channel).fit()
         else:
             build_trainer(cfg, inputs=inputs, channel=channel).fit()
+    except RunEnded:
+        return  # a rollout rank: the trainer failed and says why
     except BaseException as error:
-        if channel is not None and not isinstance(error, RunEnded):
+        if channel is not None:
             channel.report_failure(error)
         raise
+    if inputs.roles is not None:  # the launch's store lives in trainer rank 0's process
+        inputs.roles.barrier_all("end")
 
 
 def build_trainer(

@@ -29,7 +29,7 @@ from rlcli.metrics import Timer
 from rlcli.rewards import RewardManager
 from rlcli.rollout.base import RolloutEngine
 from rlcli.rollout.transport import receive_weights
-from rlcli.rollout_channel import Notice, RolloutChannel, RunEnded, StreamedBatch
+from rlcli.rollout_channel import Notice, RolloutChannel, StreamedBatch
 from rlcli.sampling import ReplicaInfo, collect_rollouts, evaluate
 from rlcli.streamed_rollouts import generating_version
 from rlcli.trainer import StopRequest
@@ -61,12 +61,11 @@ class RolloutWorker:
         return self.world.rank == 0  # sends what every rollout rank holds alike
 
     def fit(self) -> None:
-        """Generate until the trainer says stop (the module docstring's loop)."""
+        """Generate until the trainer says stop (the module docstring's loop); raises
+        ``RunEnded`` when the trainer failed instead."""
         stop = StopRequest()
         try:
             self._serve(stop)
-        except RunEnded:
-            pass  # the trainer failed and reports it; nothing to add here
         finally:
             stop.uninstall()
             self.rewards.close()

@@ -102,6 +102,7 @@ def rollout(model_dir: str, roles) -> None:
 def main(model_dir: str) -> None:
     roles = init_role_world(num_rollout_ranks=2, timeout_s=600)
     (trainer if roles.is_trainer else rollout)(model_dir, roles)
+    roles.barrier_all("end")  # rank 0 hosts the store: it leaves last
 
 
 if __name__ == "__main__":
