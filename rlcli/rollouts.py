@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rlcli.batch import Sample
@@ -95,27 +96,18 @@ def sync_metrics(stats: SyncStats) -> dict[str, float]:
     }
 
 
+@dataclass
 class ColocatedRollouts(Rollouts):
     """Every rank's own engine, used between the trainer's phases (``rollout.placement``
-    colocated). Owns the engine and the reward workers."""
+    colocated). Owns the engine and the reward workers; samples as ``cfg`` says."""
 
-    def __init__(
-        self,
-        cfg: RLConfig,
-        engine: RolloutEngine,
-        replica: ReplicaInfo,
-        transport: WeightTransport,
-        rewards: RewardManager,
-        tokenizer: PreTrainedTokenizerBase,
-        val_data: PromptDataset | None,
-    ) -> None:
-        self.cfg = cfg
-        self.engine = engine
-        self.replica = replica
-        self.transport = transport
-        self.rewards = rewards
-        self.tokenizer = tokenizer
-        self.val_data = val_data
+    cfg: RLConfig
+    engine: RolloutEngine
+    replica: ReplicaInfo
+    transport: WeightTransport
+    rewards: RewardManager
+    tokenizer: PreTrainedTokenizerBase
+    val_data: PromptDataset | None
 
     def start(self, step: int, loader: PromptLoader, validates_at: Callable[[int], bool]) -> None:
         pass  # the trainer draws this rank's prompts itself and evaluates when it says
