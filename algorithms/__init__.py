@@ -1,6 +1,7 @@
 """Pure tensor RL math for rlcli: advantage estimators, policy / value / KL losses, loss
-aggregation, KL controllers, DAPO helpers and off-policy corrections. No process groups, no
-config objects: tensors in, tensors out, ``[batch, response_len]`` with a ``response_mask``;
+aggregation, KL controllers, DAPO helpers, off-policy corrections, the Bradley-Terry loss of
+reward-model training and reward normalisation / combination. No process groups, no config
+objects: tensors in, tensors out, ``[batch, response_len]`` with a ``response_mask``;
 algorithms are chosen by name through ``get_advantage_estimator``, ``get_policy_loss`` and
 ``get_off_policy_correction``.
 """
@@ -28,6 +29,8 @@ from algorithms.off_policy import (
     register_off_policy_correction,
 )
 from algorithms.policy_losses import POLICY_LOSSES, get_policy_loss, register_policy_loss
+from algorithms.reward_model import bradley_terry_loss
+from algorithms.reward_shaping import COMBINE_MODES, RunningMeanStd, combine_rewards
 from algorithms.utils import (
     group_ids_to_tensor,
     masked_mean,
@@ -38,16 +41,20 @@ from algorithms.value import compute_value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "COMBINE_MODES",
     "KL_PENALTY_KINDS",
     "LOSS_AGG_MODES",
     "OFF_POLICY_CORRECTIONS",
     "POLICY_LOSSES",
+    "RunningMeanStd",
     "AdaptiveKLController",
     "CorrectionTerms",
     "FixedKLController",
     "agg_loss",
     "agg_loss_denominator",
     "apply_kl_penalty_to_rewards",
+    "bradley_terry_loss",
+    "combine_rewards",
     "compute_kl_loss",
     "compute_value_loss",
     "filter_groups",

@@ -28,7 +28,10 @@ def benchmark(
     sections: Optional[list[str]] = typer.Option(
         None,
         "--section",
-        help="Run only this section (repeatable): device, rollout, sync, train, grpo, placement.",
+        help=(
+            "Run only this section (repeatable): device, rollout, sync, train, lora, grpo, "
+            "placement."
+        ),
     ),
 ) -> None:
     """Benchmark rollout, weight sync, the actor update, a short GRPO run and the rollout

@@ -12,27 +12,33 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import algorithms
 from rlcli.advantages import KLController
+from rlcli.build_rollouts import (
+    build_colocated_rollouts,
+    build_loader,
+    build_rewards,
+    build_rollout_worker,
+    build_streamed_rollouts,
+    planned_steps,
+)
 from rlcli.config import RLConfig, TrainedModelConfig, to_dict
 from rlcli.config_validation import uses_critic
-from rlcli.data import PromptLoader
 from rlcli.errors import UserError
 from rlcli.inputs import RunInputs, barrier, prepare_inputs
+from rlcli.lora import lora_spec
 from rlcli.metrics import MetricsLogger
-from rlcli.rewards import RewardManager
-from rlcli.rollout.base import RolloutEngine
 from rlcli.rollout_channel import RolloutChannel, RunEnded
-from rlcli.rollouts import ColocatedRollouts, Rollouts
 from rlcli.run_checkpoint import CheckpointManager, checkpoint_root, resume_run
-from rlcli.sampling import ReplicaInfo
-from rlcli.trained_model import MicroBatching, OptimizerSettings, TrainedModel
+from rlcli.trained_model import (
+    LoraReference,
+    MicroBatching,
+    OptimizerSettings,
+    TrainedModel,
+)
 from rlcli.trainer import Trainer, say
-
-if TYPE_CHECKING:
-    from rlcli.rollout_worker import RolloutWorker
 
 
 def run_role(cfg: RLConfig) -> None:
@@ -84,19 +90,13 @@ def build_trainer(
     actor = build_actor(inputs, total_steps=total)
     ref = None
     if needs_reference(cfg) if reference is None else reference:
-        ref = TrainedModel(
-            mesh,
-            inputs.model_dir,
-            dtype=cfg.model.dtype,
-            micro_batching=MicroBatching.of(cfg.actor),
-            model_options=model_options(cfg),
-        )
+        ref = build_reference(inputs, actor)
     critic = build_critic(inputs, total_steps=total) if uses_critic(cfg) else None
     if separate:
         channel = channel or RolloutChannel(inputs.roles, cfg.parallel.timeout_minutes * 60)
         rollouts = build_streamed_rollouts(inputs, channel)
     else:
-        rollouts = build_colocated_rollouts(inputs, rewards)
+        rollouts = build_colocated_rollouts(inputs, rewards, adapters=actor.lora is not None)
     trainer = Trainer(
         cfg=cfg,
         mesh=mesh,
@@ -133,91 +133,6 @@ def build_trainer(
         resumed = 0 if restarted and trainer.resumed_from is None else trainer.resumed_from
         trainer.logger = build_logger(inputs, total, resumed)
     return trainer
-
-
-def build_loader(inputs: RunInputs) -> PromptLoader:
-    cfg = inputs.cfg
-    return PromptLoader(
-        inputs.train_data,
-        cfg.data.train_batch_size,
-        shuffle=cfg.data.shuffle,
-        seed=cfg.trainer.seed,
-    )
-
-
-def planned_steps(cfg: RLConfig, loader: PromptLoader) -> int:
-    """``trainer.total_steps``, else ``trainer.total_epochs`` over the training prompts."""
-    return cfg.trainer.total_steps or cfg.trainer.total_epochs * loader.batches_per_epoch
-
-
-def build_colocated_rollouts(inputs: RunInputs, rewards: RewardManager) -> ColocatedRollouts:
-    from rlcli.rollout.transport import make_transport
-
-    cfg = inputs.cfg
-    say(inputs.mesh, f"starting the {cfg.rollout.engine} engine (rollout.tp={cfg.rollout.tp})")
-    engine, replica = build_engine(inputs)
-    return ColocatedRollouts(
-        cfg,
-        engine,
-        replica,
-        make_transport(cfg.rollout, engine),
-        rewards,
-        inputs.tokenizer,
-        inputs.val_data,
-    )
-
-
-def build_streamed_rollouts(inputs: RunInputs, channel: RolloutChannel) -> Rollouts:
-    """The trainer's side of engines on their own ranks."""
-    from rlcli.rollout.transport import make_transport
-    from rlcli.streamed_rollouts import StreamedRollouts
-
-    cfg, roles = inputs.cfg, inputs.roles
-    say(
-        inputs.mesh,
-        f"rollout.placement=separate: ranks 0-{roles.num_trainer_ranks - 1} train, ranks "
-        f"{roles.num_trainer_ranks}-{roles.global_size - 1} run the {cfg.rollout.engine} engines "
-        f"(rollout.tp={cfg.rollout.tp}); trainer.max_staleness={cfg.trainer.max_staleness}",
-    )
-    transport = make_transport(cfg.rollout, weights_group=roles.weights)
-    return StreamedRollouts(channel, transport, inputs.mesh, cfg.trainer.max_staleness)
-
-
-def build_rollout_worker(inputs: RunInputs, channel: RolloutChannel) -> RolloutWorker:
-    """A rollout rank: its engine (one TP shard of a replica of rollout.tp rollout ranks), the
-    rewards, its own loader (set to the trainer's position by the first notice)."""
-    from rlcli.rollout.base import rollout_replicas
-    from rlcli.rollout.factory import make_engine
-    from rlcli.rollout_worker import RolloutWorker
-
-    cfg, roles = inputs.cfg, inputs.roles
-    rewards = build_rewards(cfg)
-    roles.barrier_all("warm_start")  # the trainer ranks' SFT writes the model the engines load
-    if cfg.sft.steps > 0:
-        inputs.model_dir = str(inputs.output_dir / "sft_model")
-    r = cfg.rollout
-    index, count = rollout_replicas(roles.size, roles.rank, r.tp)
-    with roles.role_environment():
-        engine = make_engine(
-            r,
-            inputs.model_dir,
-            dtype=cfg.model.dtype,
-            seed=cfg.trainer.seed,
-            max_model_len=r.max_model_len or (cfg.data.max_prompt_length + r.max_tokens),
-        )
-    loader = build_loader(inputs)
-    return RolloutWorker(
-        cfg=cfg,
-        world=roles,
-        channel=channel,
-        engine=engine,
-        replica=ReplicaInfo(index=index, count=count, is_leader=roles.rank % r.tp == 0),
-        rewards=rewards,
-        tokenizer=inputs.tokenizer,
-        loader=loader,
-        val_data=inputs.val_data,
-        total_steps=planned_steps(cfg, loader),
-    )
 
 
 def run_sft_only(cfg: RLConfig) -> Path:
@@ -278,6 +193,24 @@ def build_actor(inputs: RunInputs, total_steps: int, sft: bool = False) -> Train
         optim=settings,
         micro_batching=micro_batching,
         model_options=model_options(cfg, cfg.actor),
+        # The SFT warm start trains the whole model; RL then adapts what it left.
+        lora=None if sft else lora_spec(cfg.actor.lora, cfg.trainer.seed),
+        adapter_path=None if sft else cfg.actor.lora.adapter_path,
+    )
+
+
+def build_reference(inputs: RunInputs, actor: TrainedModel) -> TrainedModel | LoraReference:
+    """The frozen reference policy: the actor's start weights, a model of its own; or, for a
+    LoRA actor, the actor itself with its adapters switched off (the base it started from)."""
+    if actor.lora is not None:
+        return LoraReference(actor)
+    cfg = inputs.cfg
+    return TrainedModel(
+        inputs.mesh,
+        inputs.model_dir,
+        dtype=cfg.model.dtype,
+        micro_batching=MicroBatching.of(cfg.actor),
+        model_options=model_options(cfg),
     )
 
 
@@ -341,35 +274,6 @@ def needs_reference(cfg: RLConfig) -> bool:
 def build_kl_controller(cfg: RLConfig) -> KLController:
     kl = cfg.algorithm.kl_ctrl
     return algorithms.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
-
-
-def build_engine(inputs: RunInputs) -> tuple[RolloutEngine, ReplicaInfo]:
-    from rlcli.rollout.base import rollout_replicas
-    from rlcli.rollout.factory import make_engine
-
-    cfg, mesh = inputs.cfg, inputs.mesh
-    r = cfg.rollout
-    index, count = rollout_replicas(mesh.world_size, mesh.rank, r.tp)
-    engine = make_engine(
-        r,
-        inputs.model_dir,
-        dtype=cfg.model.dtype,
-        seed=cfg.trainer.seed,  # engines space request seeds per replica themselves
-        max_model_len=r.max_model_len or (cfg.data.max_prompt_length + r.max_tokens),
-    )
-    replica = ReplicaInfo(index=index, count=count, is_leader=mesh.rank % r.tp == 0)
-    return engine, replica
-
-
-def build_rewards(cfg: RLConfig) -> RewardManager:
-    from rlcli.rewards import default_compute_score, resolve_reward_fn
-
-    fn = (
-        resolve_reward_fn(cfg.reward.fn, cfg.reward.kwargs)
-        if cfg.reward.fn
-        else default_compute_score
-    )
-    return RewardManager(fn, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
 
 
 def build_logger(inputs: RunInputs, total_steps: int, resumed_from: int | None) -> MetricsLogger:

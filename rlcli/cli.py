@@ -12,7 +12,7 @@ import sys
 
 import typer
 
-from rlcli.commands import config, convert, data, docs, launch, plan, plot, tool, train
+from rlcli.commands import config, convert, data, docs, launch, plan, plot, rm, tool, train
 from rlcli.commands.relaunch import report_user_error_to_parent, stop_agent_restarts
 from rlcli.errors import USER_ERROR_EXIT_CODE, UserError
 
@@ -24,6 +24,7 @@ app = typer.Typer(
 )
 app.command()(train.train)
 app.command()(train.sft)
+app.command()(rm.rm)
 app.command()(convert.export)
 app.command("plan")(plan.plan_command)
 config.config_app.command("docs")(docs.config_docs)

@@ -113,6 +113,10 @@ class RolloutConfig:
     # vLLM start weights: dummy (no checkpoint read; the trainer syncs from Megatron right after
     # the engine starts, which also proves the sync path) | auto (read model.path)
     load_format: Literal["dummy", "auto"] = "dummy"
+    # How a LoRA actor's weights reach the engine (actor.lora.enable): merged (every sync sends
+    # W + alpha/r * B A per tensor; any engine) | adapter (only the adapters move and the engine
+    # applies them as a LoRA adapter; vLLM only; the base is sent when the engine has none)
+    lora_sync: Literal["merged", "adapter"] = "merged"
     val_temperature: float = 0.0  # greedy validation
     val_n: int = 1  # samples per held-out prompt
     # Trainer-vs-engine agreement on the sampled tokens' log-probs (a broken weight sync shows
@@ -158,6 +162,26 @@ class TrainedModelConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the actor (``parallel.lora``): the base model is frozen and only the
+    adapters train (no base gradients or optimizer state); the reference policy is the same
+    model with its adapters switched off, so no second model is built."""
+
+    enable: bool = False  # LoRA on the actor (false: full fine-tuning)
+    rank: int = 32  # r: the adapters' inner dimension (A is [r, in], B is [out, r])
+    alpha: float = 32.0  # the update is alpha / rank * B A
+    dropout: float = 0.0  # on the adapters' input in training passes (off in no-grad passes)
+    # Megatron linears that get adapters: linear_qkv (HF q/k/v_proj), linear_proj (o_proj),
+    # linear_fc1 (gate/up_proj), linear_fc2 (down_proj); all: every one
+    target_modules: list[
+        Literal["all", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    ] = field(default_factory=lambda: ["all"])
+    # a PEFT adapter folder to start from (adapter_config.json + adapter_model.safetensors; its
+    # r, lora_alpha and modules must be these); None: A random, B zero (the base model)
+    adapter_path: Optional[str] = None
+
+
+@dataclass
 class ActorConfig(TrainedModelConfig):
     """The policy: megatron-core GPT model(s) trained with the policy loss below."""
 
@@ -173,6 +197,7 @@ class ActorConfig(TrainedModelConfig):
     use_kl_loss: bool = False  # KL to the reference as a loss term (GRPO style)
     kl_loss_coef: float = 0.001  # weight of that KL loss
     kl_loss_type: str = "low_var_kl"  # k1 | abs | k2 | k3 / low_var_kl (+ suffix: straight-through)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -256,6 +281,38 @@ class SFTConfig:
 
 
 @dataclass
+class RewardModelTrainingConfig:
+    """``rlcli rm``: a reward model trained on preference pairs with the Bradley-Terry loss, in
+    the layout of ``parallel.*`` (the model settings are ``model.*``)."""
+
+    # JSONL / Parquet rows {"prompt", "chosen", "rejected"[, "margin"]} (rlcli.data.preferences)
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)  # held-out pairs: pairwise accuracy
+    # "arith": write the quickstart's preference pairs (the correct answer preferred) under
+    # trainer.output_dir/data and train and validate on them
+    synthetic: Optional[Literal["arith"]] = None
+    # HF folder to start from: a language model (its transformer, a fresh score head) or a
+    # reward model (trained further); its tokenizer and chat template are the reward model's.
+    # None: model.path
+    init_path: Optional[str] = None
+    # the trained model as an HF *ForSequenceClassification folder (replaced if it exists)
+    out_dir: str = "${trainer.output_dir}/reward_model"
+    steps: int = 100  # optimizer steps
+    batch_size: int = 32  # pairs per step, all data-parallel ranks together
+    micro_batch_size: int = 16  # pairs per forward/backward
+    max_tokens: int = 0  # > 0: micro-batches by this token budget (both sequences of a pair)
+    max_length: int = 512  # pairs with a longer sequence (prompt + response) are dropped
+    lr: float = 1e-5  # Adam learning rate (betas / eps as actor.*), constant after warmup
+    lr_warmup_steps: int = 0  # linear warmup steps
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # global gradient-norm clip (0: off)
+    val_freq: int = 50  # held-out accuracy every N steps, besides before and after (0: never)
+    # checkpoint every N steps into <trainer.output_dir>/rm_checkpoints (0: none); a run
+    # resumes from the newest one as trainer.resume says
+    save_freq: int = 0
+
+
+@dataclass
 class TrainerConfig:
     total_steps: Optional[int] = None  # None: total_epochs over the training data
     total_epochs: int = 1  # used when total_steps is None
@@ -310,6 +367,7 @@ class RLConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    rm: RewardModelTrainingConfig = field(default_factory=RewardModelTrainingConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -5,9 +5,11 @@ the key. (Choices of a fixed set are declared on the fields themselves as ``Lite
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from rlcli.errors import UserError
+from rlcli.placement_validation import check_off_policy, check_placement, check_world
 
 if TYPE_CHECKING:
     from rlcli.config import ParallelConfig, RLConfig, TrainedModelConfig
@@ -52,6 +54,7 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
             "(algorithm.adv_estimator=gae); set trainer.critic_warmup=0"
         )
     _check_multi_turn(cfg)
+    _check_lora(cfg)
     positive = {
         "data.train_batch_size": cfg.data.train_batch_size,
         "data.max_prompt_length": cfg.data.max_prompt_length,
@@ -66,8 +69,8 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
     for key, value in positive.items():
         if value < 1:
             raise UserError(f"{key} must be >= 1, got {value}")
-    _check_placement(cfg)
-    _check_off_policy(cfg)
+    check_placement(cfg)
+    check_off_policy(cfg)
     if cfg.rollout.sync_bucket_mb < 0:
         raise UserError(
             f"rollout.sync_bucket_mb must be >= 0 (0: automatic), got {cfg.rollout.sync_bucket_mb}"
@@ -77,115 +80,7 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
     if not cfg.model.path and not cfg.model.build:
         raise UserError("model.path is empty: give a HuggingFace model directory (model.path=DIR)")
     if world_size is not None:
-        _check_world(cfg, world_size)
-
-
-def is_separate(cfg: RLConfig) -> bool:
-    """Engines on their own ranks (``rollout.placement=separate``)."""
-    return cfg.rollout.placement == "separate"
-
-
-def trainer_ranks(cfg: RLConfig, world_size: int) -> int:
-    """How many of ``world_size`` ranks train: all of them colocated, all but the
-    ``rollout.num_ranks`` engine ranks in the separate placement."""
-    return world_size - cfg.rollout.num_ranks if is_separate(cfg) else world_size
-
-
-def _check_world(cfg: RLConfig, world_size: int) -> None:
-    """The layout of ``world_size`` ranks: the trainer's TP x PP x DP, the engines' TP."""
-    r, par = cfg.rollout, cfg.parallel
-    if not is_separate(cfg):
-        derive_dp(par, world_size)
-        if world_size % r.tp:
-            raise UserError(f"world size {world_size} is not divisible by rollout.tp={r.tp}")
-        return
-    trainers = world_size - r.num_ranks
-    if trainers < 1:
-        raise UserError(
-            f"rollout.num_ranks={r.num_ranks} makes every one of the {world_size} processes a "
-            f"rollout rank: leave at least parallel.tp x parallel.pp = {par.tp * par.pp} to train "
-            "(launch more processes or lower rollout.num_ranks)"
-        )
-    if trainers % (par.tp * par.pp):
-        raise UserError(
-            f"{trainers} trainer ranks ({world_size} processes - rollout.num_ranks="
-            f"{r.num_ranks}) are not divisible by parallel.tp x parallel.pp = {par.tp * par.pp}"
-        )
-    derive_dp(par, trainers)
-
-
-def _check_placement(cfg: RLConfig) -> None:
-    """``rollout.placement`` / ``rollout.num_ranks`` on their own (the world is checked later)."""
-    r = cfg.rollout
-    if r.num_ranks < 0:
-        raise UserError(f"rollout.num_ranks must be >= 0, got {r.num_ranks}")
-    if not is_separate(cfg):
-        if r.num_ranks:
-            raise UserError(
-                f"rollout.num_ranks={r.num_ranks} applies only to rollout.placement=separate "
-                "(colocated engines share every rank with the trainer): set "
-                "rollout.placement=separate, or rollout.num_ranks=0"
-            )
-        return
-    if r.num_ranks == 0:
-        raise UserError(
-            "rollout.placement=separate needs rollout ranks: set rollout.num_ranks (how many of "
-            f"the processes only run engines; a multiple of rollout.tp={r.tp})"
-        )
-    if r.num_ranks % r.tp:
-        raise UserError(
-            f"rollout.num_ranks={r.num_ranks} is not divisible by rollout.tp={r.tp}: each engine "
-            f"takes rollout.tp ranks"
-        )
-    offloaded = [k for k in ("params", "grads", "optimizer") if getattr(cfg.actor, f"offload_{k}")]
-    if offloaded:
-        keys = ", ".join(f"actor.offload_{k}=true" for k in offloaded)
-        raise UserError(
-            f"{keys} has no effect with rollout.placement=separate: the engines run on their own "
-            "ranks, so nothing leaves the trainer's device for them; set it to false"
-        )
-
-
-def _check_off_policy(cfg: RLConfig) -> None:
-    """Staleness and the off-policy correction: only settings whose samples can be corrected
-    for the policy that generated them."""
-    k = cfg.trainer.max_staleness
-    correction = cfg.algorithm.off_policy_correction
-    engine_old = cfg.actor.old_log_prob_source == "engine"
-    if k < 0:
-        raise UserError(f"trainer.max_staleness must be >= 0, got {k}")
-    if not cfg.algorithm.tis_cap >= 1:
-        raise UserError(
-            f"algorithm.tis_cap must be >= 1 (a cap below 1 would shrink the weight of on-policy "
-            f"tokens too), got {cfg.algorithm.tis_cap}"
-        )
-    if correction == "decoupled_ppo" and engine_old:
-        raise UserError(
-            "algorithm.off_policy_correction=decoupled_ppo needs the trainer's log-probs before "
-            "the update (the proximal policy), but actor.old_log_prob_source=engine puts the "
-            "engine's in their place: set actor.old_log_prob_source=actor"
-        )
-    if k == 0:
-        return
-    if not is_separate(cfg):
-        raise UserError(
-            f"trainer.max_staleness={k} needs rollout.placement=separate: colocated engines "
-            "generate between the trainer's phases on the same ranks, so there is nothing to "
-            "overlap; set trainer.max_staleness=0 or rollout.placement=separate"
-        )
-    if correction == "none" and not engine_old:
-        raise UserError(
-            f"trainer.max_staleness={k} trains on samples up to {k} weight versions old, but "
-            "algorithm.off_policy_correction=none takes the PPO ratio against the trainer's "
-            "recomputed log-probs, which are not the policy that sampled them (the correction "
-            "would silently vanish): set algorithm.off_policy_correction=decoupled_ppo (or tis), "
-            "or actor.old_log_prob_source=engine"
-        )
-    if cfg.rollout.temperature == 0:
-        raise UserError(
-            f"trainer.max_staleness={k} with rollout.temperature=0: greedy samples have no "
-            "behaviour distribution to correct with; sample with rollout.temperature > 0"
-        )
+        check_world(cfg, world_size)
 
 
 def uses_critic(cfg: RLConfig) -> bool:
@@ -219,6 +114,48 @@ def _check_trained_model(key: str, section: TrainedModelConfig, cfg: RLConfig) -
         raise UserError(
             f"{key}.loss_agg_mode={section.loss_agg_mode!r} is not valid; choose one of: "
             f"{', '.join(algorithms.LOSS_AGG_MODES)}"
+        )
+
+
+def _check_lora(cfg: RLConfig) -> None:
+    """``actor.lora`` and ``rollout.lora_sync``: the adapters' settings (rank, alpha, dropout,
+    target modules: ``parallel.lora``'s own checks), the layers they need, the starting adapter's
+    folder, and an engine that can take adapters. Whether the adapter fits the model is checked
+    when it loads (``parallel.lora_io.load_peft_adapter``), against the model's shapes."""
+    lora, rollout = cfg.actor.lora, cfg.rollout
+    if not lora.enable:
+        if rollout.lora_sync == "adapter":
+            raise UserError(
+                "rollout.lora_sync=adapter syncs LoRA adapters, but actor.lora.enable=false: "
+                "set actor.lora.enable=true or rollout.lora_sync=merged"
+            )
+        return
+    from parallel.lora import LoraConfigError
+    from rlcli.lora import lora_spec
+
+    try:
+        lora_spec(lora, cfg.trainer.seed).targets()
+    except LoraConfigError as err:
+        raise UserError(str(err)) from None
+    if rollout.lora_sync == "adapter" and rollout.engine != "vllm":
+        raise UserError(
+            f"rollout.lora_sync=adapter: the {rollout.engine} engine cannot apply LoRA adapters "
+            "(only rollout.engine=vllm can); set rollout.lora_sync=merged"
+        )
+    if cfg.parallel.sequence_parallel:
+        raise UserError(
+            "actor.lora: the adapters do not support sequence-parallel linears; set "
+            "parallel.sequence_parallel=false"
+        )
+    if cfg.model.transformer_impl == "transformer_engine":
+        raise UserError(
+            "actor.lora needs megatron's local layers (Transformer Engine fuses the norm into "
+            "the linear the adapter reads): set model.transformer_impl=local"
+        )
+    if lora.adapter_path is not None and not os.path.isdir(lora.adapter_path):
+        raise UserError(
+            f"actor.lora.adapter_path={lora.adapter_path!r}: no such folder (a PEFT adapter "
+            "folder holds adapter_config.json and adapter_model.safetensors)"
         )
 
 
@@ -353,3 +290,29 @@ def _check_reliability(cfg: RLConfig) -> None:
         )
     if not cfg.rollout.max_logprob_diff > 0:
         raise UserError(f"rollout.max_logprob_diff must be > 0, got {cfg.rollout.max_logprob_diff}")
+
+
+def check_reward_model_training(cfg: RLConfig, dp: int) -> None:
+    """The ``rm.*`` settings of ``rlcli rm`` (checked only when a reward model is trained, so a
+    recipe that never trains one is not held to them)."""
+    rm = cfg.rm
+    for key in ("steps", "batch_size", "micro_batch_size", "max_length"):
+        if getattr(rm, key) < 1:
+            raise UserError(f"rm.{key} must be >= 1, got {getattr(rm, key)}")
+    for key in ("max_tokens", "lr_warmup_steps", "val_freq", "save_freq", "grad_clip", "lr"):
+        if getattr(rm, key) < 0:
+            raise UserError(f"rm.{key} must be >= 0, got {getattr(rm, key)}")
+    if rm.lr_warmup_steps >= rm.steps:
+        raise UserError(
+            f"rm.lr_warmup_steps={rm.lr_warmup_steps} must be smaller than rm.steps={rm.steps}"
+        )
+    if rm.batch_size % dp:
+        raise UserError(
+            f"rm.batch_size={rm.batch_size} must divide evenly over the {dp} data-parallel "
+            "replicas (world size / (parallel.tp * parallel.pp))"
+        )
+    if not rm.synthetic and not rm.train_files:
+        raise UserError(
+            "rm.train_files is empty: give JSONL / Parquet preference rows "
+            "({prompt, chosen, rejected}) or set rm.synthetic=arith"
+        )

@@ -146,4 +146,5 @@ class ColocatedRollouts(Rollouts):
 
     def close(self) -> None:
         self.rewards.close()
+        self.transport.close()
         self.engine.close()

@@ -120,6 +120,8 @@ class StreamedRollouts(Rollouts):
         generates again from the trainer's consumed position)."""
         if not self._closed and self._speaks:
             self.channel.send_notice(Notice(version=-1, stop=True))
+        if not self._closed:
+            self.transport.close()
         self._closed = True
 
     def _announce_unchanged_until(self, version: int) -> None:

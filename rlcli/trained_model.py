@@ -8,6 +8,9 @@ The roles are compositions of this core with their own math:
     reference = TrainedModel(mesh, hf_dir, micro_batching=...)              # frozen: log-probs only
     critic    = TrainedModel(mesh, hf_dir, head="value", optim=...)         # + rlcli.critic
 
+    actor     = TrainedModel(..., optim=..., lora=LoraSpec(...))   # LoRA: only adapters train
+    reference = LoraReference(actor)        # the same chunks with the adapters off: no 2nd model
+
 ``forward`` gives the response-aligned outputs ``[B, R]`` of a ``RolloutBatch`` (log-probs of a
 language-model head, values of a value head) through ``parallel.schedule``; ``update`` runs PPO
 epochs x mini-batches of whole groups x micro-batches through megatron-core's schedule and
@@ -16,7 +19,8 @@ optimizer, with a loss the role supplies.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -24,6 +28,7 @@ import torch
 
 import algorithms
 from parallel.dtypes import DTYPES
+from parallel.lora import LoraConfigError, LoraSpec, lora_disabled
 from parallel.mesh import Mesh
 from parallel.micro_batches import micro_batches
 from parallel.offload import Offloader, TransferStats
@@ -117,20 +122,32 @@ class TrainedModel:
         head: Literal["lm", "value"] = "lm",
         optim: OptimizerSettings | None = None,
         model_options: dict[str, Any] | None = None,
+        lora: LoraSpec | None = None,
+        adapter_path: str | None = None,
     ) -> None:
         """``model_options``: ``parallel.model.build_model``'s layout options (sequence_parallel,
         transformer_impl, recompute); a setting this machine cannot build is a UserError.
-        ``head="value"``: a value model (PPO's critic) instead of a language model."""
+        ``head="value"``: a value model (PPO's critic) instead of a language model.
+        ``lora``: LoRA adapters on the frozen base, added before DDP and the optimizer, which
+        then hold only the adapters; ``adapter_path``: a PEFT adapter folder to start from."""
         from parallel.hf_model import load_hf_model
         from parallel.model import ModelConfigError
 
         self.mesh, self.hf_dir, self.head = mesh, hf_dir, head
         self.micro_batching = micro_batching
+        self.lora = lora
         try:
             models = load_hf_model(
                 hf_dir, mesh, dtype=DTYPES[dtype], critic=head == "value", **(model_options or {})
             )
-        except ModelConfigError as err:
+            if lora is not None:
+                from parallel.lora import apply_lora
+                from parallel.lora_io import load_peft_adapter
+
+                apply_lora(models, lora)
+                if adapter_path:
+                    load_peft_adapter(models, mesh, adapter_path)
+        except (ModelConfigError, LoraConfigError) as err:
             raise UserError(str(err)) from None
         self.hf_config = models[0].hf_config
         self.optimizer = self.scheduler = None
@@ -171,15 +188,38 @@ class TrainedModel:
         the response tokens' log-probs (``lm``; at ``temperature``) or the values of the
         positions that predict them (``value``; zero where ``loss_mask`` is 0)."""
         mb, tokens = self.micro_batching.size, self.micro_batching.forward_tokens
-        if self.head == "value":
-            per_position = forward_values(
-                self.models, self.mesh, batch.input_ids, batch.attention_mask, mb, tokens
+        with self._without_dropout():
+            if self.head == "value":
+                per_position = forward_values(
+                    self.models, self.mesh, batch.input_ids, batch.attention_mask, mb, tokens
+                )
+                return response_values(per_position.cpu(), batch.response_index) * batch.loss_mask
+            per_position = forward_log_probs(
+                self.models,
+                self.mesh,
+                batch.input_ids,
+                batch.attention_mask,
+                mb,
+                temperature,
+                tokens,
             )
-            return response_values(per_position.cpu(), batch.response_index) * batch.loss_mask
-        per_position = forward_log_probs(
-            self.models, self.mesh, batch.input_ids, batch.attention_mask, mb, temperature, tokens
-        )
         return response_values(per_position.cpu(), batch.response_index)
+
+    @contextmanager
+    def _without_dropout(self) -> Iterator[None]:
+        """A no-grad pass must score the policy itself, not a dropout sample of it: the chunks
+        go to eval mode for it when the LoRA adapters have dropout (the base has none)."""
+        if self.lora is None or not self.lora.dropout:
+            yield
+            return
+        modes = [chunk.training for chunk in self.models]
+        for chunk in self.models:
+            chunk.eval()
+        try:
+            yield
+        finally:
+            for chunk, training in zip(self.models, modes, strict=True):
+                chunk.train(training)
 
     def train_step(
         self,
@@ -268,6 +308,23 @@ class TrainedModel:
         self, *, params: bool = False, grads: bool = False, optimizer: bool = False
     ) -> TransferStats:
         return self.offloader.onload(params=params, grads=grads, optimizer=optimizer)
+
+
+class LoraReference:
+    """The reference policy of a LoRA actor: the actor's own chunks with the adapters switched
+    off (``parallel.lora.lora_disabled``), i.e. the frozen base. No second model and no memory of
+    its own: the residency plan's ``ref`` row asks for the actor's params."""
+
+    def __init__(self, actor: TrainedModel) -> None:
+        if actor.lora is None:
+            raise ValueError("LoraReference needs an actor with LoRA adapters")
+        self.actor = actor
+
+    @torch.no_grad()
+    def forward(self, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
+        """The base model's ``[B, R]`` response log-probs (``TrainedModel.forward``)."""
+        with lora_disabled(self.actor.models):
+            return self.actor.forward(batch, temperature)
 
 
 def reduce_step(

@@ -31,11 +31,12 @@ from rlcli.critic import update_critic, value_metrics
 from rlcli.data import PromptLoader
 from rlcli.dp_stats import DataParallelStats
 from rlcli.errors import UserError
+from rlcli.lora import lora_state
 from rlcli.metrics import MetricsLogger
 from rlcli.residency import Residency, StepPhases, residency_plan
 from rlcli.rollouts import Rollouts
 from rlcli.run_checkpoint import CheckpointManager, save_run
-from rlcli.trained_model import TrainedModel
+from rlcli.trained_model import LoraReference, TrainedModel
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -52,7 +53,8 @@ class Trainer:
     tokenizer: PreTrainedTokenizerBase  # pad / eos ids, decoding responses for rewards
     model_dir: str  # the HF directory the run starts from (after any SFT warm start)
     actor: TrainedModel
-    reference: TrainedModel | None  # frozen; only when a KL term needs it
+    # frozen; only when a KL term needs it (a LoRA actor's: the actor with its adapters off)
+    reference: TrainedModel | LoraReference | None
     rollouts: Rollouts  # where the samples come from and the new weights go
     loader: PromptLoader  # the prompts the trainer has consumed (what a checkpoint resumes)
     kl_ctrl: KLController
@@ -67,7 +69,9 @@ class Trainer:
 
     def __post_init__(self) -> None:
         self.stats = DataParallelStats(self.mesh)
-        models = {"actor": self.actor, "reference": self.reference, "critic": self.critic}
+        # A LoRA actor's reference is the actor itself: its residency is the actor's.
+        reference = self.reference if isinstance(self.reference, TrainedModel) else None
+        models = {"actor": self.actor, "reference": reference, "critic": self.critic}
         self.residency = Residency(residency_plan(self.cfg), models)
         # Warmup, decay and total are counted in RL steps: fit() steps the schedule once per
         # step, whatever the number of mini-batches (optimizer steps) in it.
@@ -173,6 +177,9 @@ class Trainer:
             "loader": self.loader.state_dict(),
             "kl_coef": float(self.kl_ctrl.value),
             "model_dir": self.model_dir,
+            # A LoRA run saves only the adapters: resume and export rebuild the base from
+            # model_dir and need the adapters' shape.
+            "lora": lora_state(self.actor.lora),
         }
         save_run(
             self.checkpoints,

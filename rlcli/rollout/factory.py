@@ -23,8 +23,10 @@ def make_engine(
     dtype: str = "float32",
     seed: int = 0,
     max_model_len: int | None = None,
+    max_lora_rank: int = 0,
 ) -> RolloutEngine:
-    """The engine ``rollout.engine`` for the model in ``model_dir``, configured by ``rollout``.
+    """The engine ``rollout.engine`` for the model in ``model_dir``, configured by ``rollout``;
+    ``max_lora_rank`` > 0 makes it take LoRA adapters of that rank (``rollout.lora_sync=adapter``).
 
     Under torchrun every rank calls this: ranks form replicas of ``rollout.tp`` ranks (see
     ``rollout_replicas``); ``seed`` is the run's seed, engines space their request seeds per
@@ -45,7 +47,19 @@ def make_engine(
             )
         from rlcli.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_dir, rollout, dtype=dtype, seed=seed, max_model_len=max_model_len)
+        return VLLMEngine(
+            model_dir,
+            rollout,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            max_lora_rank=max_lora_rank,
+        )
+    if max_lora_rank > 0:
+        raise UserError(
+            "rollout.lora_sync=adapter: the hf engine cannot apply LoRA adapters (only "
+            "rollout.engine=vllm can); set rollout.lora_sync=merged"
+        )
     if rollout.tp != 1:
         raise UserError(
             f"rollout.engine=hf runs one full model per rank; set rollout.tp=1 (got {rollout.tp})"

@@ -1,7 +1,9 @@
 """Shared helpers for tests/parallel: tiny HF checkpoints and torchrun launches.
 
-    make_tiny_hf_model(out_dir, family="qwen2", tie_word_embeddings=False, seed=0, **config_overrides)
-        -> Path   (random transformers model saved as safetensors + config.json, fp32)
+    make_tiny_hf_model(out_dir, family="qwen2", tie_word_embeddings=False, seed=0,
+                       head="causal_lm", **config_overrides)
+        -> Path   (random transformers model saved as safetensors + config.json, fp32;
+                   head="sequence_classification": a one-label reward model)
     run_torchrun(script, nproc, *args, timeout_s=600) -> str   (combined output; raises on failure
         with the first worker traceback, i.e. the failing assertion and its values, up front)
 
@@ -40,13 +42,20 @@ def make_tiny_hf_model(
     family: str = "qwen2",
     tie_word_embeddings: bool = False,
     seed: int = 0,
+    head: str = "causal_lm",
     **config_overrides,
 ) -> Path:
-    """Save a randomly initialised fp32 `family` ("qwen2" or "llama") model to `out_dir`."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """Save a randomly initialised fp32 `family` ("qwen2" or "llama") model to `out_dir`: a
+    causal LM, or with `head="sequence_classification"` a reward model (num_labels 1)."""
+    import transformers
+    from transformers import LlamaConfig, Qwen2Config
 
-    classes = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
-    config_cls, model_cls = classes[family]
+    configs = {"qwen2": Qwen2Config, "llama": LlamaConfig}
+    suffix = {"causal_lm": "ForCausalLM", "sequence_classification": "ForSequenceClassification"}
+    config_cls = configs[family]
+    model_cls = getattr(transformers, config_cls.__name__.removesuffix("Config") + suffix[head])
+    if head == "sequence_classification":
+        config_overrides = {"num_labels": 1, **config_overrides}
     options = {**TINY_CONFIG, "tie_word_embeddings": tie_word_embeddings, **config_overrides}
     rope_theta = options.pop("rope_theta")
     config = config_cls(

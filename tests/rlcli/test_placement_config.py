@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from rlcli.config_loader import load_config
-from rlcli.config_validation import trainer_ranks, validate
+from rlcli.config_validation import validate
 from rlcli.errors import UserError
+from rlcli.placement_validation import trainer_ranks
 from rlcli.residency import residency_plan
 from rlcli.streamed_rollouts import generating_version
 from tests.rlcli.test_cli_errors import QUICKSTART, assert_exit_2, rlcli
@@ -48,6 +49,20 @@ ASYNC = [*SEPARATE, "trainer.max_staleness=1"]
         (["algorithm.tis_cap=0.5"], 1, ["algorithm.tis_cap must be >= 1"]),
         ([*SEPARATE, "actor.offload_params=true"], 2, ["actor.offload_params=true", "no effect"]),
         (["trainer.max_staleness=-1"], 1, ["trainer.max_staleness must be >= 0"]),
+        (
+            [*SEPARATE, "actor.lora.enable=true"],
+            2,
+            [
+                "actor.lora.enable=true",
+                "rollout.placement=separate",
+                "rollout.lora_sync, here merged",
+            ],
+        ),
+        (
+            [*SEPARATE, "actor.lora.enable=true", "rollout.lora_sync=adapter"],
+            2,
+            ["actor.lora.enable=true", "rollout.placement=colocated", "here adapter"],
+        ),
     ],
 )
 def test_bad_placement_and_staleness_settings_name_the_key(overrides, world_size, needles):
@@ -83,6 +98,11 @@ def test_the_command_line_exits_2_before_starting_processes(tmp_path):
     assert_exit_2(
         rlcli("train", QUICKSTART, out, "--nproc", "2", *ASYNC),
         "algorithm.off_policy_correction=none",
+    )
+    assert_exit_2(
+        rlcli("train", QUICKSTART, out, "--nproc", "2", *SEPARATE, "actor.lora.enable=true"),
+        "actor.lora.enable=true",
+        "rollout.placement=separate",
     )
     assert not (tmp_path / "run").exists()
 
