@@ -23,31 +23,6 @@ def trainer_ranks(cfg: RLConfig, world_size: int) -> int:
     return world_size - cfg.rollout.num_ranks if is_separate(cfg) else world_size
 
 
-def check_world(cfg: RLConfig, world_size: int) -> None:
-    """The layout of ``world_size`` ranks: the trainer's TP x PP x DP, the engines' TP."""
-    from rlcli.config_validation import derive_dp  # (which imports this module)
-
-    r, par = cfg.rollout, cfg.parallel
-    if not is_separate(cfg):
-        derive_dp(par, world_size)
-        if world_size % r.tp:
-            raise UserError(f"world size {world_size} is not divisible by rollout.tp={r.tp}")
-        return
-    trainers = world_size - r.num_ranks
-    if trainers < 1:
-        raise UserError(
-            f"rollout.num_ranks={r.num_ranks} makes every one of the {world_size} processes a "
-            f"rollout rank: leave at least parallel.tp x parallel.pp = {par.tp * par.pp} to train "
-            "(launch more processes or lower rollout.num_ranks)"
-        )
-    if trainers % (par.tp * par.pp):
-        raise UserError(
-            f"{trainers} trainer ranks ({world_size} processes - rollout.num_ranks="
-            f"{r.num_ranks}) are not divisible by parallel.tp x parallel.pp = {par.tp * par.pp}"
-        )
-    derive_dp(par, trainers)
-
-
 def check_placement(cfg: RLConfig) -> None:
     """``rollout.placement`` / ``rollout.num_ranks`` on their own (the world is checked later)."""
     r = cfg.rollout
