@@ -4,7 +4,8 @@ Every rank builds the same things in the same order: rewards (a reward spec that
 fails at once), inputs (process groups, data, model), the SFT warm start, the actor, the
 reference, PPO's critic, the rollout engine, then resumes from the newest checkpoint when asked.
 With ``rollout.placement=separate`` (``run_role``) the trainer ranks build all of that but the
-engine and the rewards; the rollout ranks build only those (``RolloutWorker``).
+engine and the rewards; the rollout ranks build only those (``RolloutWorker``). The rollout
+side's builders are ``rlcli.build_rollouts``.
 """
 
 from __future__ import annotations
