@@ -47,6 +47,7 @@ LABELS = {
     "separate_sync": "separate 1 + 1, synchronous",
     "separate_staleness_1": "separate 1 + 1, staleness 1",
 }
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 COMMON = [
     "trainer.val_before_train=true",
     "checkpoint.save_freq=0",
@@ -136,7 +137,10 @@ def _rlcli(args: list[str], work: Path, name: str) -> float:
     """Run ``rlcli ARGS`` (two processes share the cores: one thread each); its wall seconds.
     The log goes to ``<work>/<name>.log``; a failure raises with its tail."""
     work.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // 2))}
+    # A launch of its own: not the torch.distributed world an earlier section of a smoke run (one
+    # process for all) left in this environment, whose store may still hold MASTER_PORT.
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // 2))
     log = work / f"{name}.log"
     started = time.perf_counter()
     with open(log, "w") as handle:
