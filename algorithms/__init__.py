@@ -1,8 +1,9 @@
 """Pure tensor RL math for rlcli: advantage estimators, policy / value / KL losses, loss
-aggregation, KL controllers, DAPO helpers, the Bradley-Terry loss of reward-model training and
-reward normalisation / combination. No process groups, no config objects: tensors in,
-tensors out, ``[batch, response_len]`` with a ``response_mask``; algorithms are chosen by name
-through ``get_advantage_estimator`` and ``get_policy_loss``.
+aggregation, KL controllers, DAPO helpers, off-policy corrections, the Bradley-Terry loss of
+reward-model training and reward normalisation / combination. No process groups, no config
+objects: tensors in, tensors out, ``[batch, response_len]`` with a ``response_mask``;
+algorithms are chosen by name through ``get_advantage_estimator``, ``get_policy_loss`` and
+``get_off_policy_correction``.
 """
 
 from algorithms.advantages import (
@@ -21,6 +22,12 @@ from algorithms.kl import (
     get_kl_controller,
     kl_penalty,
 )
+from algorithms.off_policy import (
+    OFF_POLICY_CORRECTIONS,
+    CorrectionTerms,
+    get_off_policy_correction,
+    register_off_policy_correction,
+)
 from algorithms.policy_losses import POLICY_LOSSES, get_policy_loss, register_policy_loss
 from algorithms.reward_model import bradley_terry_loss
 from algorithms.reward_shaping import COMBINE_MODES, RunningMeanStd, combine_rewards
@@ -37,9 +44,11 @@ __all__ = [
     "COMBINE_MODES",
     "KL_PENALTY_KINDS",
     "LOSS_AGG_MODES",
+    "OFF_POLICY_CORRECTIONS",
     "POLICY_LOSSES",
     "RunningMeanStd",
     "AdaptiveKLController",
+    "CorrectionTerms",
     "FixedKLController",
     "agg_loss",
     "agg_loss_denominator",
@@ -51,6 +60,7 @@ __all__ = [
     "filter_groups",
     "get_advantage_estimator",
     "get_kl_controller",
+    "get_off_policy_correction",
     "get_policy_loss",
     "group_ids_to_tensor",
     "kl_penalty",
@@ -59,5 +69,6 @@ __all__ = [
     "masked_whiten",
     "overlong_penalty",
     "register_advantage_estimator",
+    "register_off_policy_correction",
     "register_policy_loss",
 ]

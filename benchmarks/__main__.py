@@ -28,10 +28,14 @@ def benchmark(
     sections: Optional[list[str]] = typer.Option(
         None,
         "--section",
-        help="Run only this section (repeatable): device, rollout, sync, train, lora, grpo.",
+        help=(
+            "Run only this section (repeatable): device, rollout, sync, train, lora, grpo, "
+            "placement."
+        ),
     ),
 ) -> None:
-    """Benchmark rollout, weight sync, the actor update and a short GRPO run; write a report."""
+    """Benchmark rollout, weight sync, the actor update, a short GRPO run and the rollout
+    placements; write a report."""
     unknown = [name for name in sections or [] if name not in SECTIONS]
     if unknown:
         raise typer.BadParameter(

@@ -23,6 +23,7 @@ from benchmarks.formatting import (
     pct,
     threads_note,
 )
+from benchmarks.placement import placement_table
 
 
 def write_report(
@@ -69,6 +70,7 @@ def markdown_table(results: dict) -> str:
     lines += _train_rows(results.get("train"), device)
     lines += _lora_rows(results.get("lora"), results.get("train"))
     lines += _grpo_table(results.get("grpo"))
+    lines += placement_table(results.get("placement"))
     lines += _memory_table(results)
     errors = results.get("errors", {})
     if errors:

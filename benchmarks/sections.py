@@ -14,6 +14,9 @@ one section into the next; a smoke run saves the start-up cost and runs them all
              and its weight sync merged vs adapter (lora_section.py)
     grpo     a short real `rlcli train` run of the quickstart recipe: per-phase time shares, and
              the plain PyTorch loop on the same model and batch (grpo.py)
+    placement  colocated vs separate (synchronous, staleness 1) `rlcli train --nproc 2` runs of
+             the quickstart task: steps/s, idle shares, held-out accuracy per second
+             (placement.py)
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from benchmarks.grpo import grpo_section
 from benchmarks.hardware import detect_hardware, measure_matmul_flops
 from benchmarks.lora_section import lora_section
 from benchmarks.memory import measure_peak_memory
+from benchmarks.placement import placement_section
 from benchmarks.sync_section import sync_section
 from benchmarks.train_section import train_section
 from benchmarks.workload import Workload, ensure_model
@@ -122,6 +126,7 @@ SECTIONS: dict[str, Callable[[Workload, Path], dict]] = {
     "train": train_section,
     "lora": lora_section,
     "grpo": grpo_section,
+    "placement": placement_section,
 }
 
 

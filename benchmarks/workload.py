@@ -84,6 +84,11 @@ class Workload:
     sync_layouts: list[str] = field(default_factory=list)
     # the lora section: adapters of this rank on every linear of the train model (alpha 2 x rank)
     lora_rank: int = 16
+    # placement comparison (benchmarks/placement.py): the quickstart recipe's SFT warm start,
+    # then this many GRPO steps per placement, on 2 processes
+    placement_sft_steps: int = 450
+    placement_steps: int = 150
+    placement_overrides: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -124,6 +129,9 @@ def workload_for(mode: str, gpu_memory_gib: float = 80.0) -> Workload:
             train_seq_len=16, train_steps=1,
             grpo_steps=2, grpo_overrides=["data.train_batch_size=2", "rollout.n=2"],
             matmul_size=256,
+            placement_sft_steps=10, placement_steps=3,
+            placement_overrides=["data.train_batch_size=2", "rollout.n=2",
+                                 "algorithm.dynamic_sampling.enabled=false"],
         )  # fmt: skip
     if mode == "cpu":
         return Workload(

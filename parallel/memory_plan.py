@@ -1,5 +1,7 @@
-"""Per-GPU memory of a colocated RL layout: each phase of one RL step, from the training-state
-terms of `parallel.memory_terms` and the rollout engine's weights and KV cache.
+"""Per-GPU memory of an RL layout: each phase of one RL step, from the training-state terms of
+`parallel.memory_terms` and the rollout engine's weights and KV cache. Colocated: every GPU holds
+both, phase by phase. Separate (`PlanInputs.separate`): the trainer's GPUs hold no engine, and
+each rollout GPU holds only its engine and the sync bucket it receives (`MemoryPlan.rollout_rank`).
 
 Pure arithmetic on a model shape and a layout; nothing here allocates or imports megatron.
 
@@ -56,6 +58,7 @@ class PlanInputs:
     ref: bool = False  # a frozen reference model with the actor's shape and layout
     ref_offload: bool = False
     critic: TrainedModel | None = None
+    separate: bool = False  # engines on GPUs of their own (rollout.placement=separate)
 
 
 @dataclass
@@ -75,6 +78,7 @@ class MemoryPlan:
     vllm_weights: int
     kv_cache: int
     kv_cache_needed: int
+    rollout_rank: Phase | None = None  # separate: what a rollout GPU holds (its engine)
 
     @property
     def peak_phase(self) -> str:
@@ -86,7 +90,9 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        return self.peak <= self.inputs.gpu_memory_bytes and self.kv_cache > 0
+        limit = self.inputs.gpu_memory_bytes
+        rollout_fits = self.rollout_rank is None or self.rollout_rank.total <= limit
+        return self.peak <= limit and self.kv_cache > 0 and rollout_fits
 
 
 def vllm_weight_bytes(shape: ModelShape, rollout: RolloutEngine) -> int:
@@ -119,7 +125,8 @@ def _resident(model: TrainedModel, prefix: str, *, params: bool, grads: bool, op
 
 
 def plan_memory(inputs: PlanInputs) -> MemoryPlan:
-    """Bytes per GPU of each phase of one colocated RL step (see the module docstring)."""
+    """Bytes per GPU of each phase of one RL step (see the module docstring); with
+    ``inputs.separate`` the phases are the trainer GPUs' and ``rollout_rank`` the engines'."""
     actor, rollout = inputs.actor, inputs.rollout
     models = [(actor, "actor")] + ([(inputs.critic, "critic")] if inputs.critic else [])
     ref_weights = weight_bytes(actor) if inputs.ref else 0
@@ -138,12 +145,8 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
             terms.update(_resident(model, prefix, **onloaded))
         return terms
 
-    generate = {
-        **idle(params=False, grads=False, opt=False),
-        **ref_idle,
-        "vLLM (gpu_memory_utilization)": vllm_budget,
-        **reserve,
-    }
+    engine = {} if inputs.separate else {"vLLM (gpu_memory_utilization)": vllm_budget}
+    generate = {**idle(params=False, grads=False, opt=False), **ref_idle, **engine, **reserve}
     fwd = max(forward_only_bytes(m, m.micro_batch_size) for m, _ in models)
     log_probs = {
         **idle(params=True, grads=False, opt=False),
@@ -157,10 +160,19 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
     sync = {
         **idle(params=True, grads=False, opt=False),
         **ref_idle,
-        "vLLM weights": vllm_weights,
+        **({} if inputs.separate else {"vLLM weights": vllm_weights}),
         "sync buckets": 2 * rollout.sync_bucket_bytes,
         **reserve,
     }
+    rollout_rank = None
+    if inputs.separate:  # the engine, and the bucket being received and the one being loaded
+        rollout_rank = Phase(
+            {
+                "vLLM (gpu_memory_utilization)": vllm_budget,
+                "sync buckets": 2 * rollout.sync_bucket_bytes,
+                **reserve,
+            }
+        )
     phases = {
         name: Phase({k: v for k, v in terms.items() if v})
         for name, terms in zip(PHASES, (generate, log_probs, update, sync), strict=True)
@@ -174,4 +186,4 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
         "vLLM weights": vllm_weights,
         "vLLM KV cache": max(kv_cache, 0),
     }
-    return MemoryPlan(inputs, components, phases, vllm_weights, kv_cache, kv_needed)
+    return MemoryPlan(inputs, components, phases, vllm_weights, kv_cache, kv_needed, rollout_rank)

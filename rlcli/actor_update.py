@@ -56,12 +56,15 @@ def logprob_agreement(
     ref_log_probs: torch.Tensor | None,
     mask: torch.Tensor,
     kl_kind: str,
+    agreement_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sums behind ``rollout/logprob_diff_*`` and ``actor/kl_to_ref`` for ``[B, R]`` tensors
-    (``mask``: the generated tokens): ``([|diff| sum, tokens, KL sum, KL tokens] float64,
+    (``mask``: the generated tokens; ``agreement_mask``: those where the engine's log-probs
+    must agree, default ``mask``): ``([|diff| sum, tokens, KL sum, KL tokens] float64,
     max |diff|)``; add them up over micro-batches and DP ranks (``logprob_metrics``)."""
     mask = mask.bool()
-    diff = (engine_log_probs.double() - log_prob.detach().double()).abs()[mask]
+    agree = mask if agreement_mask is None else agreement_mask.to(mask.device).bool()
+    diff = (engine_log_probs.double() - log_prob.detach().double()).abs()[agree]
     sums = [diff.sum(), torch.tensor(float(diff.numel()), dtype=torch.float64)]
     if ref_log_probs is not None:
         kl = algorithms.kl_penalty(log_prob.detach(), ref_log_probs, kl_kind)
@@ -77,10 +80,10 @@ def logprob_metrics(
 ) -> dict[str, float]:
     """Batch-wide metrics from this rank's ``logprob_agreement`` sums (all-reduced over DP)."""
     total, largest = stats.sum(sums), stats.max(largest)
-    metrics = {
-        "rollout/logprob_diff_mean": (total[0] / total[1]).item() if total[1] > 0 else 0.0,
-        "rollout/logprob_diff_max": largest.item(),
-    }
+    metrics = {}
+    if total[1] > 0:  # (none with rollouts older than the trainer's weights: nothing to compare)
+        metrics["rollout/logprob_diff_mean"] = (total[0] / total[1]).item()
+        metrics["rollout/logprob_diff_max"] = largest.item()
     if with_ref:
         metrics["actor/kl_to_ref"] = (total[2] / (total[3] + 1e-8)).item()
     return metrics
@@ -94,6 +97,7 @@ def agreement_of_actor_pass(batch: RolloutBatch, cfg: RLConfig, stats: DataParal
         batch.ref_log_probs,
         batch.loss_mask,
         kl_metric_kind(cfg),
+        batch.agreement_mask,
     )
     return logprob_metrics(sums, largest, stats, batch.ref_log_probs is not None)
 
@@ -115,18 +119,28 @@ def make_actor_loss(
     ``on_policy``: the old log-probs are this forward's own, detached (the batch carries none).
     ``record_agreement``: also report ``logprob_agreement``'s sums of this forward against the
     engine's log-probs (and the reference's) as private metrics.
+    The off-policy correction (``algorithm.off_policy_correction``) turns the old (proximal)
+    and the engine's (behaviour) log-probs into the ratio's denominator and per-token weights.
     """
     actor = cfg.actor
     policy_loss = algorithms.get_policy_loss(actor.policy_loss)
+    correction = algorithms.get_off_policy_correction(cfg.algorithm.off_policy_correction)
     kl_kind = kl_metric_kind(cfg)
 
     def loss_fn(outputs: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]):
         mb = RolloutBatch.from_tensors(tensors)
         mask = mb.loss_mask.to(outputs["log_probs"].device)
         log_prob = response_values(outputs["log_probs"], mb.response_index)
-        old_log_prob = log_prob.detach() if on_policy else mb.require("old_log_probs")
+        proximal = log_prob.detach() if on_policy else mb.require("old_log_probs")
+        corrected = correction(
+            log_prob=log_prob,
+            behaviour_log_prob=mb.engine_log_probs.to(log_prob.device),
+            proximal_log_prob=proximal.to(log_prob.device),
+            response_mask=mask,
+            cap=cfg.algorithm.tis_cap,
+        )
         pg_loss, pg_metrics = policy_loss(
-            old_log_prob=old_log_prob.to(log_prob.device),
+            old_log_prob=corrected.old_log_prob,
             log_prob=log_prob,
             advantages=mb.require("advantages").to(log_prob.device),
             response_mask=mask,
@@ -135,11 +149,13 @@ def make_actor_loss(
             clip_ratio_high=actor.clip_ratio_high,
             clip_ratio_c=actor.clip_ratio_c,
             global_denominator=denominator,
+            rollout_is_weights=corrected.weights,
         )
         loss = pg_loss
         # Loss-valued metrics are partial sums (they add up over micro-batches); ratios are means.
         metrics = {"actor/pg_loss": pg_loss.item()}
         metrics.update({f"actor/{k}": float(v) for k, v in pg_metrics.items()})
+        metrics.update({f"actor/{k}": float(v) for k, v in corrected.metrics.items()})
         if "entropy" in outputs:
             entropy = algorithms.agg_loss(
                 response_values(outputs["entropy"], mb.response_index),
@@ -162,7 +178,7 @@ def make_actor_loss(
             metrics["actor/kl_loss"] = kl.item()
         if record_agreement:
             sums, largest = logprob_agreement(
-                log_prob, mb.engine_log_probs, mb.ref_log_probs, mask, kl_kind
+                log_prob, mb.engine_log_probs, mb.ref_log_probs, mask, kl_kind, mb.agreement_mask
             )
             metrics.update(zip(_AGREEMENT_KEYS, sums.tolist(), strict=True))
             metrics[_DIFF_MAX] = largest.item()

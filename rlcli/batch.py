@@ -42,6 +42,9 @@ class Sample:
     loss_mask: list[int] | None = None
     # Multi-turn: the trajectory's messages, tool calls and budget cut (None: single-turn).
     trajectory: TrajectoryRecord | None = None
+    weight_version: int = 0  # the weights that generated it: those after this step's update
+    # (the run's first step - 1 for the weights it starts with)
+    staleness: int = 0  # weight versions between those and the trainer's when it trains on it
 
     @property
     def num_tokens(self) -> int:
@@ -65,6 +68,8 @@ class RolloutBatch:
     - ``engine_log_probs [B, R]`` float32: the engine's log-probs of the sampled tokens (the
       behaviour policy); 0 where ``loss_mask`` is 0.
     - ``group_index [B]`` int64, ``scores [B]`` and ``reward_baselines [B]`` float32.
+    - ``staleness [B]`` int64: weight versions between the weights that generated the row and
+      the trainer's (0: on-policy; up to ``trainer.max_staleness`` with asynchronous rollouts).
 
     Filled by the phases (None until then; ``require`` names the missing phase):
     ``old_log_probs`` (old_log_prob), ``ref_log_probs`` (ref), ``values`` (values),
@@ -80,6 +85,7 @@ class RolloutBatch:
     group_index: torch.Tensor
     scores: torch.Tensor
     reward_baselines: torch.Tensor
+    staleness: torch.Tensor
     old_log_probs: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
     values: torch.Tensor | None = None
@@ -90,6 +96,12 @@ class RolloutBatch:
     @property
     def size(self) -> int:
         return self.input_ids.shape[0]
+
+    @property
+    def agreement_mask(self) -> torch.Tensor:
+        """``[B, R]``: the generated tokens of the rows the trainer's current weights generated,
+        where the trainer's and the engine's log-probs must agree (stale rows differ by design)."""
+        return self.loss_mask * (self.staleness == 0).to(self.loss_mask.dtype).unsqueeze(-1)
 
     def require(self, name: str) -> torch.Tensor:
         """The field ``name``; a clear error when the phase that fills it has not run."""
@@ -153,6 +165,7 @@ def collate(samples: list[Sample], pad_id: int) -> RolloutBatch:
         group_index=torch.tensor([s.group for s in samples], dtype=torch.long),
         scores=torch.tensor([s.score for s in samples], dtype=torch.float32),
         reward_baselines=torch.tensor([s.reward_baseline for s in samples], dtype=torch.float32),
+        staleness=torch.tensor([s.staleness for s in samples], dtype=torch.long),
     )
 
 

@@ -3,6 +3,9 @@
 Every rank builds the same things in the same order: rewards (a reward spec that does not import
 fails at once), inputs (process groups, data, model), the SFT warm start, the actor, the
 reference, PPO's critic, the rollout engine, then resumes from the newest checkpoint when asked.
+With ``rollout.placement=separate`` (``run_role``) the trainer ranks build all of that but the
+engine and the rewards; the rollout ranks build only those (``RolloutWorker``). The rollout
+side's builders are ``rlcli.build_rollouts``.
 """
 
 from __future__ import annotations
@@ -14,18 +17,23 @@ from typing import Any
 
 import algorithms
 from rlcli.advantages import KLController
+from rlcli.build_rollouts import (
+    build_colocated_rollouts,
+    build_loader,
+    build_rewards,
+    build_rollout_worker,
+    build_streamed_rollouts,
+    planned_steps,
+)
 from rlcli.config import RLConfig, TrainedModelConfig, to_dict
 from rlcli.config_validation import uses_critic
-from rlcli.data import PromptLoader
 from rlcli.errors import UserError
 from rlcli.inputs import RunInputs, barrier, prepare_inputs
 from rlcli.lora import lora_spec
 from rlcli.metrics import MetricsLogger
-from rlcli.rewards import RewardManager
-from rlcli.rollout.base import RolloutEngine
+from rlcli.rollout_channel import RolloutChannel, RunEnded
 from rlcli.run_checkpoint import CheckpointManager, checkpoint_root
 from rlcli.run_save_resume import resume_run
-from rlcli.sampling import ReplicaInfo
 from rlcli.trained_model import (
     LoraReference,
     MicroBatching,
@@ -35,21 +43,51 @@ from rlcli.trained_model import (
 from rlcli.trainer import Trainer, say
 
 
-def build_trainer(cfg: RLConfig, reference: bool | None = None, logger: bool = True) -> Trainer:
-    """Everything a run needs, from the config. ``reference`` forces building the reference
-    model (default: only when a KL term uses it); ``logger=False`` builds no metrics logger."""
-    rewards = build_rewards(cfg)
+def run_role(cfg: RLConfig) -> None:
+    """What ``rlcli train`` runs on every rank: the trainer; with ``rollout.placement=separate``
+    the rollout ranks run the rollout worker instead. A failure on either side ends the other
+    side's waits with the same message."""
     inputs = prepare_inputs(cfg)
+    channel = None
+    if inputs.roles is not None:
+        channel = RolloutChannel(inputs.roles, timeout_s=cfg.parallel.timeout_minutes * 60)
+    try:
+        if inputs.roles is not None and not inputs.roles.is_trainer:
+            build_rollout_worker(inputs, channel).fit()
+        else:
+            build_trainer(cfg, inputs=inputs, channel=channel).fit()
+    except RunEnded:
+        return  # a rollout rank: the trainer failed and says why
+    except BaseException as error:
+        if channel is not None:
+            channel.report_failure(error)
+        raise
+    if inputs.roles is not None:  # the launch's store lives in trainer rank 0's process
+        inputs.roles.barrier_all("end")
+
+
+def build_trainer(
+    cfg: RLConfig,
+    reference: bool | None = None,
+    logger: bool = True,
+    inputs: RunInputs | None = None,
+    channel: RolloutChannel | None = None,
+) -> Trainer:
+    """Everything a run needs, from the config. ``reference`` forces building the reference
+    model (default: only when a KL term uses it); ``logger=False`` builds no metrics logger.
+    ``inputs`` / ``channel``: already prepared (``run_role``)."""
+    separate = cfg.rollout.placement == "separate"
+    rewards = None if separate else build_rewards(cfg)
+    inputs = inputs or prepare_inputs(cfg)
     check_multi_turn(inputs)
+    if inputs.mesh is None:
+        raise RuntimeError("a rollout rank builds a RolloutWorker, not a Trainer (run_role)")
     if cfg.sft.steps > 0:
         inputs.model_dir = str(warm_start(inputs))
-    loader = PromptLoader(
-        inputs.train_data,
-        cfg.data.train_batch_size,
-        shuffle=cfg.data.shuffle,
-        seed=cfg.trainer.seed,
-    )
-    total = cfg.trainer.total_steps or cfg.trainer.total_epochs * loader.batches_per_epoch
+    if inputs.roles is not None:  # the rollout ranks wait for the model the engines load
+        inputs.roles.barrier_all("warm_start")
+    loader = build_loader(inputs)
+    total = planned_steps(cfg, loader)
     mesh = inputs.mesh
     say(mesh, f"building actor (tp={mesh.tp} pp={mesh.pp} dp={mesh.dp}) from {inputs.model_dir}")
     actor = build_actor(inputs, total_steps=total)
@@ -57,10 +95,11 @@ def build_trainer(cfg: RLConfig, reference: bool | None = None, logger: bool = T
     if needs_reference(cfg) if reference is None else reference:
         ref = build_reference(inputs, actor)
     critic = build_critic(inputs, total_steps=total) if uses_critic(cfg) else None
-    say(mesh, f"starting the {cfg.rollout.engine} engine (rollout.tp={cfg.rollout.tp})")
-    engine, replica = build_engine(inputs)
-    from rlcli.rollout.transport import make_transport
-
+    if separate:
+        channel = channel or RolloutChannel(inputs.roles, cfg.parallel.timeout_minutes * 60)
+        rollouts = build_streamed_rollouts(inputs, channel)
+    else:
+        rollouts = build_colocated_rollouts(inputs, rewards, adapters=actor.lora is not None)
     trainer = Trainer(
         cfg=cfg,
         mesh=mesh,
@@ -68,12 +107,8 @@ def build_trainer(cfg: RLConfig, reference: bool | None = None, logger: bool = T
         model_dir=inputs.model_dir,
         actor=actor,
         reference=ref,
-        engine=engine,
-        transport=make_transport(cfg.rollout, engine, adapters=actor.lora is not None),
-        replica=replica,
-        rewards=rewards,
+        rollouts=rollouts,
         loader=loader,
-        val_data=inputs.val_data,
         kl_ctrl=build_kl_controller(cfg),
         checkpoints=CheckpointManager(
             checkpoint_root(cfg.checkpoint.dir, cfg.trainer.output_dir),
@@ -115,6 +150,11 @@ def check_multi_turn(inputs: RunInputs) -> None:
 
 
 def run_sft_only(cfg: RLConfig) -> Path:
+    if cfg.rollout.placement == "separate":
+        raise UserError(
+            "rlcli sft trains on every process; rollout.placement=separate is rlcli train's "
+            "(set rollout.placement=colocated and rollout.num_ranks=0 for the SFT run)"
+        )
     return warm_start(prepare_inputs(cfg), force=True)
 
 
@@ -248,39 +288,6 @@ def needs_reference(cfg: RLConfig) -> bool:
 def build_kl_controller(cfg: RLConfig) -> KLController:
     kl = cfg.algorithm.kl_ctrl
     return algorithms.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
-
-
-def build_engine(inputs: RunInputs) -> tuple[RolloutEngine, ReplicaInfo]:
-    from rlcli.rollout.base import rollout_replicas
-    from rlcli.rollout.factory import make_engine
-
-    cfg, mesh = inputs.cfg, inputs.mesh
-    r = cfg.rollout
-    index, count = rollout_replicas(mesh.world_size, mesh.rank, r.tp)
-    # A multi-turn trajectory is the prompt and up to max_response_tokens after it.
-    response = r.multi_turn.max_response_tokens if r.multi_turn.enable else r.max_tokens
-    adapters = cfg.actor.lora.enable and r.lora_sync == "adapter"
-    engine = make_engine(
-        r,
-        inputs.model_dir,
-        dtype=cfg.model.dtype,
-        seed=cfg.trainer.seed,  # engines space request seeds per replica themselves
-        max_model_len=r.max_model_len or (cfg.data.max_prompt_length + response),
-        max_lora_rank=cfg.actor.lora.rank if adapters else 0,
-    )
-    replica = ReplicaInfo(index=index, count=count, is_leader=mesh.rank % r.tp == 0)
-    return engine, replica
-
-
-def build_rewards(cfg: RLConfig) -> RewardManager:
-    from rlcli.rewards import default_compute_score, resolve_reward_fn
-
-    fn = (
-        resolve_reward_fn(cfg.reward.fn, cfg.reward.kwargs)
-        if cfg.reward.fn
-        else default_compute_score
-    )
-    return RewardManager(fn, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
 
 
 def build_logger(inputs: RunInputs, total_steps: int, resumed_from: int | None) -> MetricsLogger:

@@ -95,6 +95,10 @@ class MultiTurnConfig:
 @dataclass
 class RolloutConfig:
     engine: Literal["vllm", "hf"] = "vllm"  # the rollout engine
+    # colocated: every rank trains and runs an engine, in turn | separate: the last
+    # rollout.num_ranks ranks only run engines, the others only train (docs/placement.md)
+    placement: Literal["colocated", "separate"] = "colocated"
+    num_ranks: int = 0  # separate: ranks that only run engines (a multiple of rollout.tp)
     tp: int = 1  # inference tensor parallel size, independent of parallel.tp / parallel.pp
     n: int = 8  # samples per prompt
     temperature: float = 1.0  # sampling temperature (the trainer's log-probs use the same)
@@ -251,6 +255,10 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    # Off-policy correction with the engine's log-probs as the behaviour policy (see
+    # algorithms.get_off_policy_correction): none | decoupled_ppo | tis
+    off_policy_correction: str = "none"
+    tis_cap: float = 2.0  # truncation of the importance weights (decoupled_ppo, tis)
 
 
 @dataclass
@@ -329,6 +337,10 @@ class TrainerConfig:
     # (also --max-restarts N). None: 0 locally, 3 on Slurm.
     max_restarts: Optional[int] = None
     critic_warmup: int = 0  # PPO: the first N steps train only the critic (no actor update)
+    # rollout.placement=separate: the engines generate up to this many steps ahead of the
+    # trainer, so a sample is trained on by weights at most this many versions newer than the
+    # ones that generated it (0: synchronous; >= 1 needs an off-policy correction)
+    max_staleness: int = 0
 
 
 @dataclass

@@ -9,6 +9,7 @@ import os
 from typing import TYPE_CHECKING
 
 from rlcli.errors import UserError
+from rlcli.placement_validation import check_off_policy, check_placement, is_separate
 
 if TYPE_CHECKING:
     from rlcli.config import ParallelConfig, RLConfig, TrainedModelConfig
@@ -68,6 +69,8 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
     for key, value in positive.items():
         if value < 1:
             raise UserError(f"{key} must be >= 1, got {value}")
+    check_placement(cfg)
+    check_off_policy(cfg)
     if cfg.rollout.sync_bucket_mb < 0:
         raise UserError(
             f"rollout.sync_bucket_mb must be >= 0 (0: automatic), got {cfg.rollout.sync_bucket_mb}"
@@ -77,11 +80,30 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
     if not cfg.model.path and not cfg.model.build:
         raise UserError("model.path is empty: give a HuggingFace model directory (model.path=DIR)")
     if world_size is not None:
-        derive_dp(cfg.parallel, world_size)
-        if world_size % cfg.rollout.tp:
-            raise UserError(
-                f"world size {world_size} is not divisible by rollout.tp={cfg.rollout.tp}"
-            )
+        _check_world(cfg, world_size)
+
+
+def _check_world(cfg: RLConfig, world_size: int) -> None:
+    """The layout of ``world_size`` ranks: the trainer's TP x PP x DP, the engines' TP."""
+    r, par = cfg.rollout, cfg.parallel
+    if not is_separate(cfg):
+        derive_dp(par, world_size)
+        if world_size % r.tp:
+            raise UserError(f"world size {world_size} is not divisible by rollout.tp={r.tp}")
+        return
+    trainers = world_size - r.num_ranks
+    if trainers < 1:
+        raise UserError(
+            f"rollout.num_ranks={r.num_ranks} makes every one of the {world_size} processes a "
+            f"rollout rank: leave at least parallel.tp x parallel.pp = {par.tp * par.pp} to train "
+            "(launch more processes or lower rollout.num_ranks)"
+        )
+    if trainers % (par.tp * par.pp):
+        raise UserError(
+            f"{trainers} trainer ranks ({world_size} processes - rollout.num_ranks="
+            f"{r.num_ranks}) are not divisible by parallel.tp x parallel.pp = {par.tp * par.pp}"
+        )
+    derive_dp(par, trainers)
 
 
 def uses_critic(cfg: RLConfig) -> bool:
@@ -267,6 +289,11 @@ def _check_algorithm_names(cfg: RLConfig) -> None:
             algorithms.get_advantage_estimator,
         ),
         ("actor.policy_loss", cfg.actor.policy_loss, algorithms.get_policy_loss),
+        (
+            "algorithm.off_policy_correction",
+            cfg.algorithm.off_policy_correction,
+            algorithms.get_off_policy_correction,
+        ),
     ]
     for key, name, lookup in checks:
         try:

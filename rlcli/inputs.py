@@ -1,8 +1,13 @@
 """A run's inputs, prepared on every rank in the same order: process groups, the checked config,
-the (built) model directory, the tokenizer and the prompt data."""
+the (built) model directory, the tokenizer and the prompt data.
+
+With ``rollout.placement=separate`` the launch is first split into its two roles
+(``parallel.roles``): the trainer ranks get megatron's mesh, the rollout ranks none; both wait
+for what global rank 0 (trainer rank 0) writes."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -10,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from parallel.mesh import Mesh, init_parallel
+from parallel.roles import RoleWorld, init_role_world
 from rlcli.config import RLConfig
 from rlcli.config_validation import validate
 from rlcli.data import PromptDataset
@@ -22,7 +28,8 @@ if TYPE_CHECKING:
 @dataclass
 class RunInputs:
     cfg: RLConfig
-    mesh: Mesh
+    mesh: Mesh | None  # None on the rollout ranks of rollout.placement=separate
+    roles: RoleWorld | None  # rollout.placement=separate: this rank's role and the channels
     output_dir: Path
     model_dir: str
     tokenizer: PreTrainedTokenizerBase
@@ -43,29 +50,45 @@ def tokenizer_setting(cfg: RLConfig) -> str:
     return f"model.path={cfg.model.path}"
 
 
+def barrier_all(roles: RoleWorld | None, name: str) -> None:
+    """Every rank of the launch, of both roles (``barrier`` within one world otherwise)."""
+    if roles is None:
+        barrier()
+    else:
+        roles.barrier_all(name)
+
+
 def prepare_inputs(cfg: RLConfig) -> RunInputs:
     """Start the process groups, write synthetic data / build the model when asked, load data."""
     from transformers import AutoTokenizer
 
     from rlcli.data import load_prompt_dataset
 
-    mesh = init_parallel(
-        cfg.parallel.tp,
-        cfg.parallel.pp,
-        cfg.parallel.vpp,
-        seed=cfg.trainer.seed,
-        timeout_s=cfg.parallel.timeout_minutes * 60,
-    )
-    validate(cfg, world_size=mesh.world_size)
+    timeout_s = cfg.parallel.timeout_minutes * 60
+    roles = None
+    if cfg.rollout.placement == "separate":
+        validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))  # before the split
+        roles = init_role_world(cfg.rollout.num_ranks, timeout_s=timeout_s)
+    mesh = None
+    if roles is None or roles.is_trainer:
+        mesh = init_parallel(
+            cfg.parallel.tp,
+            cfg.parallel.pp,
+            cfg.parallel.vpp,
+            seed=cfg.trainer.seed,
+            timeout_s=timeout_s,
+        )
+    validate(cfg, world_size=roles.global_size if roles else mesh.world_size)
+    first_rank = (roles.global_rank if roles else mesh.rank) == 0
     output_dir = Path(cfg.trainer.output_dir)
     sft_files: list[str] = []
     if cfg.data.synthetic == "arith":
         from rlcli.data import write_arith_dataset
 
         data_dir = output_dir / "data"
-        if mesh.rank == 0 and not (data_dir / "val.jsonl").exists():
+        if first_rank and not (data_dir / "val.jsonl").exists():
             write_arith_dataset(str(data_dir))
-        barrier()
+        barrier_all(roles, "data")
         cfg.data.train_files = cfg.data.train_files or [str(data_dir / "train.jsonl")]
         cfg.data.val_files = cfg.data.val_files or [str(data_dir / "val.jsonl")]
         sft_files = [str(data_dir / "sft_train.jsonl")]
@@ -83,9 +106,9 @@ def prepare_inputs(cfg: RLConfig) -> RunInputs:
     if cfg.model.build:
         # Only rank 0 looks: another rank could see a half-written config.json and skip the
         # barrier rank 0 waits in.
-        if mesh.rank == 0 and not Path(model_dir, "config.json").exists():
+        if first_rank and not Path(model_dir, "config.json").exists():
             _build_model(cfg, model_dir, sft_files)
-        barrier()
+        barrier_all(roles, "model")
     if not Path(model_dir, "config.json").is_file():
         raise UserError(
             f"model.path={model_dir!r} is not a HuggingFace model directory (no config.json)"
@@ -103,7 +126,7 @@ def prepare_inputs(cfg: RLConfig) -> RunInputs:
         kwargs["tools"] = multi_turn_prompt_tools(cfg, tokenizer)
     train = load_prompt_dataset(cfg.data.train_files, **kwargs)
     val = load_prompt_dataset(cfg.data.val_files, **kwargs) if cfg.data.val_files else None
-    return RunInputs(cfg, mesh, output_dir, model_dir, tokenizer, train, val, sft_files)
+    return RunInputs(cfg, mesh, roles, output_dir, model_dir, tokenizer, train, val, sft_files)
 
 
 def multi_turn_prompt_tools(cfg: RLConfig, tokenizer: PreTrainedTokenizerBase) -> list | None:

@@ -106,6 +106,7 @@ class SlurmJob:
     max_restarts: int = DEFAULT_MAX_RESTARTS
     requeue: bool = True
     signal_seconds: int = 120
+    layout: str = "every rank trains and runs a colocated engine"  # see rank_layout
 
     @property
     def processes_per_node(self) -> int:
@@ -170,9 +171,43 @@ def render_sbatch_script(
         max_restarts=job.max_restarts,
         requeue=job.requeue,
         signal_seconds=job.signal_seconds,
+        layout=job.layout,
         workdir=shlex.quote(str(job.workdir.resolve())),
         torchrun=shlex.join(torchrun_prefix()),
         program=shlex.join(program_args),
+    )
+
+
+def rank_layout(
+    total: int, ranks_per_node: int, rollout_ranks: int = 0, rollout_tp: int = 1
+) -> str:
+    """How a job's ``total`` ranks split into trainer and rollout ranks (the last
+    ``rollout_ranks`` of the global order, ``rollout.placement=separate``), as one line for the
+    job's log; a UserError naming the key when the split is impossible or an engine's
+    ``rollout_tp`` ranks would straddle two nodes (vLLM's tensor parallelism wants one node)."""
+    if not rollout_ranks:
+        return "every rank trains and runs a colocated engine"
+    trainers = total - rollout_ranks
+    if rollout_ranks < 0 or trainers < 1:
+        raise UserError(
+            f"rollout.num_ranks={rollout_ranks} leaves no trainer rank among the job's {total} "
+            "processes: lower it or add nodes"
+        )
+    if rollout_ranks % rollout_tp:
+        raise UserError(
+            f"rollout.num_ranks={rollout_ranks} is not divisible by rollout.tp={rollout_tp}"
+        )
+    for first in range(trainers, total, rollout_tp):
+        if first // ranks_per_node != (first + rollout_tp - 1) // ranks_per_node:
+            raise UserError(
+                f"an engine of rollout.tp={rollout_tp} would span two nodes (ranks {first}-"
+                f"{first + rollout_tp - 1}, {ranks_per_node} per node): choose rollout.num_ranks "
+                "so that the trainer ranks fill whole nodes, or a rollout.tp that divides "
+                "--nproc-per-node"
+            )
+    return (
+        f"ranks 0-{trainers - 1} train, ranks {trainers}-{total - 1} run "
+        f"{rollout_ranks // rollout_tp} engine(s) of rollout.tp={rollout_tp}"
     )
 
 

@@ -18,6 +18,9 @@ the next rollout.
     checkpoint     actor, critic: ON everything (a save reads it all)
     (and the reference is OFF again in every phase after ``ref`` when ref.offload)
 
+With ``rollout.placement=separate`` the engines run on ranks of their own: the rollout row is
+empty (nothing leaves the trainer's device for them), and a rollout rank holds no model at all.
+
 With LoRA (``actor.lora.enable``) there is no reference model: the reference is the actor with
 its adapters switched off, so the ``ref`` row asks for the actor's params instead.
 
@@ -86,6 +89,8 @@ def residency_plan(cfg: RLConfig) -> ResidencyPlan:
         "sync": {"actor": Need(on=frozenset({"params"}))},
         "checkpoint": {"actor": Need(on=everything), "critic": Need(on=everything)},
     }
+    if cfg.rollout.placement == "separate":
+        plan["rollout"] = {}
     for phase, row in plan.items():
         if phase != "ref":
             row["reference"] = Need(off=reference_off)

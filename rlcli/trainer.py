@@ -5,8 +5,10 @@ travels: rollout (gen + reward) -> distribute -> old_log_prob -> ref -> values -
 update_critic -> update -> sync (values and update_critic only with PPO's critic; during
 ``trainer.critic_warmup`` steps only the critic learns). Each phase is entered through
 ``rlcli.residency.StepPhases``, which first gives it the device residency its row of the plan
-declares, then times it. ``Trainer.fit`` repeats the step, evaluates on held-out prompts and
-commits checkpoints. The trainer is built from the config by ``rlcli.build.build_trainer``.
+declares, then times it. Where the samples come from and the weights go is the rollout
+placement's (``rlcli.rollouts``: colocated engines, or engines on their own ranks generating
+ahead). ``Trainer.fit`` repeats the step, evaluates on held-out prompts and commits checkpoints.
+The trainer is built from the config by ``rlcli.build.build_trainer``.
 """
 
 from __future__ import annotations
@@ -26,18 +28,15 @@ from rlcli.advantages import KLController, compute_advantages
 from rlcli.batch import RolloutBatch, collate, take_dp_share
 from rlcli.config import RLConfig
 from rlcli.critic import update_critic, value_metrics
-from rlcli.data import PromptDataset, PromptLoader
+from rlcli.data import PromptLoader
 from rlcli.dp_stats import DataParallelStats
 from rlcli.errors import UserError
 from rlcli.lora import lora_state
 from rlcli.metrics import MetricsLogger
 from rlcli.residency import Residency, StepPhases, residency_plan
-from rlcli.rewards import RewardManager
-from rlcli.rollout.base import RolloutEngine
-from rlcli.rollout.transport import WeightTransport
+from rlcli.rollouts import Rollouts
 from rlcli.run_checkpoint import CheckpointManager
 from rlcli.run_save_resume import save_run
-from rlcli.sampling import ReplicaInfo, collect_rollouts, evaluate
 from rlcli.trained_model import LoraReference, TrainedModel
 
 if TYPE_CHECKING:
@@ -57,12 +56,8 @@ class Trainer:
     actor: TrainedModel
     # frozen; only when a KL term needs it (a LoRA actor's: the actor with its adapters off)
     reference: TrainedModel | LoraReference | None
-    engine: RolloutEngine
-    transport: WeightTransport  # how the actor's new weights reach the engine
-    replica: ReplicaInfo
-    rewards: RewardManager
-    loader: PromptLoader
-    val_data: PromptDataset | None
+    rollouts: Rollouts  # where the samples come from and the new weights go
+    loader: PromptLoader  # the prompts the trainer has consumed (what a checkpoint resumes)
     kl_ctrl: KLController
     checkpoints: CheckpointManager
     logger: MetricsLogger | None
@@ -96,19 +91,18 @@ class Trainer:
             stop.uninstall()
             if self.logger is not None:
                 self.logger.close()
-            self.rewards.close()
-            self.transport.close()
-            self.engine.close()
+            self.rollouts.close()
 
     def _fit(self, stop: StopRequest) -> dict[str, float]:
         cfg = self.cfg
         before: dict[str, float] = {}
         # The engine starts with dummy (or the HF directory's) weights: the first sync both
         # gives it the policy's weights (a resumed checkpoint's too) and proves the path.
+        self.rollouts.start(self.step, self.loader, self.validates_at)
         sync_rollout_weights(self)
         if self.resumed_from is not None:
             say(self.mesh, f"resumed from step {self.resumed_from}")
-        elif cfg.trainer.val_before_train:
+        elif self.validates_at(self.step):
             before = self.evaluate()
             self.log(0, before)
             accuracy = before.get("val/reward/accuracy", float("nan"))
@@ -124,7 +118,7 @@ class Trainer:
             metrics["actor/nonfinite_steps"] = float(nonfinite)
             metrics.update({"data/epoch": self.loader.epoch, "data/position": self.loader.position})
             last = self.step == self.total_steps
-            if (cfg.trainer.val_freq and self.step % cfg.trainer.val_freq == 0) or last:
+            if self.validates_at(self.step):
                 after = self.evaluate()
                 metrics.update(after)
             self.log(self.step, metrics)
@@ -132,7 +126,7 @@ class Trainer:
             nonfinite_in_a_row = nonfinite_in_a_row + 1 if nonfinite else 0
             if nonfinite:
                 self.stop_if_nonfinite(nonfinite_in_a_row)
-            stopping = stop.agreed(self.actor.models)
+            stopping = stop.agreed(self.actor.models, self.rollouts.stop_requested())
             periodic = cfg.checkpoint.save_freq and self.step % cfg.checkpoint.save_freq == 0
             if periodic or last or stopping:
                 self.save()
@@ -165,18 +159,17 @@ class Trainer:
                 "are all equal, or overflow in model.dtype=float16 / bfloat16."
             )
 
+    def validates_at(self, step: int) -> bool:
+        """Whether the weights after ``step`` get a held-out evaluation: before RL
+        (``trainer.val_before_train``, not on a resume), every ``trainer.val_freq`` steps, and
+        at the last step."""
+        t = self.cfg.trainer
+        if step == (self.resumed_from or 0):
+            return self.resumed_from is None and t.val_before_train
+        return bool(t.val_freq and step % t.val_freq == 0) or step == self.total_steps
+
     def evaluate(self) -> dict[str, float]:
-        if self.val_data is None:
-            return {}
-        return evaluate(
-            self.cfg,
-            self.engine,
-            self.replica,
-            self.val_data,
-            self.rewards,
-            self.tokenizer,
-            self.step,
-        )
+        return self.rollouts.evaluate(self.step)
 
     def save(self) -> None:
         self.residency.enter("checkpoint")
@@ -206,13 +199,11 @@ class Trainer:
 
 def rl_step(t: Trainer) -> dict[str, float]:
     """One training step: each phase one call, named after what it does."""
-    cfg, phases = t.cfg, StepPhases(t.residency)
+    phases = StepPhases(t.residency)
     with phases.step():
         # gen + reward (timed inside): every rank ends with ALL scored samples, exchanged once
         with phases("rollout", timed=False):
-            samples, metrics = collect_rollouts(
-                cfg, t.engine, t.replica, t.loader, t.rewards, t.tokenizer, t.step, phases.timer
-            )
+            samples, metrics = t.rollouts.collect(t.loader, t.step, phases.timer)
         with phases("distribute"):  # this DP rank's whole groups; from here on nothing moves
             mine, fewest_groups = take_dp_share(samples, t.mesh.dp, t.mesh.dp_rank)
             batch = collate(mine, t.tokenizer.pad_token_id) if fewest_groups else None
@@ -254,7 +245,7 @@ def learn(t: Trainer, batch: RolloutBatch, fewest_groups: int, phases: StepPhase
             metrics.update(update_actor(t.actor, batch, cfg, fewest_groups))
     else:  # PPO's critic warmup: the critic learns first
         metrics["actor/skipped_update"] = 1.0
-    if actor_learns or t.engine.needs_weight_sync:  # (a level-2 sleep discarded the weights)
+    if actor_learns or t.rollouts.needs_weight_sync:
         with phases("sync"):
             metrics.update(sync_rollout_weights(t))
     if old_log_probs == "actor_pass":  # else the update's first forward measured it
@@ -301,9 +292,12 @@ class StopRequest:
         self.reason = signal.Signals(number).name
         print(f"[rlcli] {self.reason}: stopping after this step", flush=True)
 
-    def agreed(self, models: list[torch.nn.Module]) -> bool:
+    def agreed(self, models: list[torch.nn.Module], elsewhere: str | None = None) -> bool:
+        """``elsewhere``: why a process outside this world (a rollout rank) asked to stop."""
         if self.reason is None and self.stop_file and os.path.exists(self.stop_file):
             self.reason = f"stop file {self.stop_file}"
+        if self.reason is None and elsewhere:
+            self.reason = elsewhere
         wanted = torch.tensor([1.0 if self.reason else 0.0])
         if dist.is_available() and dist.is_initialized():
             wanted = wanted.to(next(models[0].parameters()).device)
@@ -318,13 +312,8 @@ class StopRequest:
 
 
 def sync_rollout_weights(t: Trainer) -> dict[str, float]:
-    """Stream the actor's new weights into the engine's layout (``t.transport``)."""
-    stats = t.transport.sync(t.actor.models, t.mesh)
-    return {
-        "sync/bytes_gb": stats.bytes / 1e9,
-        "sync/gbps": stats.gbps,
-        "sync/buckets": float(stats.num_buckets),
-    }
+    """Stream the actor's weights after this step into the engines' layout."""
+    return t.rollouts.sync_weights(t.actor.models, t.mesh, t.step)
 
 
 def peak_memory_gb() -> float:

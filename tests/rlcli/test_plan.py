@@ -6,6 +6,7 @@ tests/parallel/offload_worker.py."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -181,3 +182,23 @@ def test_quickstart_plans_from_its_built_spec(capsys, tmp_path):
 def test_bad_input_is_a_user_error(capsys, extra, needle):
     code, _, err = run_cli(capsys, *SEVEN_B, *extra)
     assert code == 2 and needle in err, err
+
+
+def test_separate_placement_plans_trainer_and_rollout_gpus_apart(capsys):
+    """12 trainer GPUs (dp 3 at tp 4) without an engine; 4 rollout GPUs with only theirs."""
+    separate = ["rollout.placement=separate", "rollout.num_ranks=4", "rollout.tp=2"]
+    colocated_code, colocated, _ = run_cli(capsys, *SEVEN_B)
+    code, out, _ = run_cli(capsys, *SEVEN_B, *separate, "rollout.gpu_memory_utilization=0.85")
+    assert code == 0 and colocated_code == 0, out
+    assert "tp=4 pp=1 dp=3" in out and "12 trainer GPUs" in out and "2 engines" in out
+    rollout_line = re.search(r"^rollout GPU\s+([\d.]+)", out, flags=re.MULTILINE)
+    table = out.split("per GPU, GiB")[1][: out.split("per GPU, GiB")[1].index("rollout GPU ")]
+    assert "vLLM" not in table  # no engine on a trainer GPU
+    assert "total, everything offloaded" not in out  # the actor offloads nothing for an engine
+    rollout_gpu = float(rollout_line.group(1))
+    assert rollout_gpu == pytest.approx(0.85 * 80 + 1 + 2, abs=0.01)  # engine, buckets, reserve
+    assert "-> fits" in out and "rollout GPUs at" in out
+    # The rollout GPUs' engine alone can be too large: then nothing fits.
+    code, out, _ = run_cli(capsys, *SEVEN_B, *separate, "rollout.gpu_memory_utilization=0.99")
+    assert code == 1 and "does NOT fit" in out
+    assert "rollout.gpu_memory_utilization=" in out  # the fix names the engine's share
