@@ -1,14 +1,16 @@
 """torchrun worker for test_convert_parity.py: many checks per launch, one launch per layout.
 
     torchrun --nproc_per_node N tests/parallel/parity_worker.py --tp T --pp P [--vpp V]
-        --models DIR[,DIR...] --result FILE.json --export-dir DIR
+        [--ep E --etp T2] --models DIR[,DIR...] --result FILE.json --export-dir DIR
 
 For each HF model directory: build the Megatron chunks, load the HF weights, run a forward
 through megatron's pipeline schedule and compare the (TP-gathered, unpadded) logits with HF
 transformers; gather the weights back with iter_hf_weights and compare them bit-exactly with the
 safetensors on disk (on every rank); for the first model also write them with
 save_hf_checkpoint and compare the written file. Before loading, DP replicas must hold equal
-random weights. Rank 0 writes the numbers to --result; failures are reported there too.
+random weights (routed experts: the replicas of each expert). For MoE models, every Megatron
+router of this rank must choose the same top-k experts for every token as HF's router of that
+layer. Rank 0 writes the numbers to --result; failures are reported there too.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.parallel_state import get_expert_data_parallel_group as expert_dp_group
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -68,10 +71,59 @@ def _megatron_logits(models, mesh: Mesh, tokens, positions, vocab: int) -> torch
 
 
 def _dp_replicas_equal(models, mesh: Mesh) -> bool:
-    flat = torch.cat([p.detach().flatten() for m in models for p in m.parameters()])
-    copies = [torch.empty_like(flat) for _ in range(mesh.dp)]
-    dist.all_gather(copies, flat, group=mesh.dp_group)
-    return all(torch.equal(copies[0], c) for c in copies)
+    """Dense weights equal over the DP group; routed experts (megatron marks them allreduce=
+    False) over the expert-DP group, the ranks holding the same experts."""
+    params = [p for m in models for p in m.parameters()]
+    equal = True
+    for expert, group in ((False, mesh.dp_group), (True, expert_dp_group())):
+        chosen = [
+            p.detach().flatten() for p in params if (not getattr(p, "allreduce", True)) == expert
+        ]
+        if not chosen:
+            continue
+        flat = torch.cat(chosen)
+        copies = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(copies, flat, group=group)
+        equal &= all(torch.equal(copies[0], c) for c in copies)
+    return equal
+
+
+def _router_choices_equal(models, mesh: Mesh, hf_model, tokens, positions) -> bool | None:
+    """True when every Megatron router on this rank picks, for every token, the experts HF's
+    router of the same layer picks; None for a dense model."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    chosen: dict[int, torch.Tensor] = {}  # layer -> [b*s, E] bool, batch-major like HF
+
+    def megatron_hook(router, inputs, outputs):
+        s, b = positions.shape[1], positions.shape[0]  # router tokens are sequence-major
+        routing_map = outputs[1].reshape(s, b, -1).transpose(0, 1).reshape(b * s, -1)
+        chosen[router.layer_number - 1] = routing_map.cpu()
+
+    routers = [m for chunk in models for m in chunk.modules() if isinstance(m, TopKRouter)]
+    if not routers:
+        return None
+    handles = [r.register_forward_hook(megatron_hook) for r in routers]
+    _last_stage_output(models, mesh, tokens, positions)
+    for handle in handles:
+        handle.remove()
+    expected: dict[int, torch.Tensor] = {}  # layer -> [b*s, E] bool
+    hooks = []
+    for index, layer in enumerate(hf_model.model.layers):
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and hasattr(gate, "top_k"):  # dense layers (mlp_only_layers) have none
+
+            def hf_hook(module, inputs, outputs, index=index):
+                indices = outputs[2]  # [b*s, k]
+                mask = torch.zeros(indices.shape[0], module.num_experts, dtype=torch.bool)
+                expected[index] = mask.scatter(1, indices, True)
+
+            hooks.append(gate.register_forward_hook(hf_hook))
+    with torch.no_grad():
+        hf_model(tokens)
+    for handle in hooks:
+        handle.remove()
+    return bool(chosen) and all(torch.equal(expected[i], chosen[i]) for i in chosen)
 
 
 def _all_true(flag: bool) -> bool:
@@ -83,18 +135,23 @@ def _all_true(flag: bool) -> bool:
 def check_model(hf_dir: Path, mesh: Mesh, export_dir: Path | None) -> dict:
     hf_config = AutoConfig.from_pretrained(hf_dir)
     models = build_model(hf_config, mesh)
+    for model in models:
+        model.eval()  # megatron's MoE layer refuses to train at TP > 1 without SP
     report = {"dp_replicas_equal": _all_true(_dp_replicas_equal(models, mesh))}
     load_hf_weights(models, mesh, hf_dir)
 
     tokens, positions = _tokens(hf_config.vocab_size)
     logits = _megatron_logits(models, mesh, tokens, positions, hf_config.vocab_size)
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     diff = None
     if mesh.is_last_stage:
-        hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
         with torch.no_grad():
             reference = hf_model(tokens).logits
         diff = (logits - reference).abs().max().item()
     report["max_abs_logit_diff"] = mesh.broadcast_object_from_last_stage(diff)
+    routers_equal = _router_choices_equal(models, mesh, hf_model, tokens, positions)
+    if routers_equal is not None:
+        report["router_choices_equal"] = _all_true(routers_equal)
 
     on_disk = load_file(hf_dir / "model.safetensors")
     gathered = {name: tensor.clone() for name, tensor in iter_hf_weights(models, mesh)}
@@ -168,17 +225,20 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--vpp", type=int, default=None)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--etp", type=int, default=None)
     parser.add_argument("--models", required=True)
     parser.add_argument("--result", required=True)
     parser.add_argument("--export-dir", default=None)
     args = parser.parse_args()
 
-    mesh = init_parallel(tp=args.tp, pp=args.pp, vpp=args.vpp)
+    mesh = init_parallel(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
     reports = {}
     for index, hf_dir in enumerate(args.models.split(",")):
         export_dir = Path(args.export_dir) if args.export_dir and index == 0 else None
         reports[Path(hf_dir).name] = check_model(Path(hf_dir), mesh, export_dir)
     summary = {"layout": vars(args), "world_size": mesh.world_size, "dp": mesh.dp, **reports}
+    summary["ep"], summary["etp"] = mesh.ep, mesh.etp
     if mesh.rank == 0:
         Path(args.result).write_text(json.dumps(summary, indent=2))
     destroy_parallel()
