@@ -102,8 +102,9 @@ def moe_config_fields(
 
 def _count_routed_tokens(router: torch.nn.Module, inputs: tuple, outputs: tuple) -> None:
     """Forward hook on a TopKRouter: add the tokens routed to each expert by a training forward
-    (the update's), padding excluded when the model was given a padding mask."""
-    if not router.training:
+    (the update's: training mode with autograd on, where megatron also computes the aux loss;
+    not the no-grad log-prob passes), padding excluded when the model was given a padding mask."""
+    if not (router.training and torch.is_grad_enabled()):
         return
     _, routing_map = outputs  # [tokens, experts] bool
     padding = inputs[1] if len(inputs) > 1 else None  # [s, b] True = padding, or None

@@ -9,7 +9,7 @@ recipe <- overrides, validates (``rlcli.config_validation``) and turns every mis
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from omegaconf import OmegaConf
 
@@ -52,6 +52,13 @@ class ModelConfig:
     # startup fails unless local (memory-hungry attention) is chosen explicitly.
     transformer_impl: str = "auto"
     spec: ModelBuildConfig = field(default_factory=ModelBuildConfig)
+    # MoE models only (the experts, top-k and routing come from config.json): the router's
+    # load-balancing loss (aux_loss: Switch-style per micro-batch; seq_aux_loss: per sequence;
+    # none), its weight (null: config.json's router_aux_loss_coef), and how tokens reach the
+    # ranks of their experts (null: alltoall)
+    moe_load_balancing: Optional[Literal["aux_loss", "seq_aux_loss", "none"]] = None
+    moe_aux_loss_coef: Optional[float] = None
+    moe_token_dispatcher: Optional[Literal["alltoall", "allgather"]] = None
 
 
 @dataclass
@@ -61,6 +68,10 @@ class ParallelConfig:
     vpp: Optional[int] = None  # virtual pipeline stages per rank (interleaved schedule)
     dp: Optional[int] = None  # derived: world_size // (tp * pp); set it only to assert a value
     sequence_parallel: bool = False  # needs Transformer Engine and tp > 1
+    # MoE models: expert parallel size (each rank holds 1/ep of the routed experts; must divide
+    # the experts and tp * dp / expert_tp) and the experts' own tensor parallel size (null: tp)
+    ep: int = 1
+    expert_tp: Optional[int] = None
     # shard fp32 master weights + Adam state over DP (megatron-core)
     use_distributed_optimizer: bool = False
     timeout_minutes: int = 30  # process-group timeout (long rollouts, large checkpoint gathers)

@@ -48,6 +48,8 @@ def prepare_inputs(cfg: RLConfig) -> RunInputs:
         cfg.parallel.vpp,
         seed=cfg.trainer.seed,
         timeout_s=cfg.parallel.timeout_minutes * 60,
+        ep=cfg.parallel.ep,
+        etp=cfg.parallel.expert_tp,
     )
     validate(cfg, world_size=mesh.world_size)
     output_dir = Path(cfg.trainer.output_dir)

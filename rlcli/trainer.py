@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.mesh import Mesh
+from parallel.moe import router_load_metrics
 from rlcli.actor_update import (
     kl_metric_kind,
     logprob_agreement,
@@ -257,6 +258,7 @@ def rl_step(t: Trainer) -> dict[str, float]:
         else:
             with timer("update"):
                 metrics.update(update_actor(t.actor, batch, cfg, t.mesh, fewest_groups))
+                metrics.update(router_load_metrics(t.actor.models, t.mesh))  # MoE only
             with timer("sync"):
                 metrics.update(sync_rollout_weights(t))
     metrics.update(batch_metrics(batch, t))

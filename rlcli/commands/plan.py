@@ -67,11 +67,13 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
     from parallel.memory_plan import PlanInputs, RolloutEngine
     from parallel.memory_terms import TrainedModel
     from parallel.reshard import AUTO_BUCKET_MB
-    from rlcli.config_validation import derive_dp, validate
+    from rlcli.config_validation import derive_dp, validate, validate_against_model
 
     validate(cfg, world_size=world_size)
     par = cfg.parallel
     dp = derive_dp(par, world_size)
+    experts = {"num_experts": shape.experts, "moe_intermediate_size": shape.moe_ffn}
+    validate_against_model(cfg, {"model_type": Path(cfg.model.path).name, **experts})
     if shape.kv_heads % par.tp:
         raise UserError(
             f"parallel.tp={par.tp} must divide the model's {shape.kv_heads} key/value heads"
@@ -108,6 +110,8 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
         offload_params=cfg.actor.offload_params,
         offload_grads=cfg.actor.offload_grads,
         offload_optimizer=cfg.actor.offload_optimizer,
+        ep=par.ep,
+        etp=par.expert_tp,
     )
     engines = world_size // cfg.rollout.tp
     rollout = RolloutEngine(
@@ -139,7 +143,7 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
 
 def _candidates(cfg, shape, gpus_per_node: int, world_size: int, plan) -> list[list[str]]:
     """Single changes, cheapest first: offload, distributed optimizer, recompute, smaller
-    micro-batches, less vLLM memory, more TP, more PP."""
+    micro-batches, less vLLM memory, more EP (MoE), more TP, more PP."""
     a, par = cfg.actor, cfg.parallel
     out = []
     if not (a.offload_grads and a.offload_optimizer):
@@ -163,6 +167,12 @@ def _candidates(cfg, shape, gpus_per_node: int, world_size: int, plan) -> list[l
     util = int((plan.inputs.gpu_memory_bytes - others) / plan.inputs.gpu_memory_bytes * 20) / 20
     if 0 < util < cfg.rollout.gpu_memory_utilization:
         out.append([f"rollout.gpu_memory_utilization={util:.2f}"])
+    ep = par.ep * 2  # MoE: spread the experts further
+    while shape.is_moe and shape.experts % ep == 0:
+        if (world_size // par.pp) % (ep * (par.expert_tp or par.tp)):
+            break
+        out.append([f"parallel.ep={ep}"])
+        ep *= 2
     tp = par.tp * 2
     while tp <= gpus_per_node and shape.kv_heads % tp == 0 and world_size % (tp * par.pp) == 0:
         out.append([f"parallel.tp={tp}"])
@@ -251,6 +261,12 @@ def plan_command(
         f"model: {source}: {actor.params / 1e9:.3f} B params on the busiest rank, "
         f"{shape.layers} layers, hidden {shape.hidden}, {shape.heads}/{shape.kv_heads} heads"
     )
+    if shape.is_moe:
+        echo(
+            f"experts: {shape.experts} per MoE layer, top-{shape.topk}, ep={actor.ep} "
+            f"expert_tp={actor.etp or actor.tp} (expert dp={actor.expert_dp}): "
+            f"{actor.expert_params / 1e9:.3f} B expert params on the busiest rank"
+        )
     echo(
         f"layout: tp={actor.tp} pp={actor.pp} dp={actor.dp} {actor.dtype}, distributed optimizer "
         f"{'on' if actor.distributed_optimizer else 'off'}, recompute {actor.recompute}, "

@@ -10,13 +10,17 @@ safetensors on disk (on every rank); for the first model also write them with
 save_hf_checkpoint and compare the written file. Before loading, DP replicas must hold equal
 random weights (routed experts: the replicas of each expert). For MoE models, every Megatron
 router of this rank must choose the same top-k experts for every token as HF's router of that
-layer. Rank 0 writes the numbers to --result; failures are reported there too.
+layer, and (TP1 x PP1) `parallel.moe.router_load_metrics` must report the load and the aux
+loss that HF's choices and probabilities give. `rlcli plan`'s counts (parallel.model_shapes, parallel.memory_terms) must equal the
+rank's real parameters (routed experts apart) and the busiest rank's weight bytes. Rank 0
+writes the numbers to --result; failures are reported there too.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -28,14 +32,25 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from parallel.convert import iter_hf_weights, load_hf_weights, save_hf_checkpoint
+from parallel.memory_terms import TrainedModel, weight_bytes
 from parallel.mesh import Mesh, destroy_parallel, init_parallel
 from parallel.model import build_model, transformer_engine_status
+from parallel.model_shapes import ModelShape, stage_expert_params, stage_params
+from parallel.moe import is_moe
+from tests.parallel.moe_checks import (
+    hf_router_choices,
+    megatron_router_choices_equal,
+    router_metrics_match,
+)
 
 BATCH, SEQ = 2, 12
+# Qwen2-MoE runs megatron's all-gather token dispatcher, Qwen3-MoE the default all-to-all.
+MOE_OPTIONS = {"qwen2_moe": {"token_dispatcher": "allgather"}}
 
 
-def _tokens(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(7)
+def _tokens(vocab: int, dp_rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of its own for each data-parallel rank (MoE: uneven all-to-all splits)."""
+    generator = torch.Generator().manual_seed(7 + dp_rank)
     tokens = torch.randint(0, vocab, (BATCH, SEQ), generator=generator)
     return tokens, torch.arange(SEQ).expand(BATCH, SEQ).contiguous()
 
@@ -88,42 +103,25 @@ def _dp_replicas_equal(models, mesh: Mesh) -> bool:
     return equal
 
 
-def _router_choices_equal(models, mesh: Mesh, hf_model, tokens, positions) -> bool | None:
-    """True when every Megatron router on this rank picks, for every token, the experts HF's
-    router of the same layer picks; None for a dense model."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    chosen: dict[int, torch.Tensor] = {}  # layer -> [b*s, E] bool, batch-major like HF
-
-    def megatron_hook(router, inputs, outputs):
-        s, b = positions.shape[1], positions.shape[0]  # router tokens are sequence-major
-        routing_map = outputs[1].reshape(s, b, -1).transpose(0, 1).reshape(b * s, -1)
-        chosen[router.layer_number - 1] = routing_map.cpu()
-
-    routers = [m for chunk in models for m in chunk.modules() if isinstance(m, TopKRouter)]
-    if not routers:
-        return None
-    handles = [r.register_forward_hook(megatron_hook) for r in routers]
-    _last_stage_output(models, mesh, tokens, positions)
-    for handle in handles:
-        handle.remove()
-    expected: dict[int, torch.Tensor] = {}  # layer -> [b*s, E] bool
-    hooks = []
-    for index, layer in enumerate(hf_model.model.layers):
-        gate = getattr(layer.mlp, "gate", None)
-        if gate is not None and hasattr(gate, "top_k"):  # dense layers (mlp_only_layers) have none
-
-            def hf_hook(module, inputs, outputs, index=index):
-                indices = outputs[2]  # [b*s, k]
-                mask = torch.zeros(indices.shape[0], module.num_experts, dtype=torch.bool)
-                expected[index] = mask.scatter(1, indices, True)
-
-            hooks.append(gate.register_forward_hook(hf_hook))
-    with torch.no_grad():
-        hf_model(tokens)
-    for handle in hooks:
-        handle.remove()
-    return bool(chosen) and all(torch.equal(expected[i], chosen[i]) for i in chosen)
+def _plan_counts(models, mesh: Mesh, hf_dir: Path) -> dict:
+    """rlcli plan's parameter counts for this rank vs the real model's; weight bytes of the
+    busiest rank (fp32) vs the plan's."""
+    shape = ModelShape.from_hf_config(json.loads((hf_dir / "config.json").read_text()))
+    params = {
+        (i, name): p.numel() for i, m in enumerate(models) for name, p in m.named_parameters()
+    }
+    experts = sum(n for (_, name), n in params.items() if ".mlp.experts." in name)
+    real = (sum(params.values()), experts)
+    layout = dict(pp=mesh.pp, pp_rank=mesh.pp_rank, ep=mesh.ep, etp=mesh.etp)
+    planned = (stage_params(shape, tp=mesh.tp, **layout), stage_expert_params(shape, **layout))
+    busiest = torch.tensor([real[0]])
+    dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
+    trained = TrainedModel(shape, "float32", mesh.tp, mesh.pp, dp=mesh.dp, ep=mesh.ep, etp=mesh.etp)
+    return {
+        "params_real_planned": [real, planned],  # rank 0's (total, routed experts)
+        "plan_counts_match": _all_true(real == planned),
+        "plan_weight_bytes_match": weight_bytes(trained) == 4 * busiest.item(),
+    }
 
 
 def _all_true(flag: bool) -> bool:
@@ -134,13 +132,14 @@ def _all_true(flag: bool) -> bool:
 
 def check_model(hf_dir: Path, mesh: Mesh, export_dir: Path | None) -> dict:
     hf_config = AutoConfig.from_pretrained(hf_dir)
-    models = build_model(hf_config, mesh)
+    models = build_model(hf_config, mesh, moe=MOE_OPTIONS.get(hf_config.model_type))
     for model in models:
         model.eval()  # megatron's MoE layer refuses to train at TP > 1 without SP
     report = {"dp_replicas_equal": _all_true(_dp_replicas_equal(models, mesh))}
+    report.update(_plan_counts(models, mesh, hf_dir))
     load_hf_weights(models, mesh, hf_dir)
 
-    tokens, positions = _tokens(hf_config.vocab_size)
+    tokens, positions = _tokens(hf_config.vocab_size, mesh.dp_rank)
     logits = _megatron_logits(models, mesh, tokens, positions, hf_config.vocab_size)
     hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     diff = None
@@ -149,9 +148,15 @@ def check_model(hf_dir: Path, mesh: Mesh, export_dir: Path | None) -> dict:
             reference = hf_model(tokens).logits
         diff = (logits - reference).abs().max().item()
     report["max_abs_logit_diff"] = mesh.broadcast_object_from_last_stage(diff)
-    routers_equal = _router_choices_equal(models, mesh, hf_model, tokens, positions)
-    if routers_equal is not None:
+    if is_moe(hf_config):
+        forward = partial(_last_stage_output, models, mesh, tokens, positions)
+        hf_routing = hf_router_choices(hf_model, tokens)  # all ranks: every rank routes
+        routers_equal = megatron_router_choices_equal(models, positions, forward, hf_routing)
         report["router_choices_equal"] = _all_true(routers_equal)
+        if mesh.tp == 1 and mesh.pp == 1:  # a training forward: MoE at TP > 1 needs SP
+            report["router_metrics_match"] = _all_true(
+                router_metrics_match(models, mesh, tokens, positions, hf_routing)
+            )
 
     on_disk = load_file(hf_dir / "model.safetensors")
     gathered = {name: tensor.clone() for name, tensor in iter_hf_weights(models, mesh)}
@@ -199,6 +204,8 @@ def _check_variants(hf_dir: Path, hf_config, mesh: Mesh, tokens, positions) -> d
     report = {}
 
     critic = build_model(hf_config, mesh, critic=True)
+    for model in critic:
+        model.eval()
     load_hf_weights(critic, mesh, hf_dir)
     values = _last_stage_output(critic, mesh, tokens, positions)
     diff = None
