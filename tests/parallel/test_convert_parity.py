@@ -4,10 +4,10 @@ Qwen3-MoE / Qwen2-MoE).
 One torchrun launch per layout runs every check (see parity_worker.py): Megatron logits vs HF
 transformers logits, HF -> Megatron -> HF bit-exact round trip (iter_hf_weights and
 save_hf_checkpoint), equal random weights on data-parallel replicas, and for MoE models the
-same top-k expert choice as HF's router for every token in every layer (at EP2 also the router
-load metrics and aux loss against HF's choices and probabilities). The MoE layouts: TP2
+same top-k expert choice as HF's router for every token in every layer (at TP1 x PP1, EP1 and
+EP2, also the router load metrics and aux loss against HF's choices and probabilities). The MoE layouts: TP2
 (experts split by expert TP = 2), PP2, EP2 (4 experts per rank, DP2) and TP2 x EP2 with expert
-TP 1 (attention split over 2 ranks, experts spread over the same 2).
+TP 1 (attention split over 2 ranks, experts spread over the same 2), and TP1 x DP2 (EP1).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ MOE = ["tiny_qwen3_moe_dir", "tiny_qwen2_moe_dir"]
 LAYOUTS = [
     # (tp, pp, vpp, ep, expert tp, processes, models): tp1 x pp1 on 2 processes is dp=2.
     # The first model of a layout also runs the export, DDP and critic checks.
-    pytest.param(1, 1, None, 1, None, 2, DENSE, id="tp1-pp1-dp2"),
+    pytest.param(1, 1, None, 1, None, 2, DENSE + MOE, id="tp1-pp1-dp2"),
     pytest.param(2, 1, None, 1, None, 2, DENSE + NEW, id="tp2"),
     pytest.param(1, 2, None, 1, None, 2, DENSE + NEW, id="pp2"),
     pytest.param(2, 2, None, 1, None, 4, DENSE, id="tp2-pp2"),
