@@ -31,7 +31,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from parallel.model_shapes import (
+    LORA_TARGET_MODULES,
     ModelShape,
+    lora_stage_params,
     max_stage_params,
     padded_vocab,
     stage_expert_params,
@@ -88,9 +90,14 @@ class TrainedModel:
     offload_optimizer: bool = False
     ep: int = 1  # MoE: expert parallel size
     etp: int | None = None  # MoE: the experts' tensor parallel size (None: tp)
+    # LoRA (parallel.lora): rank 0 is full fine-tuning. With adapters the base is frozen: only
+    # the adapters have gradients and optimizer state.
+    lora_rank: int = 0
+    lora_target_modules: tuple[str, ...] = LORA_TARGET_MODULES
 
     @property
     def params(self) -> int:
+        """Base parameters on the busiest rank."""
         return max_stage_params(
             self.shape, tp=self.tp, pp=self.pp, critic=self.critic, ep=self.ep, etp=self.etp
         )
@@ -122,9 +129,28 @@ class TrainedModel:
         experts = stage_expert_params(self.shape, pp=self.pp, pp_rank=pp_rank, ep=self.ep, etp=etp)
         return total, experts
 
+    @property
+    def lora_params(self) -> int:
+        """Adapter parameters on one rank (0 without LoRA); every stage holds the same count."""
+        if self.lora_rank <= 0:
+            return 0
+        return lora_stage_params(
+            self.shape,
+            tp=self.tp,
+            pp=self.pp,
+            rank=self.lora_rank,
+            target_modules=self.lora_target_modules,
+        )
+
+    @property
+    def trainable_params(self) -> int:
+        """Parameters with gradients and optimizer state: the adapters with LoRA, else all."""
+        return self.lora_params if self.lora_rank > 0 else self.params
+
 
 def weight_bytes(model: TrainedModel) -> int:
-    return model.params * DTYPE_BYTES[model.dtype]  # [MCORE] 16-bit (or fp32) model weights
+    # [MCORE] 16-bit (or fp32) model weights; LoRA adapters are in the model dtype too
+    return (model.params + model.lora_params) * DTYPE_BYTES[model.dtype]
 
 
 def grad_numel_bytes(params: int, *, dtype: str, grad_reduce_in_fp32: bool = True) -> int:
@@ -143,7 +169,7 @@ def optimizer_state_numel(params: int, *, dtype: str, dp: int = 1, distributed: 
 
 def grad_bytes(model: TrainedModel) -> int:
     return grad_numel_bytes(
-        model.params, dtype=model.dtype, grad_reduce_in_fp32=model.grad_reduce_in_fp32
+        model.trainable_params, dtype=model.dtype, grad_reduce_in_fp32=model.grad_reduce_in_fp32
     )
 
 
@@ -155,6 +181,8 @@ def optimizer_bytes(model: TrainedModel, *, distributed: bool | None = None) -> 
     def numel(params: int, dp: int) -> int:
         return optimizer_state_numel(params, dtype=model.dtype, dp=dp, distributed=distributed)
 
+    if model.lora_rank > 0:  # the frozen base (experts too) has no optimizer state
+        return 4 * numel(model.lora_params, model.dp)
     per_stage = []
     for pp_rank in range(model.pp):
         total, experts = model._split(pp_rank)

@@ -5,7 +5,8 @@ and the routers' load per training step.
     moe_config_fields(hf_config, *, tp, ep, etp, grouped_gemm, aux_loss_coef=None,
                       load_balancing=None, token_dispatcher=None) -> dict
     prepare_moe_chunk(chunk) -> None          (build_model calls it for MoE chunks)
-    router_load_metrics(models, mesh) -> dict[str, float]     (collective; {} for dense models)
+    router_load_metrics(models, mesh, prefix="router") -> dict[str, float]
+                                                (collective; {} for dense models)
 
 Architecture (experts, top-k, softmax before or after top-k, shared experts, which layers are
 MoE) comes from config.json through the model's family (`parallel/convert/qwen3_moe.py`, ...);
@@ -131,9 +132,12 @@ def _routers(models: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
     return [m for chunk in models for m in chunk.modules() if hasattr(m, "routed_tokens")]
 
 
-def router_load_metrics(models: Sequence[torch.nn.Module], mesh: Mesh) -> dict[str, float]:
+def router_load_metrics(
+    models: Sequence[torch.nn.Module], mesh: Mesh, prefix: str = "router"
+) -> dict[str, float]:
     """Load balance of the routers over the training forwards since the last call, on every rank
-    (collective over PP, DP and, with sequence parallelism, TP; resets the counts):
+    (collective over PP, DP and, with sequence parallelism, TP; resets the counts and megatron's
+    loss tracker, so call it after each model's update: a critic's with its own `prefix`):
 
       router/load_max_over_mean   the busiest expert's tokens / the mean per expert, worst MoE
                                   layer (1 = perfectly balanced, E/k = all tokens on k experts)
@@ -168,14 +172,14 @@ def router_load_metrics(models: Sequence[torch.nn.Module], mesh: Mesh) -> dict[s
     used = counts[layers]
     mean = used.mean(dim=1)
     metrics = {
-        "router/load_max_over_mean": (used.max(dim=1).values / mean).max().item(),
-        "router/load_cv": (used.std(dim=1, correction=0) / mean).mean().item(),
-        "router/unused_experts": float((used == 0).sum().item()),
+        f"{prefix}/load_max_over_mean": (used.max(dim=1).values / mean).max().item(),
+        f"{prefix}/load_cv": (used.std(dim=1, correction=0) / mean).mean().item(),
+        f"{prefix}/unused_experts": float((used == 0).sum().item()),
     }
     name = _TRACKED_LOSS.get(config.moe_router_load_balancing_type)
     if name is not None and config.moe_aux_loss_coeff:
         aux = _tracked_loss(name, config.num_layers)
-        metrics["router/aux_loss"] = (aux[layers] / forwards[layers].clamp(min=1)).mean().item()
+        metrics[f"{prefix}/aux_loss"] = (aux[layers] / forwards[layers].clamp(min=1)).mean().item()
     return metrics
 
 

@@ -2,10 +2,17 @@
 
 Public API (stable):
 
-    iter_inference_buckets(models, mesh, bucket_mb=0) -> Iterator[list[(hf_name, tensor)]]
+    iter_inference_buckets(models, mesh, bucket_mb=0, merge_lora=True)
+        -> Iterator[list[(hf_name, tensor)]]
         Collective: every rank of the job iterates it to the end and gets every bucket.
         bucket_mb <= 0: AUTO_BUCKET_MB, i.e. a small model travels as one bucket per stage.
-    sync_weights(models, mesh, engine, bucket_mb=0) -> SyncStats
+        A model with LoRA adapters (parallel.lora) gives the MERGED weights W + (alpha/r) B A
+        of every adapted HF module (computed per bucket; the trainer's base stays unmerged);
+        merge_lora=False gives the base weights.
+    iter_adapter_buckets(models, mesh, bucket_mb=0) -> Iterator[list[(peft_name, tensor)]]
+        Only the LoRA adapters, full tensors under PEFT's names
+        (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`); collective.
+    sync_weights(models, mesh, engine, bucket_mb=0, merge_lora=True) -> SyncStats
         Streams the buckets into `engine.load_weights(list)` (any object with that method).
     SyncStats(bytes, seconds, gbps, num_buckets)
 
@@ -33,7 +40,7 @@ lists every expert of the layer (in global order) on every rank, so all EP ranks
 
 A rank holds at most about two buckets beyond its own shards and its engine (the gather buffer
 and the flat full buffer, released when the next bucket starts); never the whole model. Without
-TP and PP nothing travels: the buckets are views of the parameters themselves (the engine copies).
+TP, PP and EP nothing travels: the buckets are views of the parameters themselves (the engine copies).
 """
 
 from __future__ import annotations
@@ -41,17 +48,19 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from megatron.core.utils import unwrap_model
 
 from parallel import cpu_compat
-from parallel.convert.hf_io import mesh_mappings
-from parallel.convert.mapping import ParamMapping, megatron_to_hf, renumber_expert
+from parallel.convert.mapping import megatron_to_hf
 from parallel.cpu_compat import device
+from parallel.lora import lora_spec_of, peft_tensor_name
 from parallel.mesh import Mesh
+from parallel.reshard_plan import Bucket, Entry, adapter_entries, base_entries, plan_buckets
 
 # The default bucket cap. Every bucket costs the engine one load call (vLLM: an RPC, a prefix
 # cache reset), so fewer buckets are faster; a rank holds about two buckets beyond its shards, so
@@ -71,116 +80,9 @@ class SyncStats:
     num_buckets: int
 
 
-@dataclass(frozen=True)
-class _Entry:
-    """One exported Megatron parameter, as every rank of the pipeline sees it."""
-
-    global_name: str
-    local_shape: tuple[int, ...]  # the shard on one TP (routed experts: expert-TP) rank
-    partition_dim: int | None  # None: replicated across TP
-    dtype: torch.dtype
-    split: int  # the size of the TP group splitting it (tp, or etp for routed experts)
-    owner: int | None = None  # routed experts: the EP rank holding it; None: every rank
-
-    @property
-    def sharded(self) -> bool:
-        return self.partition_dim is not None and self.split > 1
-
-    def full_shape(self) -> tuple[int, ...]:
-        shape = list(self.local_shape)
-        if self.partition_dim is not None:
-            shape[self.partition_dim] *= self.split
-        return tuple(shape)
-
-    def full_numel(self) -> int:
-        return math.prod(self.full_shape())
-
-
-@dataclass(frozen=True)
-class _Bucket:
-    stage: int
-    entries: tuple[_Entry, ...]
-    dtype: torch.dtype
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):  # megatron DDP / Float16Module wrappers
-        chunk = chunk.module
-    return chunk
-
-
-def _module_of(entry: _Entry) -> str:
-    """The unit of packing: the Megatron module, or all routed experts of a layer."""
-    if entry.owner is not None:
-        return entry.global_name.partition(".mlp.experts.")[0]
-    return entry.global_name.rpartition(".")[0]
-
-
-def _entries(mappings: list[ParamMapping], mesh: Mesh, num_experts: int) -> list[_Entry]:
-    """This stage's entries; a layer's routed experts listed for every EP rank, in global
-    order (the same list on every EP rank)."""
-    entries: list[_Entry] = []
-    experts: list[_Entry] = []  # this rank's routed experts of the current layer
-    local_experts = num_experts // mesh.ep if num_experts else 0
-
-    def flush() -> None:
-        for owner in range(mesh.ep):
-            shift = (owner - mesh.ep_rank) * local_experts
-            entries.extend(
-                replace(e, global_name=renumber_expert(e.global_name, shift), owner=owner)
-                for e in experts
-            )
-        experts.clear()
-
-    for m in mappings:
-        entry = _Entry(
-            m.global_name,
-            tuple(m.param.shape),
-            m.partition_dim,
-            m.param.dtype,
-            split=mesh.etp if m.expert else mesh.tp,
-            owner=mesh.ep_rank if m.expert else None,
-        )
-        if experts and (entry.owner is None or _module_of(experts[-1]) != _module_of(entry)):
-            flush()
-        (experts if m.expert else entries).append(entry)
-    flush()
-    return entries
-
-
-def _plan(mesh: Mesh, entries: list[_Entry], bucket_bytes: int) -> list[_Bucket]:
-    """Buckets of every stage, identical on every rank (entries are exchanged over PP)."""
-    per_stage = [entries]
-    if mesh.pp > 1:
-        per_stage = [None] * mesh.pp
-        dist.all_gather_object(per_stage, entries, group=mesh.pp_group)
-    buckets = []
-    for stage, stage_entries in enumerate(per_stage):
-        # Modules (consecutive entries of one unit, see _module_of) are the unit of packing.
-        modules: list[list[_Entry]] = []
-        for entry in stage_entries:
-            if modules and _module_of(modules[-1][-1]) == _module_of(entry):
-                modules[-1].append(entry)
-            else:
-                modules.append([entry])
-        current: list[_Entry] = []
-        current_bytes = 0
-        for module in modules:
-            dtype = module[0].dtype
-            size = sum(e.full_numel() for e in module) * dtype.itemsize
-            if current and (current_bytes + size > bucket_bytes or current[0].dtype != dtype):
-                buckets.append(_Bucket(stage, tuple(current), current[0].dtype))
-                current, current_bytes = [], 0
-            current += module
-            current_bytes += size
-        if current:
-            buckets.append(_Bucket(stage, tuple(current), current[0].dtype))
-    return buckets
-
-
 def _gather_into(
-    entries: list[_Entry],
-    by_name: dict[str, ParamMapping],
+    entries: list[Entry],
+    tensors: dict[str, torch.Tensor],
     outputs: dict[str, torch.Tensor],
     size: int,
     group: Any,
@@ -191,7 +93,7 @@ def _gather_into(
     takes this flat form too)."""
     if not entries:
         return
-    local = torch.cat([by_name[e.global_name].param.detach().reshape(-1) for e in entries])
+    local = torch.cat([tensors[e.global_name].detach().reshape(-1) for e in entries])
     gathered = torch.empty(size * local.numel(), dtype=local.dtype, device=local.device)
     dist.all_gather_into_tensor(gathered, local, group=group)
     gathered = gathered.view(size, local.numel())
@@ -203,38 +105,46 @@ def _gather_into(
         offset += numel
 
 
-def _gather_full(bucket: _Bucket, by_name: dict[str, ParamMapping], mesh: Mesh) -> torch.Tensor:
-    """On the bucket's own stage: the bucket's full tensors, flattened back to back."""
-    flat = torch.empty(
-        sum(e.full_numel() for e in bucket.entries), dtype=bucket.dtype, device=device()
-    )
+def _flat_views(
+    entries: list[Entry], dtype: torch.dtype
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One flat buffer for the full tensors of `entries`, back to back, and a full-shaped view
+    of it per entry."""
+    flat = torch.empty(sum(e.full_numel() for e in entries), dtype=dtype, device=device())
     views, offset = {}, 0
-    for entry in bucket.entries:
-        views[entry.global_name] = flat[offset : offset + entry.full_numel()].view(
-            entry.full_shape()
-        )
-        offset += entry.full_numel()
-    dense = [e for e in bucket.entries if e.owner is None]
-    _gather_into([e for e in dense if e.sharded], by_name, views, mesh.tp, mesh.tp_group)
-    for entry in dense:
+    for entry in entries:
+        numel = entry.full_numel()
+        views[entry.global_name] = flat[offset : offset + numel].view(entry.full_shape())
+        offset += numel
+    return flat, views
+
+
+def _fill(
+    entries: list[Entry],
+    tensors: dict[str, torch.Tensor],
+    views: dict[str, torch.Tensor],
+    mesh: Mesh,
+) -> None:
+    """The full tensors of this rank's `entries` (TP- or expert-TP-split ones gathered)."""
+    dense = [e for e in entries if e.owner is None]
+    experts = [e for e in entries if e.owner is not None]
+    _gather_into([e for e in dense if e.sharded], tensors, views, mesh.tp, mesh.tp_group)
+    _gather_into([e for e in experts if e.sharded], tensors, views, mesh.etp, mesh.etp_group)
+    for entry in entries:
         if not entry.sharded:
-            views[entry.global_name].copy_(by_name[entry.global_name].param.detach())
+            views[entry.global_name].copy_(tensors[entry.global_name].detach())
+
+
+def _gather_full(bucket: Bucket, tensors: dict[str, torch.Tensor], mesh: Mesh) -> torch.Tensor:
+    """On the bucket's own stage: the bucket's full tensors, flattened back to back."""
+    flat, views = _flat_views(list(bucket.entries), bucket.dtype)
+    _fill([e for e in bucket.entries if e.owner is None], tensors, views, mesh)
     experts = [e for e in bucket.entries if e.owner is not None]
     if not experts:
         return flat
     # This rank's experts, full over expert TP, back to back; then every EP rank's, at once.
-    mine = [e for e in experts if e.owner == mesh.ep_rank]
-    own = torch.empty(sum(e.full_numel() for e in mine), dtype=bucket.dtype, device=device())
-    own_views, offset = {}, 0
-    for entry in mine:
-        own_views[entry.global_name] = own[offset : offset + entry.full_numel()].view(
-            entry.full_shape()
-        )
-        offset += entry.full_numel()
-    _gather_into([e for e in mine if e.sharded], by_name, own_views, mesh.etp, mesh.etp_group)
-    for entry in mine:
-        if not entry.sharded:
-            own_views[entry.global_name].copy_(by_name[entry.global_name].param.detach())
+    own, own_views = _flat_views([e for e in experts if e.owner == mesh.ep_rank], bucket.dtype)
+    _fill([e for e in experts if e.owner == mesh.ep_rank], tensors, own_views, mesh)
     every = own.view(1, -1)
     if mesh.ep > 1:
         every = torch.empty(mesh.ep * own.numel(), dtype=own.dtype, device=own.device)
@@ -242,8 +152,7 @@ def _gather_full(bucket: _Bucket, by_name: dict[str, ParamMapping], mesh: Mesh) 
         every = every.view(mesh.ep, own.numel())
     offsets = [0] * mesh.ep  # each EP rank lists its experts in the same order
     for entry in experts:
-        numel = entry.full_numel()
-        start = offsets[entry.owner]
+        start, numel = offsets[entry.owner], entry.full_numel()
         views[entry.global_name].copy_(
             every[entry.owner, start : start + numel].view_as(views[entry.global_name])
         )
@@ -251,72 +160,118 @@ def _gather_full(bucket: _Bucket, by_name: dict[str, ParamMapping], mesh: Mesh) 
     return flat
 
 
-def _held_whole(entry: _Entry, mesh: Mesh) -> bool:
+def _held_whole(entry: Entry, mesh: Mesh) -> bool:
     """This rank holds the full tensor itself (no TP split, no other EP rank's expert)."""
     return not entry.sharded and (entry.owner is None or mesh.ep == 1)
 
 
-@torch.no_grad()
-def iter_inference_buckets(
-    models: Sequence[torch.nn.Module], mesh: Mesh, bucket_mb: float = 0
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Every rank gets every bucket of full HF tensors (module docstring); collective.
-
-    Tensors are on `cpu_compat.device()` in the model's dtype; each bucket's tensors share one
-    buffer, freed when the caller drops them (at TP1 x PP1 x EP1: views of the parameters; copy
-    them before the next optimizer step if they must be kept).
-    """
-    chunks = [_unwrap(chunk) for chunk in models]
-    hf_config: Any = chunks[0].hf_config
-    mappings = [m for m in mesh_mappings(chunks, hf_config, mesh) if not m.skip_export]
-    by_name = {m.global_name: m for m in mappings}
-    entries = _entries(mappings, mesh, getattr(hf_config, "num_experts", 0) or 0)
+def _iter_full(
+    mesh: Mesh, entries: list[Entry], tensors: dict[str, torch.Tensor], bucket_mb: float
+) -> Iterator[tuple[list[tuple[Entry, torch.Tensor]], bool]]:
+    """Per bucket: its (entry, full Megatron tensor) pairs, and whether the tensors are a fresh
+    buffer (False: views of this rank's parameters, which must not be written)."""
     bucket_bytes = max(1, int((bucket_mb if bucket_mb > 0 else AUTO_BUCKET_MB) * 2**20))
-    for bucket in _plan(mesh, entries, bucket_bytes):
+    for bucket in plan_buckets(mesh, entries, bucket_bytes):
         if mesh.pp == 1 and all(_held_whole(e, mesh) for e in bucket.entries):
             # Nothing to gather or send: the parameters themselves (views, no copy; every
             # engine copies what it loads), which saves one pass over the model's bytes.
-            yield [
-                item
-                for e in bucket.entries
-                for item in megatron_to_hf(
-                    hf_config,
-                    mesh.tp,
-                    e.global_name,
-                    by_name[e.global_name].param.detach(),
-                    etp=mesh.etp,
-                )
-            ]
+            yield [(e, tensors[e.global_name].detach()) for e in bucket.entries], False
             continue
         if bucket.stage == mesh.pp_rank:
-            flat = _gather_full(bucket, by_name, mesh)
+            flat = _gather_full(bucket, tensors, mesh)
         else:
             total = sum(e.full_numel() for e in bucket.entries)
             flat = torch.empty(total, dtype=bucket.dtype, device=device())
         if mesh.pp > 1:
             source = dist.get_global_rank(mesh.pp_group, bucket.stage)
             dist.broadcast(flat, src=source, group=mesh.pp_group)
-        hf_tensors = []
-        offset = 0
+        pairs, offset = [], 0
         for entry in bucket.entries:
             numel = entry.full_numel()
-            full = flat[offset : offset + numel].view(entry.full_shape())
-            hf_tensors += megatron_to_hf(hf_config, mesh.tp, entry.global_name, full, etp=mesh.etp)
+            pairs.append((entry, flat[offset : offset + numel].view(entry.full_shape())))
             offset += numel
-        yield hf_tensors
+        yield pairs, True
+
+
+def _merged(
+    hf_tensors: list[tuple[str, torch.Tensor]],
+    adapters: dict[tuple[str, str], torch.Tensor],
+    scaling: float,
+    owned: bool,
+) -> list[tuple[str, torch.Tensor]]:
+    """`hf_tensors` with W + scaling * B @ A for each HF module whose A and B are given: in
+    place in a bucket's own buffer, else (views of the trainer's parameters) a new tensor."""
+    merged = []
+    for name, weight in hf_tensors:
+        hf_module = name.removesuffix(".weight")
+        if name.endswith(".weight") and (hf_module, "A") in adapters:
+            a, b = adapters[(hf_module, "A")], adapters[(hf_module, "B")]
+            if owned:
+                weight = weight.addmm_(b, a, alpha=scaling)
+            else:
+                weight = torch.addmm(weight, b, a, alpha=scaling)
+        merged.append((name, weight))
+    return merged
+
+
+@torch.no_grad()
+def iter_inference_buckets(
+    models: Sequence[torch.nn.Module], mesh: Mesh, bucket_mb: float = 0, merge_lora: bool = True
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Every rank gets every bucket of full HF tensors (module docstring); collective.
+
+    Tensors are on `cpu_compat.device()` in the model's dtype; each bucket's tensors share one
+    buffer, freed when the caller drops them (at TP1 x PP1 x EP1: views of the parameters, except
+    merged LoRA weights; copy them before the next optimizer step if they must be kept).
+    """
+    chunks = unwrap_model(list(models))  # megatron DDP / Float16Module wrappers
+    hf_config: Any = chunks[0].hf_config
+    spec = lora_spec_of(chunks) if merge_lora else None
+    entries, tensors = base_entries(chunks, hf_config, mesh, lora=spec is not None)
+    for pairs, owned in _iter_full(mesh, entries, tensors, bucket_mb):
+        hf_tensors, adapters = [], {}
+        for entry, full in pairs:
+            if entry.lora is not None:
+                adapters[entry.lora] = full
+            else:
+                hf_tensors += megatron_to_hf(
+                    hf_config, mesh.tp, entry.global_name, full, etp=mesh.etp
+                )
+        yield _merged(hf_tensors, adapters, spec.scaling, owned) if adapters else hf_tensors
+
+
+@torch.no_grad()
+def iter_adapter_buckets(
+    models: Sequence[torch.nn.Module], mesh: Mesh, bucket_mb: float = 0
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The LoRA adapters only, full tensors under PEFT's names; collective (module docstring).
+    At TP1 x PP1 the tensors are views of the adapter parameters."""
+    chunks = unwrap_model(list(models))  # megatron DDP / Float16Module wrappers
+    if lora_spec_of(chunks) is None:
+        raise ValueError("the model has no LoRA adapters (parallel.lora.apply_lora)")
+    pairs = adapter_entries(chunks, mesh)
+    entries = [entry for entry, _ in pairs]
+    tensors = {entry.global_name: param for entry, param in pairs}
+    for bucket, _ in _iter_full(mesh, entries, tensors, bucket_mb):
+        yield [(peft_tensor_name(*entry.lora), full) for entry, full in bucket]
 
 
 def sync_weights(
-    models: Sequence[torch.nn.Module], mesh: Mesh, engine: WeightConsumer, bucket_mb: float = 0
+    models: Sequence[torch.nn.Module],
+    mesh: Mesh,
+    engine: WeightConsumer,
+    bucket_mb: float = 0,
+    merge_lora: bool = True,
 ) -> SyncStats:
-    """Stream the model into `engine.load_weights`, one bucket per call (collective)."""
+    """Stream the model into `engine.load_weights`, one bucket per call (collective); a LoRA
+    model's adapters merged unless merge_lora=False (see iter_inference_buckets)."""
     start = time.perf_counter()
     num_bytes, num_buckets = 0, 0
     # Gathering is plain torch and collectives, loading is the engine's: nothing here calls
     # megatron-core, and under the CPU device mode vLLM's per-layer reload took a detour through
     # Python for every torch call (a third of a CPU sync).
     with cpu_compat.suspended():
-        for bucket in iter_inference_buckets(models, mesh, bucket_mb):
+        for bucket in iter_inference_buckets(models, mesh, bucket_mb, merge_lora):
             engine.load_weights(bucket)
             num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
             num_buckets += 1

@@ -1,9 +1,12 @@
 """Shared helpers for tests/parallel: tiny HF checkpoints and torchrun launches.
 
-    make_tiny_hf_model(out_dir, family="qwen2", tie_word_embeddings=False, seed=0, **config_overrides)
+    make_tiny_hf_model(out_dir, family="qwen2", tie_word_embeddings=False, seed=0,
+                       head="causal_lm", **config_overrides)
         -> Path   (random transformers model saved as safetensors + config.json, fp32;
-                   families: qwen2, llama, qwen3, qwen3_moe, qwen2_moe)
-    run_torchrun(script, nproc, *args, timeout_s=600) -> str   (combined output; raises on failure)
+                   families: qwen2, llama, qwen3, qwen3_moe, qwen2_moe;
+                   head="sequence_classification": a one-label reward model)
+    run_torchrun(script, nproc, *args, timeout_s=600) -> str   (combined output; raises on failure
+        with the first worker traceback, i.e. the failing assertion and its values, up front)
 
 The tiny models are deliberately awkward: vocab 251 (odd, so TP padding is exercised), 4 layers
 (2 per stage at PP2, 1 per virtual stage at PP2 x VPP2), GQA (4 heads, 2 KV groups), and a
@@ -50,7 +53,7 @@ FAMILY_CONFIG = {
 }
 
 
-def _model_classes(family: str):
+def _model_classes(family: str, head: str = "causal_lm"):
     import transformers
 
     names = {
@@ -60,8 +63,9 @@ def _model_classes(family: str):
         "qwen3_moe": "Qwen3Moe",
         "qwen2_moe": "Qwen2Moe",
     }
+    suffix = {"causal_lm": "ForCausalLM", "sequence_classification": "ForSequenceClassification"}
     prefix = names[family]
-    return getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForCausalLM")
+    return getattr(transformers, f"{prefix}Config"), getattr(transformers, prefix + suffix[head])
 
 
 def make_tiny_hf_model(
@@ -69,10 +73,14 @@ def make_tiny_hf_model(
     family: str = "qwen2",
     tie_word_embeddings: bool = False,
     seed: int = 0,
+    head: str = "causal_lm",
     **config_overrides,
 ) -> Path:
-    """Save a randomly initialised fp32 `family` model (see FAMILY_CONFIG) to `out_dir`."""
-    config_cls, model_cls = _model_classes(family)
+    """Save a randomly initialised fp32 `family` model (see FAMILY_CONFIG) to `out_dir`: a
+    causal LM, or with `head="sequence_classification"` a reward model (num_labels 1)."""
+    config_cls, model_cls = _model_classes(family, head)
+    if head == "sequence_classification":
+        config_overrides = {"num_labels": 1, **config_overrides}
     options = {
         **TINY_CONFIG,
         **FAMILY_CONFIG[family],
@@ -137,5 +145,23 @@ def run_torchrun(script: str | os.PathLike, nproc: int, *args: str, timeout_s: i
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc_per_node={nproc}", str(script), *map(str, args)]
     returncode, output = run_process_group(cmd, env=env, cwd=REPO_ROOT, timeout_s=timeout_s)
-    assert returncode == 0, f"{' '.join(cmd)} failed ({returncode}):\n{output[-6000:]}"
+    if returncode != 0:
+        error = first_traceback(output) or "(no Python traceback in the output)"
+        raise AssertionError(
+            f"{Path(script).name} failed under torchrun ({returncode}); the first worker error:\n"
+            f"{error}\n--- the output's end ---\n{output[-3000:]}"
+        )
     return output
+
+
+def first_traceback(output: str) -> str | None:
+    """The first Python traceback in ``output``: its frames and the exception line(s) after them
+    (for a failed ``assert x < tol, (name, values)`` that line shows the values)."""
+    lines = output.splitlines()
+    for start, line in enumerate(lines):
+        if line.strip() == "Traceback (most recent call last):":
+            end = start + 1
+            while end < len(lines) and (lines[end].startswith(" ") or not lines[end].strip()):
+                end += 1  # the frames are indented; the exception line is not
+            return "\n".join(lines[start : end + 1])
+    return None

@@ -135,6 +135,7 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
         ("dense", ["model.moe_aux_loss_coef=0.01"], ["model.moe_aux_loss_coef", "no experts"]),
         ("dense", ["--nproc", "2", "parallel.ep=2"], ["parallel.ep", "no experts"]),
         ("mistral", [], ["'mistral'", "llama, qwen2, qwen2_moe, qwen3, qwen3_moe"]),
+        ("moe", ["actor.lora.enable=true"], ["actor.lora.target_modules", "routed experts"]),
     ],
 )
 def test_bad_moe_settings_exit_2_naming_the_key(
