@@ -5,9 +5,10 @@ One torchrun launch per layout runs every check (see parity_worker.py): Megatron
 transformers logits, HF -> Megatron -> HF bit-exact round trip (iter_hf_weights and
 save_hf_checkpoint), equal random weights on data-parallel replicas, and for MoE models the
 same top-k expert choice as HF's router for every token in every layer (at TP1 x PP1, EP1 and
-EP2, also the router load metrics and aux loss against HF's choices and probabilities). The MoE layouts: TP2
-(experts split by expert TP = 2), PP2, EP2 (4 experts per rank, DP2) and TP2 x EP2 with expert
-TP 1 (attention split over 2 ranks, experts spread over the same 2), and TP1 x DP2 (EP1).
+EP2, also the router load metrics and aux loss against HF's choices and probabilities). The MoE
+layouts: TP1 x DP2 (EP1), TP2 (experts split by expert TP = 2), PP2, EP2 (4 experts per rank,
+DP2) and TP2 x EP2 with expert TP 1 (attention split over 2 ranks, experts spread over the
+same 2). The MoE models share the dense models' launches where their layouts coincide.
 """
 
 from __future__ import annotations
