@@ -70,7 +70,8 @@ def moe_model_dir(tmp_path_factory) -> Path:
 
 
 def test_reshard_moe_into_vllm_fused_experts(moe_model_dir):
-    layouts = ["1x1x2", "2x1x2x1", "1x2"]
+    # EP2; TP2 x EP2 (expert TP 1); TP2 (each expert split over expert TP 2); PP2
+    layouts = ["1x1x2", "2x1x2x1", "2x1", "1x2"]
     output = run_torchrun(WORKER, 2, str(moe_model_dir), "1", *layouts, timeout_s=600)
-    assert _layouts_ok(output) == {"1x1x2", "2x1x2", "1x2"}, output[-3000:]
+    assert _layouts_ok(output) == {"1x1x2", "2x1x2", "2x1", "1x2"}, output[-3000:]
     print("\n".join(re.findall(r"RESHARD_OK.*", output)))  # shown with pytest -s
