@@ -29,7 +29,21 @@ What it redirects, and why (megatron-core 0.16 - 0.19 read as ground truth):
 * `torch.Tensor.pin_memory()` / `pin_memory=True` -> ignored (pinning needs a CUDA context).
 * megatron's activation recomputation (`tensor_parallel.CheckpointFunction.backward`) re-runs
   the forward inside autograd's backward, where torch does not carry torch-function modes over:
-  its backward enters the device mode again (else `device="cuda"` in the rerun fails).
+  its backward enters the device mode again (else `device="cuda"` in the rerun fails). So do the
+  backward passes of the collectives the MoE token dispatchers use (`tensor_parallel.mappings`'
+  all-to-all, sequence-parallel gather and reduce-scatter), which allocate their outputs on
+  `torch.cuda.current_device()`.
+
+* megatron's all-to-all token dispatcher (expert parallelism) copies its split sizes to the
+  host with `moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True)`, which converts only CUDA
+  tensors: CPU tensors stay tensors, which `all_to_all_single` rejects as split sizes. The
+  dispatcher's copy converts CPU tensors too, and its host-copy stream is an inert one (vLLM's
+  CPU worker replaces `torch.cuda.Stream` by a stand-in whose events are None). Its collectives (all_to_all_single,
+  all_gather_into_tensor, reduce_scatter_tensor) are in gloo.
+
+Without Transformer Engine (CPU, or `model.transformer_impl=local` on GPU) megatron-core 0.16's
+MoE router fails on a name its import guard never defines: `define_missing_te_gemm()` (also
+called by `enable_cpu_compat`) supplies it.
 
 Use `device()` for the torch.device that training code should place tensors on.
 """
@@ -160,6 +174,33 @@ def _noop(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def define_missing_te_gemm() -> None:
+    """megatron-core 0.16's `moe_utils.RouterGatingLinearFunction` tests `te_general_gemm is not
+    None` to choose TE's GEMM over torch.mm, but binds the name only when Transformer Engine
+    imports: without TE every router forward raises NameError. Bind it to None (torch.mm)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _in_device_mode(backward):
+    def backward_on_cpu(ctx: Any, *args: Any) -> Any:
+        with _CudaToCpuMode():
+            return backward(ctx, *args)
+
+    return backward_on_cpu
+
+
+def _host_splits(move_to_cpu):
+    def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return move_to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return to_host
+
+
 def enable_cpu_compat() -> None:
     """Install the CPU redirections (see module docstring). No-op with CUDA or when already on."""
     global _enabled
@@ -187,13 +228,25 @@ def enable_cpu_compat() -> None:
     cuda.nvtx.range_push = _noop
     cuda.nvtx.range_pop = _noop
 
-    checkpoint_backward = megatron_random.CheckpointFunction.backward
+    from megatron.core.tensor_parallel import mappings
 
-    def _backward_on_cpu(ctx: Any, *args: Any) -> Any:
-        with _CudaToCpuMode():
-            return checkpoint_backward(ctx, *args)
+    for function in (
+        megatron_random.CheckpointFunction,
+        mappings._AllToAll,
+        mappings._GatherFromSequenceParallelRegion,
+        mappings._ReduceScatterToSequenceParallelRegion,
+    ):
+        function.backward = staticmethod(_in_device_mode(function.backward))
+    define_missing_te_gemm()
+    from megatron.core.transformer.moe import token_dispatcher
 
-    megatron_random.CheckpointFunction.backward = staticmethod(_backward_on_cpu)
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_splits(
+        token_dispatcher.maybe_move_tensor_to_cpu
+    )
+    # The dispatcher creates its host-copy stream once, from whatever `torch.cuda.Stream` is
+    # then: after vLLM's CPU worker has replaced it with a stand-in whose record_event returns
+    # None, the dispatcher's `.synchronize()` on that event fails. An inert stream of our own.
+    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _InertStream()
 
     # Entered and never exited (but by `suspended`): the mode stays on this thread's
     # torch-function stack for the life of the process, which is what "run megatron on CPU" means.

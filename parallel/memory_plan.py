@@ -96,7 +96,8 @@ class MemoryPlan:
 
 
 def vllm_weight_bytes(shape: ModelShape, rollout: RolloutEngine) -> int:
-    full = max_stage_params(shape, tp=rollout.tp, pp=1)
+    # vLLM splits a MoE model's experts over its TP ranks too (FusedMoE, no expert parallelism)
+    full = max_stage_params(shape, tp=rollout.tp, pp=1, etp=rollout.tp)
     return full * DTYPE_BYTES[rollout.dtype]
 
 

@@ -36,6 +36,8 @@ from parallel.model_shapes import (
     lora_stage_params,
     max_stage_params,
     padded_vocab,
+    stage_expert_params,
+    stage_params,
 )
 
 GB = 1024**3
@@ -86,6 +88,8 @@ class TrainedModel:
     offload_params: bool = False
     offload_grads: bool = False
     offload_optimizer: bool = False
+    ep: int = 1  # MoE: expert parallel size
+    etp: int | None = None  # MoE: the experts' tensor parallel size (None: tp)
     # LoRA (parallel.lora): rank 0 is full fine-tuning. With adapters the base is frozen: only
     # the adapters have gradients and optimizer state.
     lora_rank: int = 0
@@ -94,7 +98,36 @@ class TrainedModel:
     @property
     def params(self) -> int:
         """Base parameters on the busiest rank."""
-        return max_stage_params(self.shape, tp=self.tp, pp=self.pp, critic=self.critic)
+        return max_stage_params(
+            self.shape, tp=self.tp, pp=self.pp, critic=self.critic, ep=self.ep, etp=self.etp
+        )
+
+    @property
+    def expert_params(self) -> int:
+        """Routed-expert parameters of the busiest stage (part of `params`)."""
+        return max(self._split(r)[1] for r in range(self.pp))
+
+    @property
+    def expert_dp(self) -> int:
+        """The ranks whose routed-expert optimizer state the distributed optimizer shards:
+        tp*dp / (ep*etp) with expert parallelism; without it megatron treats experts as dense
+        weights (sharded over DP)."""
+        return self.tp * self.dp // (self.ep * (self.etp or self.tp)) if self.ep > 1 else self.dp
+
+    def _split(self, pp_rank: int) -> tuple[int, int]:
+        """(all, routed-expert) parameters of one rank of pipeline stage `pp_rank`."""
+        etp = self.etp or self.tp
+        total = stage_params(
+            self.shape,
+            tp=self.tp,
+            pp=self.pp,
+            pp_rank=pp_rank,
+            critic=self.critic,
+            ep=self.ep,
+            etp=etp,
+        )
+        experts = stage_expert_params(self.shape, pp=self.pp, pp_rank=pp_rank, ep=self.ep, etp=etp)
+        return total, experts
 
     @property
     def lora_params(self) -> int:
@@ -141,10 +174,20 @@ def grad_bytes(model: TrainedModel) -> int:
 
 
 def optimizer_bytes(model: TrainedModel, *, distributed: bool | None = None) -> int:
+    """Optimizer state of the busiest stage; the distributed optimizer shards dense weights'
+    state over DP and routed experts' over the expert-DP group (megatron keeps the two apart)."""
     distributed = model.distributed_optimizer if distributed is None else distributed
-    return 4 * optimizer_state_numel(
-        model.trainable_params, dtype=model.dtype, dp=model.dp, distributed=distributed
-    )
+
+    def numel(params: int, dp: int) -> int:
+        return optimizer_state_numel(params, dtype=model.dtype, dp=dp, distributed=distributed)
+
+    if model.lora_rank > 0:  # the frozen base (experts too) has no optimizer state
+        return 4 * numel(model.lora_params, model.dp)
+    per_stage = []
+    for pp_rank in range(model.pp):
+        total, experts = model._split(pp_rank)
+        per_stage.append(numel(total - experts, model.dp) + numel(experts, model.expert_dp))
+    return 4 * max(per_stage)
 
 
 def layer_activation_bytes(model: TrainedModel, *, recompute_attention: bool) -> int:
@@ -162,17 +205,28 @@ def layer_activation_bytes(model: TrainedModel, *, recompute_attention: bool) ->
     Selective recomputation of core attention keeps only its inputs and output instead: the
     roped q and k ((a + g) * d), v (a view that keeps the whole fused QKV output, (a + 2g) * d,
     alive) and the output a * d. Terms over heads and ffn are inside TP regions (divide by t); the h terms
-    divide by t only with sequence parallelism."""
+    divide by t only with sequence parallelism.
+
+    MoE layers (an estimate from the layer's structure, not measured): the MLP terms with f =
+    k * moe_ffn (each token runs through its k experts; on average every EP rank computes k x
+    its own tokens) divided by the expert TP instead of t, plus the shared expert's width, plus
+    the dispatcher's permuted tokens in and out (2 k h) and the router's E probabilities per
+    token. Every layer of a MoE model is counted as a MoE layer (an upper bound when some are
+    dense)."""
     s, b, e, t = model.seq_len, model.micro_batch_size, DTYPE_BYTES[model.dtype], model.tp
     sh = model.shape
     qkv, attn_out = (sh.heads + 2 * sh.kv_heads) * sh.head_dim, sh.heads * sh.head_dim
+    ffn, dispatch = sh.ffn, 0
+    if sh.is_moe:
+        ffn = sh.topk * sh.moe_ffn * t / (model.etp or t) + sh.shared_ffn
+        dispatch = 2 * sh.topk * sh.hidden + sh.experts
     if model.flash_attention:
-        outside, inside = 4 * sh.hidden, qkv + attn_out + 3 * sh.ffn
+        outside, inside = 4 * sh.hidden + dispatch, qkv + attn_out + 3 * ffn
     else:
-        outside = 6 * sh.hidden
+        outside = 6 * sh.hidden + dispatch
         kv = sh.kv_heads * sh.head_dim
         attention = qkv + kv + 2 * attn_out if recompute_attention else 4 * attn_out + sh.heads * s
-        inside = attention + 5 * sh.ffn
+        inside = attention + 5 * ffn
     outside /= t if model.sequence_parallel else 1
     return int(s * b * e * (outside + inside / t))
 

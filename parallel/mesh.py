@@ -1,14 +1,17 @@
-"""Process groups: torch.distributed + megatron-core tensor / pipeline / data parallel state.
+"""Process groups: torch.distributed + megatron-core tensor / pipeline / data / expert parallel
+state.
 
 Public API (stable):
 
-    init_parallel(tp=1, pp=1, vpp=None, seed=1234, timeout_s=1800) -> Mesh
+    init_parallel(tp=1, pp=1, vpp=None, seed=1234, timeout_s=1800, ep=1, etp=None) -> Mesh
     destroy_parallel() -> None
     ParallelLayoutError(ValueError)
     Mesh: frozen dataclass
         world_size, rank, local_rank, tp, pp, dp, vpp, tp_rank, pp_rank, dp_rank,
         is_first_stage, is_last_stage                     (ints / bools, ignoring virtual stages)
+        ep, etp, ep_rank, etp_rank                        (expert parallel, expert tensor parallel)
         tp_group, pp_group, dp_group (torch ProcessGroups, properties)
+        ep_group, etp_group          (the expert groups, properties)
         last_stage_global_rank() (the global rank of this rank's pipeline's last stage)
         broadcast_from_last_stage(tensor)                  (in place, over the pp group)
         broadcast_object_from_last_stage(obj) -> obj       (picklable objects, over the pp group)
@@ -18,6 +21,12 @@ MASTER_PORT); without it, it runs as a single process (world size 1). It uses nc
 available and gloo otherwise, in which case it first enables `parallel.cpu_compat`. Data-parallel
 size is derived: dp = world_size // (tp * pp). The group order is megatron's default
 ("tp-cp-ep-dp-pp"): TP ranks are adjacent global ranks.
+
+Expert parallelism (MoE models; megatron's expert_model_parallel_size / expert_tensor_parallel_
+size): the routed experts' weights are laid out over their own groups, etp x ep x edp x pp =
+world_size, with the same pipeline stages; etp defaults to tp. Each expert lives on one EP rank
+(split over its expert-TP group); the attention and every other weight keep the TP x DP layout.
+With etp = tp, ep must divide dp; with etp = 1 (the usual choice with TP), ep must divide tp*dp.
 
 Seeding: megatron's `model_parallel_cuda_manual_seed(seed)` sets up its RNG tracker (per-TP-rank
 streams for tensor-parallel weight init), and torch's default CPU generator is seeded with `seed`
@@ -60,6 +69,10 @@ class Mesh:
     dp_rank: int
     is_first_stage: bool
     is_last_stage: bool
+    ep: int = 1
+    etp: int = 1
+    ep_rank: int = 0
+    etp_rank: int = 0
 
     @property
     def tp_group(self) -> dist.ProcessGroup:
@@ -72,6 +85,16 @@ class Mesh:
     @property
     def dp_group(self) -> dist.ProcessGroup:
         return parallel_state.get_data_parallel_group()
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup:
+        """The ranks holding the different experts of one expert replica."""
+        return parallel_state.get_expert_model_parallel_group()
+
+    @property
+    def etp_group(self) -> dist.ProcessGroup:
+        """The ranks holding the shards of one routed expert (the TP group of experts)."""
+        return parallel_state.get_expert_tensor_parallel_group()
 
     def last_stage_global_rank(self) -> int:
         """Global rank of the last pipeline stage in this rank's pipeline (same TP / DP rank)."""
@@ -99,6 +122,21 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _check_expert_layout(world_size: int, tp: int, pp: int, ep: int, etp: int) -> None:
+    if ep < 1 or etp < 1:
+        raise ParallelLayoutError(
+            f"parallel.ep and parallel.expert_tp must be >= 1 (got ep={ep}, expert_tp={etp})"
+        )
+    per_stage = world_size // pp
+    if per_stage % (ep * etp):
+        dp = world_size // (tp * pp)
+        raise ParallelLayoutError(
+            f"parallel.ep={ep} x parallel.expert_tp={etp} = {ep * etp} must divide the "
+            f"{per_stage} ranks of a pipeline stage (tp={tp} x dp={dp}): with expert_tp = tp, "
+            f"parallel.ep must divide the data-parallel size {dp}"
+        )
+
+
 def _check_layout(world_size: int, tp: int, pp: int, vpp: int | None) -> None:
     where = f"(parallel.tp={tp}, parallel.pp={pp})"
     if tp < 1 or pp < 1:
@@ -115,11 +153,18 @@ def _check_layout(world_size: int, tp: int, pp: int, vpp: int | None) -> None:
 
 
 def init_parallel(
-    tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, timeout_s: int = 1800
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
+    seed: int = 1234,
+    timeout_s: int = 1800,
+    ep: int = 1,
+    etp: int | None = None,
 ) -> Mesh:
     """Initialise torch.distributed and megatron-core parallel state; see the module docstring.
 
-    Raises ParallelLayoutError when world_size is not a multiple of tp * pp.
+    Raises ParallelLayoutError when world_size is not a multiple of tp * pp, or the expert
+    layout (ep x etp) does not fit the ranks of a pipeline stage.
     """
     if vpp == 1:
         vpp = None  # one virtual stage per rank is plain pipelining
@@ -128,6 +173,8 @@ def init_parallel(
     else:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     _check_layout(world_size, tp, pp, vpp)
+    etp = tp if etp is None else etp
+    _check_expert_layout(world_size, tp, pp, ep, etp)
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
@@ -147,6 +194,8 @@ def init_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
     )
     model_parallel_cuda_manual_seed(seed)
@@ -165,6 +214,10 @@ def init_parallel(
         dp_rank=parallel_state.get_data_parallel_rank(),
         is_first_stage=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
         is_last_stage=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+        ep=ep,
+        etp=etp,
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        etp_rank=parallel_state.get_expert_tensor_parallel_rank(),
     )
 
 

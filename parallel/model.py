@@ -1,13 +1,13 @@
-"""Build megatron-core GPTModel chunks for HF Qwen2 / Qwen2.5 / Llama checkpoints.
+"""Build megatron-core GPTModel chunks for HF checkpoints of the families in parallel/convert/.
 
 Public API (stable):
 
     padded_vocab_size(vocab_size, tp) -> int
     transformer_config_from_hf(hf_config, *, tp, pp, vpp=None, dtype=torch.float32,
                                sequence_parallel=False, transformer_impl="local",
-                               recompute=None) -> TransformerConfig
+                               recompute=None, ep=1, etp=None, moe=None) -> TransformerConfig
     build_model(hf_config, mesh, *, dtype=torch.float32, critic=False, head_bias=True,
-                sequence_parallel=False, transformer_impl="auto", recompute=None)
+                sequence_parallel=False, transformer_impl="auto", recompute=None, moe=None)
                 -> list[torch.nn.Module]
     resolve_transformer_impl(transformer_impl) -> "transformer_engine" | "local"
     check_model_settings(transformer_impl, sequence_parallel, tp) -> resolved transformer_impl
@@ -24,6 +24,9 @@ TE is detected by importing it: a TE whose import fails (ABI mismatch with torch
 at startup with the import error, not deep inside the first forward.
 Fused kernels (gradient-accumulation, RoPE, bias-activation, masked-softmax fusion) are on
 exactly when their kernels are installed (see `fused_kernel_options`).
+
+MoE models (`parallel.moe`): experts laid out by the mesh's ep / etp; `moe`: training knobs
+(aux_loss_coef, load_balancing, token_dispatcher; None: the defaults).
 
 Vocab padding rule: the embedding and output layer hold `padded_vocab_size(V, tp)` rows, V
 rounded up to a multiple of tp (each TP rank holds an equal slice). Rows >= V are zero on load
@@ -65,6 +68,7 @@ from typing import Any
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
@@ -74,6 +78,8 @@ from megatron.core.transformer import TransformerConfig
 from parallel.convert.registry import get_family
 from parallel.cpu_compat import device
 from parallel.mesh import Mesh, ParallelLayoutError
+from parallel.moe import moe_config_fields, prepare_moe_chunk
+from parallel.rope import rope_model_kwargs
 from parallel.vocab import padded_vocab_size
 
 TRANSFORMER_IMPLS = ("auto", "transformer_engine", "local")
@@ -172,39 +178,6 @@ def fused_kernel_options(transformer_impl: str) -> dict[str, bool]:
     }
 
 
-# Llama 3.1-style RoPE scaling: megatron-core implements only these constants.
-_MEGATRON_LLAMA3_ROPE = {
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
-
-
-def _rope_parameters(hf_config: Any) -> dict[str, Any]:
-    """RoPE settings from transformers 5 (`rope_parameters`) or 4 (`rope_theta`, `rope_scaling`)."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    if not params:
-        params = dict(getattr(hf_config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    params.setdefault("rope_type", params.pop("type", "default"))
-    return params
-
-
-def _rope_model_kwargs(hf_config: Any) -> dict[str, Any]:
-    rope = _rope_parameters(hf_config)
-    kwargs = {"position_embedding_type": "rope", "rotary_base": rope["rope_theta"]}
-    if rope["rope_type"] == "default":
-        return kwargs
-    if rope["rope_type"] == "llama3" and all(
-        float(rope.get(key, -1)) == value for key, value in _MEGATRON_LLAMA3_ROPE.items()
-    ):
-        return {**kwargs, "rope_scaling": True, "rope_scaling_factor": float(rope["factor"])}
-    raise ValueError(
-        f"unsupported RoPE scaling {rope} in config.json: supported are rope_type 'default' and "
-        f"'llama3' with {_MEGATRON_LLAMA3_ROPE}"
-    )
-
-
 def transformer_config_from_hf(
     hf_config: Any,
     *,
@@ -215,13 +188,30 @@ def transformer_config_from_hf(
     sequence_parallel: bool = False,
     transformer_impl: str = "local",
     recompute: dict[str, Any] | None = None,
+    ep: int = 1,
+    etp: int | None = None,
+    moe: dict[str, Any] | None = None,
 ) -> TransformerConfig:
-    """TransformerConfig equal in architecture to an HF Qwen2 / Llama config (dropout off).
-    `transformer_impl` is a resolved one ("transformer_engine" or "local"); it decides which
-    fused kernels are switched on. `recompute`: megatron's activation-recomputation fields
+    """TransformerConfig equal in architecture to an HF config of a supported family (dropout
+    off). `transformer_impl` is a resolved one ("transformer_engine" or "local"); it decides
+    which fused kernels are switched on. `recompute`: megatron's activation-recomputation fields
     (`recompute_granularity`, `recompute_method`, `recompute_num_layers`), see
-    `parallel.memory_terms.recompute_options`."""
+    `parallel.memory_terms.recompute_options`. MoE: `ep`, `etp` (default tp) lay the experts
+    out, `moe`: the knobs of `parallel.moe.moe_config_fields` (ModelConfigError when dense)."""
     family = get_family(hf_config.model_type)
+    architecture = family.megatron_options(hf_config)
+    experts: dict[str, Any] = {}
+    if architecture.get("num_moe_experts") is not None:
+        te = transformer_impl == "transformer_engine"
+        options = moe or {}
+        experts = moe_config_fields(
+            hf_config, tp=tp, ep=ep, etp=etp or tp, grouped_gemm=te, **options
+        )
+    elif ep > 1 or (etp or tp) != tp or moe:
+        raise ModelConfigError(
+            f"{hf_config.model_type} has no experts (config.json): parallel.ep, "
+            "parallel.expert_tp and model.moe_* are for MoE models; leave them unset"
+        )
     num_layers = hf_config.num_hidden_layers
     stages = pp * (vpp or 1)
     if num_layers % stages:
@@ -239,7 +229,7 @@ def transformer_config_from_hf(
         raise ValueError(f"hidden_act {hf_config.hidden_act!r} unsupported (only 'silu')")
     head_dim = getattr(hf_config, "head_dim", None)
     head_dim = head_dim or hf_config.hidden_size // hf_config.num_attention_heads
-    _rope_model_kwargs(hf_config)  # validate RoPE early
+    rope_model_kwargs(hf_config)  # validate RoPE early
     return TransformerConfig(
         num_layers=num_layers,
         hidden_size=hf_config.hidden_size,
@@ -265,7 +255,8 @@ def transformer_config_from_hf(
         fp16=dtype == torch.float16,
         attention_softmax_in_fp32=True,
         **fused_kernel_options(transformer_impl),
-        **family.megatron_options(hf_config),
+        **architecture,
+        **experts,
         **(recompute or {}),
     )
 
@@ -334,11 +325,19 @@ def _same_on_tensor_parallel_ranks(module: torch.nn.Module) -> None:
         param.data.copy_(data)
 
 
-def layer_spec(config: TransformerConfig, transformer_impl: str):
-    """Megatron's layer spec for a resolved `transformer_impl`."""
-    if transformer_impl == "transformer_engine":
-        return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization=config.normalization)
+def layer_spec(config: TransformerConfig, transformer_impl: str, vp_stage: int | None = None):
+    """Megatron's layer spec for a resolved `transformer_impl`; for a MoE model, the block spec
+    of this rank's layers (MoE and dense layers as `config.moe_layer_freq` says)."""
+    te = transformer_impl == "transformer_engine"
+    if config.num_moe_experts is not None:
+        return get_gpt_decoder_block_spec(
+            config, use_transformer_engine=te, normalization=config.normalization, vp_stage=vp_stage
+        )
+    if te:
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    return get_gpt_layer_local_spec(
+        normalization=config.normalization, qk_layernorm=config.qk_layernorm
+    )
 
 
 def build_model(
@@ -351,13 +350,15 @@ def build_model(
     sequence_parallel: bool = False,
     transformer_impl: str = "auto",
     recompute: dict[str, Any] | None = None,
+    moe: dict[str, Any] | None = None,
 ) -> list[torch.nn.Module]:
     """GPTModel chunks for this rank (see module docstring); randomly initialised — load weights
     with `parallel.convert.load_hf_weights`. `critic=True` swaps the LM head for a ValueHead,
     with a bias unless `head_bias=False` (a reward model's score head).
     `sequence_parallel=True` (TP > 1) needs Transformer Engine. `recompute`: activation
-    recomputation fields for TransformerConfig. Raises ModelConfigError for a setting this
-    machine cannot build (see `resolve_transformer_impl`)."""
+    recomputation fields for TransformerConfig. `moe`: MoE training knobs (module docstring);
+    the experts follow the mesh's ep / etp. Raises ModelConfigError for a setting this machine
+    cannot build (see `resolve_transformer_impl`)."""
     transformer_impl = check_model_settings(transformer_impl, sequence_parallel, mesh.tp)
     config = transformer_config_from_hf(
         hf_config,
@@ -368,6 +369,9 @@ def build_model(
         sequence_parallel=sequence_parallel,
         transformer_impl=transformer_impl,
         recompute=recompute,
+        ep=mesh.ep,
+        etp=mesh.etp,
+        moe=moe,
     )
     tie = bool(getattr(hf_config, "tie_word_embeddings", False)) and not critic
     num_chunks = mesh.vpp or 1
@@ -376,18 +380,22 @@ def build_model(
         post_process = mesh.is_last_stage and vp_stage == num_chunks - 1
         chunk = (CriticGPTModel if critic else GPTModel)(
             config=config,
-            transformer_layer_spec=layer_spec(config, transformer_impl),
+            transformer_layer_spec=layer_spec(
+                config, transformer_impl, vp_stage if mesh.vpp else None
+            ),
             vocab_size=padded_vocab_size(hf_config.vocab_size, mesh.tp),
             max_sequence_length=hf_config.max_position_embeddings,
             pre_process=mesh.is_first_stage and vp_stage == 0,
             post_process=post_process,
             share_embeddings_and_output_weights=tie,
             vp_stage=vp_stage if mesh.vpp else None,
-            **_rope_model_kwargs(hf_config),
+            **rope_model_kwargs(hf_config),
         )
         if critic and post_process:
             chunk.output_layer = ValueHead(config, bias=head_bias)
             _same_on_tensor_parallel_ranks(chunk.output_layer)
+        if config.num_moe_experts is not None:
+            prepare_moe_chunk(chunk)
         chunk.unpadded_vocab_size = hf_config.vocab_size
         chunk.hf_config = hf_config  # lets parallel.convert export without being handed it
         # Every parameter in the model dtype, as megatron's Float16Module makes it: megatron's

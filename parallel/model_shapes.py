@@ -1,15 +1,30 @@
-"""Model shapes for planning: parameter counts per (TP rank, pipeline stage) from an HF config's
-numbers alone, exact for megatron-core's GPTModel with the local / TE layer spec (checked against
-real Megatron models at TP1, TP2 and PP2 by tests/parallel/offload_worker.py). Pure arithmetic, no megatron import;
-``parallel.memory_terms`` turns these counts into bytes, ``parallel.memory_plan`` into phases."""
+"""Model shapes for planning: parameter counts per (TP rank, pipeline stage, EP rank) from an HF
+config's numbers alone, exact for megatron-core's GPTModel with the local / TE layer spec
+(checked against real Megatron models at TP1, TP2 and PP2 by tests/parallel/offload_worker.py,
+and for MoE models at TP2, PP2, EP2 and TP2 x EP2 by tests/parallel/parity_worker.py). Pure
+arithmetic, no megatron import; ``parallel.memory_terms`` turns these counts into bytes,
+``parallel.memory_plan`` into phases.
+
+Mixture-of-experts layers replace the MLP by a router (E x h, replicated), E routed experts of
+3 * moe_ffn * h each (E/ep per expert-parallel rank, split over the expert-TP group) and, for
+Qwen2-MoE, a shared expert (split over TP) with its sigmoid gate (1 x h, replicated).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
+
 # The Megatron linears of a layer that take LoRA adapters (parallel.lora), in layer order.
 LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def num_experts_of(cfg: dict[str, Any]) -> int:
+    """Routed experts per MoE layer in a config.json dict (0: dense). Checkpoints spell it
+    `num_experts`; transformers 5 writes `num_local_experts` (its alias) when it saves one."""
+    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
 
 
 @dataclass(frozen=True)
@@ -23,12 +38,42 @@ class ModelShape:
     vocab: int
     tied: bool
     qkv_bias: bool
+    qk_norm: bool = False  # Qwen3: RMSNorm (head_dim) on queries and keys
+    experts: int = 0  # routed experts per MoE layer (0: a dense model)
+    topk: int = 0  # experts per token
+    moe_ffn: int = 0  # one routed expert's width
+    shared_ffn: int = 0  # the shared expert's width (0: none)
+    moe_layers: tuple[int, ...] | None = None  # 1 = MoE layer, 0 = dense MLP; None: all MoE
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.is_moe and (self.moe_layers is None or bool(self.moe_layers[layer]))
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelShape:
-        """From an HF config.json dict (Qwen2 / Llama)."""
+        """From an HF config.json dict (Qwen2 / Llama / Qwen3 / Qwen2-MoE / Qwen3-MoE)."""
         heads = cfg["num_attention_heads"]
-        qkv_bias = cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False))
+        model_type = cfg.get("model_type")
+        qkv_bias = model_type == "qwen2" or bool(cfg.get("attention_bias", False))
+        if model_type == "qwen2_moe":
+            qkv_bias = bool(cfg.get("qkv_bias", True))
+        moe = {}
+        if model_type in MOE_MODEL_TYPES and num_experts_of(cfg):
+            dense = set(cfg.get("mlp_only_layers") or [])
+            step = cfg.get("decoder_sparse_step") or 1
+            pattern = tuple(
+                int(i not in dense and (i + 1) % step == 0) for i in range(cfg["num_hidden_layers"])
+            )
+            moe = dict(
+                experts=num_experts_of(cfg),
+                topk=cfg["num_experts_per_tok"],
+                moe_ffn=cfg["moe_intermediate_size"],
+                shared_ffn=cfg.get("shared_expert_intermediate_size") or 0,
+                moe_layers=None if all(pattern) else pattern,
+            )
         return cls(
             hidden=cfg["hidden_size"],
             layers=cfg["num_hidden_layers"],
@@ -39,11 +84,17 @@ class ModelShape:
             vocab=cfg["vocab_size"],
             tied=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            **moe,
         )
 
 
 def _qwen(h, layers, heads, kv, ffn, vocab, tied) -> ModelShape:
     return ModelShape(h, layers, heads, kv, h // heads, ffn, vocab, tied, True)
+
+
+def _qwen3(h, layers, heads, kv, ffn, tied, **moe) -> ModelShape:
+    return ModelShape(h, layers, heads, kv, 128, ffn, 151936, tied, False, True, **moe)
 
 
 # HF config.json shapes of common checkpoints, for planning before the weights are on disk.
@@ -55,12 +106,22 @@ KNOWN_SHAPES: dict[str, ModelShape] = {
     "qwen2.5-32b": _qwen(5120, 64, 40, 8, 27648, 152064, False),
     "llama-3-8b": ModelShape(4096, 32, 32, 8, 128, 14336, 128256, False, False),
     "meta-llama-3-8b": ModelShape(4096, 32, 32, 8, 128, 14336, 128256, False, False),
+    "qwen3-0.6b": _qwen3(1024, 28, 16, 8, 3072, True),
+    "qwen3-1.7b": _qwen3(2048, 28, 16, 8, 6144, True),
+    "qwen3-4b": _qwen3(2560, 36, 32, 8, 9728, True),
+    "qwen3-8b": _qwen3(4096, 36, 32, 8, 12288, False),
+    "qwen3-14b": _qwen3(5120, 40, 40, 8, 17408, False),
+    "qwen3-32b": _qwen3(5120, 64, 64, 8, 25600, False),
+    "qwen3-30b-a3b": _qwen3(2048, 48, 32, 4, 6144, False, experts=128, topk=8, moe_ffn=768),
+    "qwen3-235b-a22b": _qwen3(4096, 94, 64, 4, 12288, False, experts=128, topk=8, moe_ffn=1536),
 }
 
 
 def known_shape(model_path: str) -> ModelShape | None:
-    """The shape for a model path's basename (case-insensitive, '-Instruct' ignored)."""
-    name = model_path.rstrip("/").rsplit("/", 1)[-1].lower().removesuffix("-instruct")
+    """The shape for a model path's basename (case-insensitive, '-Instruct' / '-Base'
+    ignored)."""
+    name = model_path.rstrip("/").rsplit("/", 1)[-1].lower()
+    name = name.removesuffix("-instruct").removesuffix("-base")
     return KNOWN_SHAPES.get(name)
 
 
@@ -68,25 +129,68 @@ def known_shape(model_path: str) -> ModelShape | None:
 # Parameters (exact for megatron-core's GPTModel with the local / TE layer spec)
 
 
-def layer_params(shape: ModelShape, tp: int) -> int:
-    """One transformer layer's parameters on one TP rank: two RMSNorms (replicated), fused QKV
-    (+ bias for Qwen2), attention output projection, gated fc1 (2 * ffn) and fc2, column / row
-    split over TP."""
+def attention_params(shape: ModelShape, tp: int) -> int:
+    """One layer's attention and its two RMSNorms on one TP rank: fused QKV (+ bias for Qwen2),
+    output projection, column / row split over TP; Qwen3's QK-norms (replicated)."""
     qkv_out = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
     attn = (qkv_out * shape.hidden + (qkv_out if shape.qkv_bias else 0)) // tp
     attn += shape.hidden * shape.heads * shape.head_dim // tp
-    mlp = 3 * shape.ffn * shape.hidden // tp
-    return 2 * shape.hidden + attn + mlp
+    return 2 * shape.hidden + attn + (2 * shape.head_dim if shape.qk_norm else 0)
+
+
+def layer_params(shape: ModelShape, tp: int, layer: int = 0) -> int:
+    """One transformer layer's parameters on one TP rank, routed experts excluded (see
+    `expert_layer_params`): attention, and the gated dense MLP (fc1 2 * ffn, fc2) or the MoE
+    layer's replicated router and its shared expert."""
+    params = attention_params(shape, tp)
+    if not shape.is_moe_layer(layer):
+        return params + 3 * shape.ffn * shape.hidden // tp
+    params += shape.experts * shape.hidden  # router
+    if shape.shared_ffn:
+        params += 3 * shape.shared_ffn * shape.hidden // tp + shape.hidden  # + its gate
+    return params
+
+
+def expert_layer_params(shape: ModelShape, layer: int, *, ep: int = 1, etp: int = 1) -> int:
+    """A layer's routed-expert parameters on one (EP, expert-TP) rank."""
+    if not shape.is_moe_layer(layer):
+        return 0
+    return shape.experts // ep * 3 * shape.moe_ffn * shape.hidden // etp
 
 
 def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // tp) * tp  # as parallel.model.padded_vocab_size
 
 
-def stage_params(shape: ModelShape, *, tp: int, pp: int, pp_rank: int, critic: bool = False) -> int:
-    """Parameters held by one (TP rank, pipeline stage), all virtual chunks together."""
+def _stage_layers(shape: ModelShape, pp: int, pp_rank: int) -> range:
+    per_stage = shape.layers // pp
+    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+
+
+def stage_expert_params(
+    shape: ModelShape, *, pp: int, pp_rank: int, ep: int = 1, etp: int = 1
+) -> int:
+    """Routed-expert parameters held by one (EP, expert-TP) rank of a pipeline stage (megatron's
+    expert parameters: reduced over the expert-data-parallel group, not DP)."""
+    layers = _stage_layers(shape, pp, pp_rank)
+    return sum(expert_layer_params(shape, i, ep=ep, etp=etp) for i in layers)
+
+
+def stage_params(
+    shape: ModelShape,
+    *,
+    tp: int,
+    pp: int,
+    pp_rank: int,
+    critic: bool = False,
+    ep: int = 1,
+    etp: int | None = None,
+) -> int:
+    """Parameters held by one (TP rank, pipeline stage, EP rank), all virtual chunks together;
+    `etp` (expert TP) defaults to tp."""
     first, last = pp_rank == 0, pp_rank == pp - 1
-    count = shape.layers // pp * layer_params(shape, tp)
+    count = sum(layer_params(shape, tp, i) for i in _stage_layers(shape, pp, pp_rank))
+    count += stage_expert_params(shape, pp=pp, pp_rank=pp_rank, ep=ep, etp=etp or tp)
     embedding = padded_vocab(shape.vocab, tp) // tp * shape.hidden
     if first:
         count += embedding
@@ -99,8 +203,19 @@ def stage_params(shape: ModelShape, *, tp: int, pp: int, pp_rank: int, critic: b
     return count
 
 
-def max_stage_params(shape: ModelShape, *, tp: int, pp: int, critic: bool = False) -> int:
-    return max(stage_params(shape, tp=tp, pp=pp, pp_rank=r, critic=critic) for r in range(pp))
+def max_stage_params(
+    shape: ModelShape,
+    *,
+    tp: int,
+    pp: int,
+    critic: bool = False,
+    ep: int = 1,
+    etp: int | None = None,
+) -> int:
+    return max(
+        stage_params(shape, tp=tp, pp=pp, pp_rank=r, critic=critic, ep=ep, etp=etp)
+        for r in range(pp)
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -86,6 +86,8 @@ def verify_conversion(hf_dir: str | Path, mesh: Mesh, tolerance: float) -> Parit
     from transformers import AutoModelForCausalLM
 
     models = load_hf_model(hf_dir, mesh)
+    for model in models:
+        model.eval()  # megatron's MoE layer refuses to train at TP > 1 without SP
     hf_config = models[0].hf_config
     batch, length = VERIFY_TOKENS
     length = min(length, hf_config.max_position_embeddings)

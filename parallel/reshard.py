@@ -31,9 +31,16 @@ from one call's tensors only. For a bucket of stage s:
 3. Every rank cuts the buffer into HF tensors (fused QKV / gate-up split, vocab padding dropped)
    with `parallel.convert.megatron_to_hf`.
 
+Mixture-of-experts models: vLLM keeps all experts of a layer in one fused tensor pair (FusedMoE's
+w13 / w2) and rebuilds it from one call's tensors only, so a layer's routed experts (every
+expert, gate, up and down) are one unit of packing, like a fused QKV. Each EP rank holds E/ep of
+them; in step 1 the experts' shards are gathered over the expert-TP group, and the full experts
+of every EP rank are then all-gathered in ONE collective over the expert-parallel group. The plan
+lists every expert of the layer (in global order) on every rank, so all EP ranks agree on it.
+
 A rank holds at most about two buckets beyond its own shards and its engine (the gather buffer
 and the flat full buffer, released when the next bucket starts); never the whole model. Without
-TP and PP nothing travels: the buckets are views of the parameters themselves (the engine copies).
+TP, PP and EP nothing travels: the buckets are views of the parameters themselves (the engine copies).
 """
 
 from __future__ import annotations
@@ -49,10 +56,11 @@ import torch.distributed as dist
 from megatron.core.utils import unwrap_model
 
 from parallel import cpu_compat
-from parallel.convert.mapping import megatron_to_hf, param_mappings
+from parallel.convert.mapping import megatron_to_hf
 from parallel.cpu_compat import device
-from parallel.lora import adapter_params, lora_spec_of, peft_tensor_name
+from parallel.lora import lora_spec_of, peft_tensor_name
 from parallel.mesh import Mesh
+from parallel.reshard_plan import Bucket, Entry, adapter_entries, base_entries, plan_buckets
 
 # The default bucket cap. Every bucket costs the engine one load call (vLLM: an RPC, a prefix
 # cache reset), so fewer buckets are faster; a rank holds about two buckets beyond its shards, so
@@ -72,148 +80,99 @@ class SyncStats:
     num_buckets: int
 
 
-@dataclass(frozen=True)
-class _Entry:
-    """One exported Megatron parameter, as every rank of the pipeline sees it."""
-
-    global_name: str
-    local_shape: tuple[int, ...]  # the shard on one TP rank
-    partition_dim: int | None  # None: replicated across TP
-    dtype: torch.dtype
-    module: str  # the unit of packing: a Megatron module and its LoRA adapters
-    lora: tuple[str, str] | None = None  # a LoRA tensor: (HF module, "A" | "B")
-
-    def full_shape(self, tp: int) -> tuple[int, ...]:
-        shape = list(self.local_shape)
-        if self.partition_dim is not None:
-            shape[self.partition_dim] *= tp
-        return tuple(shape)
-
-    def full_numel(self, tp: int) -> int:
-        return math.prod(self.full_shape(tp))
-
-
-@dataclass(frozen=True)
-class _Bucket:
-    stage: int
-    entries: tuple[_Entry, ...]
-    dtype: torch.dtype
-
-
-def _module_of(global_name: str) -> str:
-    return global_name.rpartition(".")[0]
-
-
-def _base_entries(
-    chunks: list[torch.nn.Module], hf_config: Any, mesh: Mesh, lora: bool
-) -> tuple[list[_Entry], dict[str, torch.Tensor]]:
-    """The exported base parameters (with each adapted linear's adapters right after it when
-    `lora`) as (entries, {global_name: local tensor})."""
-    mappings = [
-        m for m in param_mappings(chunks, hf_config, mesh.tp, mesh.tp_rank) if not m.skip_export
-    ]
-    adapters: dict[str, list[_Entry]] = {}
-    tensors = {m.global_name: m.param for m in mappings}
-    for entry, param in _adapter_entries(chunks) if lora else ():
-        adapters.setdefault(entry.module, []).append(entry)
-        tensors[entry.global_name] = param
-    entries = []
-    for index, m in enumerate(mappings):
-        module = _module_of(m.global_name)
-        entries.append(
-            _Entry(m.global_name, tuple(m.param.shape), m.partition_dim, m.param.dtype, module)
-        )
-        if index + 1 == len(mappings) or _module_of(mappings[index + 1].global_name) != module:
-            entries += adapters.pop(module, [])
-    if adapters:
-        raise RuntimeError(f"LoRA adapters of unknown linears: {sorted(adapters)}")
-    return entries, tensors
-
-
-def _adapter_entries(chunks: list[torch.nn.Module]) -> list[tuple[_Entry, torch.Tensor]]:
-    return [
-        (
-            _Entry(
-                a.global_name,
-                tuple(a.param.shape),
-                a.partition_dim,
-                a.param.dtype,
-                a.linear_name,
-                (a.hf_module, a.matrix),
-            ),
-            a.param,
-        )
-        for a in adapter_params(chunks)
-    ]
-
-
-def _plan(mesh: Mesh, entries: list[_Entry], bucket_bytes: int) -> list[_Bucket]:
-    """Buckets of every stage, identical on every rank (entries are exchanged over PP)."""
-    per_stage = [entries]
-    if mesh.pp > 1:
-        per_stage = [None] * mesh.pp
-        dist.all_gather_object(per_stage, entries, group=mesh.pp_group)
-    buckets = []
-    for stage, stage_entries in enumerate(per_stage):
-        # Modules (consecutive entries of one module) are the unit of packing.
-        modules: list[list[_Entry]] = []
-        for entry in stage_entries:
-            if modules and modules[-1][-1].module == entry.module:
-                modules[-1].append(entry)
-            else:
-                modules.append([entry])
-        current: list[_Entry] = []
-        current_bytes = 0
-        for module in modules:
-            dtype = module[0].dtype
-            size = sum(e.full_numel(mesh.tp) for e in module) * dtype.itemsize
-            if current and (current_bytes + size > bucket_bytes or current[0].dtype != dtype):
-                buckets.append(_Bucket(stage, tuple(current), current[0].dtype))
-                current, current_bytes = [], 0
-            current += module
-            current_bytes += size
-        if current:
-            buckets.append(_Bucket(stage, tuple(current), current[0].dtype))
-    return buckets
-
-
-def _gather_full(bucket: _Bucket, by_name: dict[str, torch.Tensor], mesh: Mesh) -> torch.Tensor:
-    """On the bucket's own stage: the bucket's full tensors, flattened back to back."""
-    tp = mesh.tp
-    sharded = [e for e in bucket.entries if e.partition_dim is not None and tp > 1]
-    gathered = None
-    if sharded:
-        local = torch.cat([by_name[e.global_name].detach().reshape(-1) for e in sharded])
-        gathered = torch.empty(tp * local.numel(), dtype=local.dtype, device=local.device)
-        # One collective straight into one flat buffer (NCCL's native all-gather; a list of
-        # outputs would cost NCCL an extra copy). gloo takes this flat form too.
-        dist.all_gather_into_tensor(gathered, local, group=mesh.tp_group)
-        gathered = gathered.view(tp, local.numel())
-    total = sum(e.full_numel(tp) for e in bucket.entries)
-    flat = torch.empty(total, dtype=bucket.dtype, device=device())
-    offset, shard_offset = 0, 0
-    for entry in bucket.entries:
-        numel = entry.full_numel(tp)
-        out = flat[offset : offset + numel].view(entry.full_shape(tp))
-        if entry.partition_dim is not None and tp > 1:
-            shard_numel = math.prod(entry.local_shape)
-            shards = gathered[:, shard_offset : shard_offset + shard_numel]
-            torch.cat([s.view(entry.local_shape) for s in shards], dim=entry.partition_dim, out=out)
-            shard_offset += shard_numel
-        else:
-            out.copy_(by_name[entry.global_name].detach())
+def _gather_into(
+    entries: list[Entry],
+    tensors: dict[str, torch.Tensor],
+    outputs: dict[str, torch.Tensor],
+    size: int,
+    group: Any,
+) -> None:
+    """Write the full tensors of TP-split `entries` into `outputs` (name -> full-shaped view):
+    their shards on the `size` ranks of `group`, gathered in ONE collective (NCCL's native
+    all-gather into one flat buffer; a list of outputs would cost NCCL an extra copy; gloo
+    takes this flat form too)."""
+    if not entries:
+        return
+    local = torch.cat([tensors[e.global_name].detach().reshape(-1) for e in entries])
+    gathered = torch.empty(size * local.numel(), dtype=local.dtype, device=local.device)
+    dist.all_gather_into_tensor(gathered, local, group=group)
+    gathered = gathered.view(size, local.numel())
+    offset = 0
+    for entry in entries:
+        numel = math.prod(entry.local_shape)
+        shards = [s.view(entry.local_shape) for s in gathered[:, offset : offset + numel]]
+        torch.cat(shards, dim=entry.partition_dim, out=outputs[entry.global_name])
         offset += numel
+
+
+def _flat_views(
+    entries: list[Entry], dtype: torch.dtype
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One flat buffer for the full tensors of `entries`, back to back, and a full-shaped view
+    of it per entry."""
+    flat = torch.empty(sum(e.full_numel() for e in entries), dtype=dtype, device=device())
+    views, offset = {}, 0
+    for entry in entries:
+        numel = entry.full_numel()
+        views[entry.global_name] = flat[offset : offset + numel].view(entry.full_shape())
+        offset += numel
+    return flat, views
+
+
+def _fill(
+    entries: list[Entry],
+    tensors: dict[str, torch.Tensor],
+    views: dict[str, torch.Tensor],
+    mesh: Mesh,
+) -> None:
+    """The full tensors of this rank's `entries` (TP- or expert-TP-split ones gathered)."""
+    dense = [e for e in entries if e.owner is None]
+    experts = [e for e in entries if e.owner is not None]
+    _gather_into([e for e in dense if e.sharded], tensors, views, mesh.tp, mesh.tp_group)
+    _gather_into([e for e in experts if e.sharded], tensors, views, mesh.etp, mesh.etp_group)
+    for entry in entries:
+        if not entry.sharded:
+            views[entry.global_name].copy_(tensors[entry.global_name].detach())
+
+
+def _gather_full(bucket: Bucket, tensors: dict[str, torch.Tensor], mesh: Mesh) -> torch.Tensor:
+    """On the bucket's own stage: the bucket's full tensors, flattened back to back."""
+    flat, views = _flat_views(list(bucket.entries), bucket.dtype)
+    _fill([e for e in bucket.entries if e.owner is None], tensors, views, mesh)
+    experts = [e for e in bucket.entries if e.owner is not None]
+    if not experts:
+        return flat
+    # This rank's experts, full over expert TP, back to back; then every EP rank's, at once.
+    own, own_views = _flat_views([e for e in experts if e.owner == mesh.ep_rank], bucket.dtype)
+    _fill([e for e in experts if e.owner == mesh.ep_rank], tensors, own_views, mesh)
+    every = own.view(1, -1)
+    if mesh.ep > 1:
+        every = torch.empty(mesh.ep * own.numel(), dtype=own.dtype, device=own.device)
+        dist.all_gather_into_tensor(every, own, group=mesh.ep_group)
+        every = every.view(mesh.ep, own.numel())
+    offsets = [0] * mesh.ep  # each EP rank lists its experts in the same order
+    for entry in experts:
+        start, numel = offsets[entry.owner], entry.full_numel()
+        views[entry.global_name].copy_(
+            every[entry.owner, start : start + numel].view_as(views[entry.global_name])
+        )
+        offsets[entry.owner] += numel
     return flat
 
 
+def _held_whole(entry: Entry, mesh: Mesh) -> bool:
+    """This rank holds the full tensor itself (no TP split, no other EP rank's expert)."""
+    return not entry.sharded and (entry.owner is None or mesh.ep == 1)
+
+
 def _iter_full(
-    mesh: Mesh, entries: list[_Entry], tensors: dict[str, torch.Tensor], bucket_mb: float
-) -> Iterator[tuple[list[tuple[_Entry, torch.Tensor]], bool]]:
+    mesh: Mesh, entries: list[Entry], tensors: dict[str, torch.Tensor], bucket_mb: float
+) -> Iterator[tuple[list[tuple[Entry, torch.Tensor]], bool]]:
     """Per bucket: its (entry, full Megatron tensor) pairs, and whether the tensors are a fresh
     buffer (False: views of this rank's parameters, which must not be written)."""
     bucket_bytes = max(1, int((bucket_mb if bucket_mb > 0 else AUTO_BUCKET_MB) * 2**20))
-    for bucket in _plan(mesh, entries, bucket_bytes):
-        if mesh.pp == 1 and all(e.partition_dim is None or mesh.tp == 1 for e in bucket.entries):
+    for bucket in plan_buckets(mesh, entries, bucket_bytes):
+        if mesh.pp == 1 and all(_held_whole(e, mesh) for e in bucket.entries):
             # Nothing to gather or send: the parameters themselves (views, no copy; every
             # engine copies what it loads), which saves one pass over the model's bytes.
             yield [(e, tensors[e.global_name].detach()) for e in bucket.entries], False
@@ -221,15 +180,15 @@ def _iter_full(
         if bucket.stage == mesh.pp_rank:
             flat = _gather_full(bucket, tensors, mesh)
         else:
-            total = sum(e.full_numel(mesh.tp) for e in bucket.entries)
+            total = sum(e.full_numel() for e in bucket.entries)
             flat = torch.empty(total, dtype=bucket.dtype, device=device())
         if mesh.pp > 1:
             source = dist.get_global_rank(mesh.pp_group, bucket.stage)
             dist.broadcast(flat, src=source, group=mesh.pp_group)
         pairs, offset = [], 0
         for entry in bucket.entries:
-            numel = entry.full_numel(mesh.tp)
-            pairs.append((entry, flat[offset : offset + numel].view(entry.full_shape(mesh.tp))))
+            numel = entry.full_numel()
+            pairs.append((entry, flat[offset : offset + numel].view(entry.full_shape())))
             offset += numel
         yield pairs, True
 
@@ -262,20 +221,22 @@ def iter_inference_buckets(
     """Every rank gets every bucket of full HF tensors (module docstring); collective.
 
     Tensors are on `cpu_compat.device()` in the model's dtype; each bucket's tensors share one
-    buffer, freed when the caller drops them (at TP1 x PP1: views of the parameters, except
+    buffer, freed when the caller drops them (at TP1 x PP1 x EP1: views of the parameters, except
     merged LoRA weights; copy them before the next optimizer step if they must be kept).
     """
     chunks = unwrap_model(list(models))  # megatron DDP / Float16Module wrappers
     hf_config: Any = chunks[0].hf_config
     spec = lora_spec_of(chunks) if merge_lora else None
-    entries, tensors = _base_entries(chunks, hf_config, mesh, lora=spec is not None)
+    entries, tensors = base_entries(chunks, hf_config, mesh, lora=spec is not None)
     for pairs, owned in _iter_full(mesh, entries, tensors, bucket_mb):
         hf_tensors, adapters = [], {}
         for entry, full in pairs:
             if entry.lora is not None:
                 adapters[entry.lora] = full
             else:
-                hf_tensors += megatron_to_hf(hf_config, mesh.tp, entry.global_name, full)
+                hf_tensors += megatron_to_hf(
+                    hf_config, mesh.tp, entry.global_name, full, etp=mesh.etp
+                )
         yield _merged(hf_tensors, adapters, spec.scaling, owned) if adapters else hf_tensors
 
 
@@ -288,7 +249,7 @@ def iter_adapter_buckets(
     chunks = unwrap_model(list(models))  # megatron DDP / Float16Module wrappers
     if lora_spec_of(chunks) is None:
         raise ValueError("the model has no LoRA adapters (parallel.lora.apply_lora)")
-    pairs = _adapter_entries(chunks)
+    pairs = adapter_entries(chunks, mesh)
     entries = [entry for entry, _ in pairs]
     tensors = {entry.global_name: param for entry, param in pairs}
     for bucket, _ in _iter_full(mesh, entries, tensors, bucket_mb):

@@ -270,8 +270,11 @@ def _forward_step(
 ):
     """Megatron forward_step_func: run one chunk; on the last stage return the loss closure."""
     inputs = next(data_iterator)
-    # Right padding + causal attention: real tokens never attend to padding, so no mask.
-    output = model(inputs["input_ids"], inputs["position_ids"], attention_mask=None)
+    # Right padding + causal attention: real tokens never attend to padding, so no mask. MoE
+    # routers take the padding positions, to leave them out of the load-balancing loss.
+    moe = get_model_config(model).num_moe_experts is not None
+    padding = {"padding_mask": inputs["attention_mask"] == 0} if moe else {}
+    output = model(inputs["input_ids"], inputs["position_ids"], attention_mask=None, **padding)
     if not _is_last_stage_chunk(model, mesh):
         return output, None
     micro_batch, length = next(originals), next(lengths)

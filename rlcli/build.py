@@ -272,6 +272,13 @@ def model_options(cfg: RLConfig, section: TrainedModelConfig | None = None) -> d
         "sequence_parallel": cfg.parallel.sequence_parallel,
         "transformer_impl": cfg.model.transformer_impl,
     }
+    m = cfg.model
+    moe = {
+        "aux_loss_coef": m.moe_aux_loss_coef,
+        "load_balancing": m.moe_load_balancing,
+        "token_dispatcher": m.moe_token_dispatcher,
+    }
+    options["moe"] = {key: value for key, value in moe.items() if value is not None} or None
     if section is not None:
         from parallel.memory_terms import recompute_options
 

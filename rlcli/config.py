@@ -57,6 +57,14 @@ class ModelConfig:
     # startup fails unless local (memory-hungry attention) is chosen explicitly.
     transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
     spec: ModelBuildConfig = field(default_factory=ModelBuildConfig)
+    # MoE models only (the experts, top-k and routing come from config.json). The router's
+    # load-balancing loss: aux_loss (Switch-style, per micro-batch), seq_aux_loss (per
+    # sequence) or none; null: aux_loss.
+    moe_load_balancing: Optional[Literal["aux_loss", "seq_aux_loss", "none"]] = None
+    # MoE: the load-balancing loss's weight; null: config.json's router_aux_loss_coef
+    moe_aux_loss_coef: Optional[float] = None
+    # MoE: how tokens reach the ranks of their experts; null: alltoall
+    moe_token_dispatcher: Optional[Literal["alltoall", "allgather"]] = None
 
 
 @dataclass
@@ -66,6 +74,10 @@ class ParallelConfig:
     vpp: Optional[int] = None  # virtual pipeline stages per rank (interleaved schedule)
     dp: Optional[int] = None  # derived: world_size // (tp * pp); set it only to assert a value
     sequence_parallel: bool = False  # needs Transformer Engine and tp > 1
+    # MoE models: expert parallel size (each rank holds 1/ep of the routed experts; must divide
+    # the experts and tp * dp / expert_tp)
+    ep: int = 1
+    expert_tp: Optional[int] = None  # MoE models: the experts' tensor parallel size (null: tp)
     # shard fp32 master weights + Adam state over DP (megatron-core)
     use_distributed_optimizer: bool = False
     timeout_minutes: int = 30  # process-group timeout (long rollouts, large checkpoint gathers)

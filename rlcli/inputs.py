@@ -77,6 +77,8 @@ def prepare_inputs(cfg: RLConfig) -> RunInputs:
             cfg.parallel.vpp,
             seed=cfg.trainer.seed,
             timeout_s=timeout_s,
+            ep=cfg.parallel.ep,
+            etp=cfg.parallel.expert_tp,
         )
     validate(cfg, world_size=roles.global_size if roles else mesh.world_size)
     first_rank = (roles.global_rank if roles else mesh.rank) == 0

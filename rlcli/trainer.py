@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.mesh import Mesh
+from parallel.moe import router_load_metrics
 from rlcli.actor_update import agreement_of_actor_pass, old_log_prob_plan, update_actor
 from rlcli.advantages import KLController, compute_advantages
 from rlcli.batch import RolloutBatch, collate, take_dp_share
@@ -239,10 +240,12 @@ def learn(t: Trainer, batch: RolloutBatch, fewest_groups: int, phases: StepPhase
         metrics.update(value_metrics(batch, t.stats))
         with phases("update_critic"):
             metrics.update(update_critic(t.critic, batch, cfg, fewest_groups))
+            metrics.update(router_load_metrics(t.critic.models, t.mesh, prefix="critic_router"))
     actor_learns = t.critic is None or t.step > cfg.trainer.critic_warmup
     if actor_learns:
         with phases("update"):
             metrics.update(update_actor(t.actor, batch, cfg, fewest_groups))
+            metrics.update(router_load_metrics(t.actor.models, t.mesh))  # MoE models only
     else:  # PPO's critic warmup: the critic learns first
         metrics["actor/skipped_update"] = 1.0
     if actor_learns or t.rollouts.needs_weight_sync:

@@ -4,11 +4,14 @@
     hf_model_dir_problem(hf_dir) -> str | None                why a folder would not load
     iter_hf_weights(models, mesh) -> Iterator[(hf_name, t)]   full HF tensors on every rank
     save_hf_checkpoint(models, mesh, out_dir, hf_config, tokenizer_dir=None)
-    param_mappings(models, hf_config, tp, tp_rank)            per-parameter pieces for resharding
-    megatron_to_hf(hf_config, tp, global_name, full)          TP-gathered tensor -> HF tensors
+    param_mappings(models, hf_config, tp, tp_rank, *, etp, etp_rank, ep, ep_rank)
+                                                              per-parameter pieces for resharding
+    mesh_mappings(models, hf_config, mesh)                    the same for this rank of a mesh
+    megatron_to_hf(hf_config, tp, global_name, full, *, etp)  TP-gathered tensor -> HF tensors
     get_family(model_type), supported_model_types()           the per-family registry
 
-Families live one per file (`qwen2.py`, `llama.py`); see `registry.py`. Building chunks and
+Families live one per file (`llama.py`, `qwen2.py`, `qwen3.py`, `qwen2_moe.py`, `qwen3_moe.py`);
+see `registry.py`. Building chunks and
 loading them in one call: `parallel.hf_model.load_hf_model`; Megatron-vs-HF checks:
 `parallel.parity`.
 """
@@ -18,6 +21,7 @@ from parallel.convert.hf_io import (
     hf_model_dir_problem,
     iter_hf_weights,
     load_hf_weights,
+    mesh_mappings,
     save_hf_checkpoint,
 )
 from parallel.convert.mapping import ParamMapping, hf_rule, megatron_to_hf, param_mappings
@@ -34,6 +38,7 @@ __all__ = [
     "iter_hf_weights",
     "load_hf_weights",
     "megatron_to_hf",
+    "mesh_mappings",
     "param_mappings",
     "save_hf_checkpoint",
     "supported_model_types",

@@ -9,8 +9,9 @@ Public API (stable):
         its initialisation when the checkpoint has none; any other missing tensor is an error.
     iter_hf_weights(models, mesh, hf_config=None) -> Iterator[(hf_name, full_tensor)]
         Collective: every rank of the job must iterate it to the end, and every rank gets every
-        HF tensor, one at a time (TP all-gather inside the TP group, then a broadcast from the
-        owning pipeline stage inside the PP group). Tensors are on `cpu_compat.device()`, in the
+        HF tensor, one at a time (TP all-gather inside the TP group, for routed experts inside
+        the expert-TP group and then across the expert-parallel group, then a broadcast from
+        the owning pipeline stage inside the PP group). Tensors are on `cpu_compat.device()`, in the
         model's dtype. The simple per-tensor path: export, tests, and the "naive" baseline for
         the bucketed resharder.
     hf_model_dir_problem(hf_dir) -> str | None
@@ -37,7 +38,13 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from parallel.convert.mapping import ParamMapping, megatron_to_hf, param_mappings, unwrap_chunk
+from parallel.convert.mapping import (
+    ParamMapping,
+    megatron_to_hf,
+    param_mappings,
+    renumber_expert,
+    unwrap_chunk,
+)
 from parallel.cpu_compat import device
 from parallel.mesh import Mesh
 
@@ -131,6 +138,22 @@ def hf_model_dir_problem(hf_dir: str | Path) -> str | None:
     return None
 
 
+def mesh_mappings(
+    models: Sequence[torch.nn.Module], hf_config: Any, mesh: Mesh
+) -> list[ParamMapping]:
+    """`param_mappings` for this rank's place in `mesh` (TP, expert TP and EP ranks)."""
+    return param_mappings(
+        models,
+        hf_config,
+        mesh.tp,
+        mesh.tp_rank,
+        etp=mesh.etp,
+        etp_rank=mesh.etp_rank,
+        ep=mesh.ep,
+        ep_rank=mesh.ep_rank,
+    )
+
+
 def _load_hf_config(hf_dir: str | Path) -> Any:
     from transformers import AutoConfig
 
@@ -146,7 +169,7 @@ def load_hf_weights(
     hf_config = hf_config or built_for or _load_hf_config(hf_dir)
     with ExitStack() as stack:
         reader = HFCheckpointReader(hf_dir, stack)
-        for mapping in param_mappings(models, hf_config, mesh.tp, mesh.tp_rank):
+        for mapping in mesh_mappings(models, hf_config, mesh):
             missing = [name for name in mapping.hf_names if name not in reader]
             if missing and mapping.global_name.startswith("output_layer.value."):
                 continue  # a fresh critic head, initialised by build_model
@@ -164,20 +187,47 @@ def load_hf_weights(
             mapping.param.copy_(shard)
 
 
+def _split(mapping: ParamMapping, mesh: Mesh) -> tuple[int, Any]:
+    """(size, group) of the tensor-parallel group splitting this parameter."""
+    return (mesh.etp, mesh.etp_group) if mapping.expert else (mesh.tp, mesh.tp_group)
+
+
 def _tp_gather(mapping: ParamMapping, mesh: Mesh) -> torch.Tensor:
+    """The TP-gathered tensor; for a routed expert with EP, one per EP rank: [ep, *full]."""
     local = mapping.param.detach()
-    if mapping.partition_dim is None or mesh.tp == 1:
-        return local.clone()
-    shards = [torch.empty_like(local) for _ in range(mesh.tp)]
-    dist.all_gather(shards, local.contiguous(), group=mesh.tp_group)
-    return torch.cat(shards, dim=mapping.partition_dim)
+    size, group = _split(mapping, mesh)
+    full = local.clone()
+    if mapping.partition_dim is not None and size > 1:
+        shards = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(shards, local.contiguous(), group=group)
+        full = torch.cat(shards, dim=mapping.partition_dim)
+    if mapping.expert and mesh.ep > 1:
+        # gloo takes a flat output only (as reshard's gathers)
+        experts = torch.empty(mesh.ep * full.numel(), dtype=full.dtype, device=full.device)
+        dist.all_gather_into_tensor(experts, full.contiguous().view(-1), group=mesh.ep_group)
+        full = experts.view(mesh.ep, *full.shape)
+    return full
 
 
-def _full_shape(mapping: ParamMapping, tp: int) -> tuple[int, ...]:
+def _full_shape(mapping: ParamMapping, mesh: Mesh) -> tuple[int, ...]:
     shape = list(mapping.param.shape)
     if mapping.partition_dim is not None:
-        shape[mapping.partition_dim] *= tp
+        shape[mapping.partition_dim] *= _split(mapping, mesh)[0]
+    if mapping.expert and mesh.ep > 1:
+        shape.insert(0, mesh.ep)
     return tuple(shape)
+
+
+def _to_hf(
+    hf_config: Any, mesh: Mesh, global_name: str, expert: bool, full: torch.Tensor
+) -> Iterator[tuple[str, torch.Tensor]]:
+    if not (expert and mesh.ep > 1):
+        yield from megatron_to_hf(hf_config, mesh.tp, global_name, full, etp=mesh.etp)
+        return
+    local_experts = hf_config.num_experts // mesh.ep
+    for ep_rank, expert_full in enumerate(full):  # [ep, *full]: the same weight of each EP rank
+        name = renumber_expert(global_name, (ep_rank - mesh.ep_rank) * local_experts)
+        yield from megatron_to_hf(hf_config, mesh.tp, name, expert_full, etp=mesh.etp)
 
 
 @torch.no_grad()
@@ -186,19 +236,18 @@ def iter_hf_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every full HF tensor on every rank, one at a time (collective; module docstring)."""
     hf_config = _hf_config_of(models, hf_config)
-    mappings = [
-        m for m in param_mappings(models, hf_config, mesh.tp, mesh.tp_rank) if not m.skip_export
-    ]
+    mappings = [m for m in mesh_mappings(models, hf_config, mesh) if not m.skip_export]
     by_name = {m.global_name: m for m in mappings}
-    # What each pipeline stage holds: TP ranks of a stage agree, so exchanging inside the PP
-    # group tells every rank the full list (name, full shape, dtype) in a common order.
-    local = [(m.global_name, _full_shape(m, mesh.tp), str(m.param.dtype)) for m in mappings]
+    # What each pipeline stage holds: TP ranks of a stage agree (and a pipeline's stages share
+    # their EP rank), so exchanging inside the PP group tells every rank the full list (name,
+    # full shape, dtype, expert) in a common order.
+    local = [(m.global_name, _full_shape(m, mesh), str(m.param.dtype), m.expert) for m in mappings]
     per_stage = [local]
     if mesh.pp > 1:
         per_stage = [None] * mesh.pp
         dist.all_gather_object(per_stage, local, group=mesh.pp_group)
     for stage, entries in enumerate(per_stage):
-        for global_name, shape, dtype_name in entries:
+        for global_name, shape, dtype_name, expert in entries:
             if stage == mesh.pp_rank:
                 full = _tp_gather(by_name[global_name], mesh)
             else:
@@ -207,7 +256,7 @@ def iter_hf_weights(
             if mesh.pp > 1:
                 source = dist.get_global_rank(mesh.pp_group, stage)
                 dist.broadcast(full, src=source, group=mesh.pp_group)
-            yield from megatron_to_hf(hf_config, mesh.tp, global_name, full)
+            yield from _to_hf(hf_config, mesh, global_name, expert, full)
 
 
 def save_hf_checkpoint(

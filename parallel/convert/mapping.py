@@ -5,30 +5,36 @@ Public API (stable; the bucketed resharder in rlcli builds on it):
     ParamMapping: frozen dataclass, one per local Megatron parameter
         chunk_index   index into the list of model chunks (virtual pipeline stage)
         local_name    name inside the chunk (`chunk.named_parameters()`; layer indices local)
-        global_name   same with global layer indices (identical on every rank holding it)
+        global_name   same with global layer (and global expert) indices (identical on every
+                      rank holding it)
         param         the local torch.nn.Parameter (this TP rank's shard)
         partition_dim TP split dimension (megatron's `param.partition_dim`), None if replicated
         hf_names      the HF tensors this parameter is made of
         skip_export   True for a tied output layer (HF stores only model.embed_tokens)
+        expert        True for a routed expert's weight: held by one expert-parallel rank only,
+                      split over the expert-tensor-parallel group (not the TP group)
         to_hf(full)   -> list[(hf_name, tensor)]: `full` is the TP-gathered Megatron tensor,
                       i.e. torch.cat(shards in TP-rank order, dim=partition_dim) (the local
-                      param itself when partition_dim is None). Splits fused QKV / gate-up,
-                      drops vocab padding.
+                      param itself when partition_dim is None); expert-TP shards for experts.
+                      Splits fused QKV / gate-up, drops vocab padding.
         shard_from_hf(read) -> tensor shaped like `param`: this TP rank's shard built from HF
                       tensors; read(hf_name, dim, start, stop) returns rows/cols [start, stop)
                       along dim (dim=None: the whole tensor).
-    param_mappings(models, hf_config, tp, tp_rank) -> list[ParamMapping]
-        (the base weights only: LoRA adapters, parameters marked `is_lora_adapter`, are skipped)
-    hf_rule(hf_config, global_name) -> (Rule, skip_export)
-    megatron_to_hf(hf_config, tp, global_name, full) -> list[(hf_name, tensor)]
+    param_mappings(models, hf_config, tp, tp_rank, *, etp=None, etp_rank=None, ep=1, ep_rank=0)
+        -> list[ParamMapping]   (etp / etp_rank: expert tensor parallel, default tp / tp_rank;
+        the base weights only: LoRA adapters, parameters marked `is_lora_adapter`, are skipped)
+    hf_rule(hf_config, global_name) -> (Rule, skip_export)   (HF names of that one parameter)
+    megatron_to_hf(hf_config, tp, global_name, full, *, etp=None) -> list[(hf_name, tensor)]
         (works on ranks that do not hold the parameter: needs only its global name)
+    renumber_expert(global_name, offset) -> str   (the same weight of another routed expert)
 
 Layouts (megatron-core GPTModel):
     linear_qkv  [ng * (q_per_group + 2) * d, h]: for each KV group g, its q heads, then k_g, v_g;
                 TP splits whole groups (rank r holds groups [r*ng/tp, (r+1)*ng/tp)).
     linear_fc1  TP shard r is [gate rows r; up rows r], so the TP-gathered tensor is
-                [gate_0; up_0; gate_1; up_1; ...].
+                [gate_0; up_0; gate_1; up_1; ...] (a routed expert's: over expert TP).
     vocab       rows [r*Vp/tp, (r+1)*Vp/tp) on TP rank r; rows >= V are padding (zeros).
+    experts     EP rank r holds experts [r*E/ep, (r+1)*E/ep) as local experts 0 .. E/ep - 1.
 """
 
 from __future__ import annotations
@@ -52,6 +58,21 @@ VALUE_HEAD_RULES = {
 
 Reader = Callable[[str, int | None, int, int], torch.Tensor]
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# A routed expert's index inside a layer name: SequentialMLP's module list, or TE's grouped
+# GEMM weights (one per local expert). Rules name it `{expert}`.
+_EXPERT_INDEX = (
+    re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..+)$"),
+    re.compile(r"^(mlp\.experts\.linear_fc[12]\.weight)(\d+)()$"),
+)
+
+
+def _expert_template(layer_suffix: str) -> tuple[str, int | None]:
+    """(the suffix with its expert index replaced by `{expert}`, the index), or (suffix, None)."""
+    for pattern in _EXPERT_INDEX:
+        match = pattern.match(layer_suffix)
+        if match:
+            return f"{match.group(1)}{{expert}}{match.group(3)}", int(match.group(2))
+    return layer_suffix, None
 
 
 @dataclass(frozen=True)
@@ -60,7 +81,6 @@ class _Geometry:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    ffn: int
     vocab: int
     padded_vocab: int
 
@@ -73,7 +93,6 @@ class _Geometry:
             num_heads=num_heads,
             num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
-            ffn=hf_config.intermediate_size,
             vocab=hf_config.vocab_size,
             padded_vocab=padded_vocab_size(hf_config.vocab_size, tp),
         )
@@ -88,6 +107,7 @@ class ParamMapping:
     partition_dim: int | None
     hf_names: tuple[str, ...]
     skip_export: bool
+    expert: bool
     to_hf: Callable[[torch.Tensor], list[tuple[str, torch.Tensor]]]
     shard_from_hf: Callable[[Reader], torch.Tensor]
 
@@ -117,15 +137,15 @@ def _qkv_shard(read: Reader, names: tuple[str, ...], geo: _Geometry, tp_rank: in
     return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
-def _gate_up_to_hf(full: torch.Tensor, names: tuple[str, ...], geo: _Geometry):
-    per_rank = full.reshape(geo.tp, 2, geo.ffn // geo.tp, *full.shape[1:])
-    gate = per_rank[:, 0].reshape(geo.ffn, *full.shape[1:])
-    up = per_rank[:, 1].reshape(geo.ffn, *full.shape[1:])
+def _gate_up_to_hf(full: torch.Tensor, names: tuple[str, ...], ffn: int, tp: int):
+    per_rank = full.reshape(tp, 2, ffn // tp, *full.shape[1:])
+    gate = per_rank[:, 0].reshape(ffn, *full.shape[1:])
+    up = per_rank[:, 1].reshape(ffn, *full.shape[1:])
     return [(names[0], gate), (names[1], up)]
 
 
-def _gate_up_shard(read: Reader, names: tuple[str, ...], geo: _Geometry, tp_rank: int):
-    rows = geo.ffn // geo.tp
+def _gate_up_shard(read: Reader, names: tuple[str, ...], ffn: int, tp: int, tp_rank: int):
+    rows = ffn // tp
     start = tp_rank * rows
     return torch.cat(
         [read(names[0], 0, start, start + rows), read(names[1], 0, start, start + rows)]
@@ -154,9 +174,12 @@ def hf_rule(hf_config: Any, global_name: str) -> tuple[Rule, bool]:
     family = get_family(hf_config.model_type)
     match = _LAYER_NAME.match(global_name)
     if match:
-        rule = family.layer_rules.get(match.group(2))
+        suffix, expert = _expert_template(match.group(2))
+        rule = family.layer_rules.get(suffix)
         prefix = family.hf_layer_prefix.format(layer=int(match.group(1)))
-        rule = rule and Rule(rule.kind, tuple(prefix + name for name in rule.hf_names))
+        if rule is not None:
+            names = tuple(prefix + name.replace("{expert}", str(expert)) for name in rule.hf_names)
+            rule = rule._replace(hf_names=names, expert=expert is not None)
     else:
         rule = VALUE_HEAD_RULES.get(global_name) or family.global_rules.get(global_name)
     if rule is None:
@@ -171,30 +194,40 @@ def hf_rule(hf_config: Any, global_name: str) -> tuple[Rule, bool]:
 
 
 def megatron_to_hf(
-    hf_config: Any, tp: int, global_name: str, full: torch.Tensor
+    hf_config: Any, tp: int, global_name: str, full: torch.Tensor, *, etp: int | None = None
 ) -> list[tuple[str, torch.Tensor]]:
-    """HF tensors of one TP-gathered Megatron tensor (see ParamMapping.to_hf)."""
+    """HF tensors of one TP-gathered (expert-TP-gathered: `etp`, default tp) Megatron tensor
+    (see ParamMapping.to_hf)."""
     rule, _ = hf_rule(hf_config, global_name)
     geo = _Geometry.from_hf(hf_config, tp)
     if rule.kind == "qkv":
         return _qkv_to_hf(full, rule.hf_names, geo)
     if rule.kind == "gate_up":
-        return _gate_up_to_hf(full, rule.hf_names, geo)
+        split = (etp or tp) if rule.expert else tp
+        return _gate_up_to_hf(full, rule.hf_names, getattr(hf_config, rule.ffn), split)
     if rule.kind == "vocab":
         return [(rule.hf_names[0], full[: geo.vocab])]
     return [(rule.hf_names[0], full)]
 
 
 def _shard_from_hf(
-    read: Reader, rule: Rule, geo: _Geometry, tp_rank: int, dim: int | None, like: torch.Tensor
+    read: Reader,
+    rule: Rule,
+    geo: _Geometry,
+    tp_rank: int,
+    dim: int | None,
+    like: torch.Tensor,
+    ffn: int,
+    split: tuple[int, int],
 ) -> torch.Tensor:
+    """`split`: (TP size, TP rank) of this parameter's group (expert TP for routed experts)."""
     if rule.kind == "qkv":
         return _qkv_shard(read, rule.hf_names, geo, tp_rank)
     if rule.kind == "gate_up":
-        return _gate_up_shard(read, rule.hf_names, geo, tp_rank)
+        return _gate_up_shard(read, rule.hf_names, ffn, *split)
     if rule.kind == "vocab":
         return _vocab_shard(read, rule.hf_names[0], geo, tp_rank, like)
-    return _copy_shard(read, rule.hf_names[0], dim, tp_rank, like)
+    return _copy_shard(read, rule.hf_names[0], dim, split[1], like)
 
 
 def unwrap_chunk(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -204,29 +237,56 @@ def unwrap_chunk(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
-def _global_name(chunk: torch.nn.Module, local_name: str) -> str:
-    """`local_name` with the chunk-local layer index replaced by the global one."""
+def renumber_expert(global_name: str, offset: int) -> str:
+    """The global name of the same weight of the expert `offset` places further (a routed
+    expert's weight; the same expert on another EP rank is `offset = k * E/ep` away)."""
+    match = _LAYER_NAME.match(global_name)
+    suffix, expert = _expert_template(match.group(2)) if match else (global_name, None)
+    if expert is None:
+        raise ValueError(f"{global_name} is not a routed expert's weight")
+    return f"decoder.layers.{match.group(1)}.{suffix.replace('{expert}', str(expert + offset))}"
+
+
+def _global_name(chunk: torch.nn.Module, local_name: str, expert_offset: int) -> str:
+    """`local_name` with the chunk-local layer index replaced by the global one, and a local
+    expert index by the global one (`expert_offset`: the first expert of this EP rank)."""
     match = _LAYER_NAME.match(local_name)
     if not match:
         return local_name
     layer = chunk.decoder.layers[int(match.group(1))].layer_number - 1
-    return f"decoder.layers.{layer}.{match.group(2)}"
+    suffix, expert = _expert_template(match.group(2))
+    if expert is not None:
+        suffix = suffix.replace("{expert}", str(expert_offset + expert))
+    return f"decoder.layers.{layer}.{suffix}"
 
 
 def param_mappings(
-    models: Iterable[torch.nn.Module], hf_config: Any, tp: int, tp_rank: int
+    models: Iterable[torch.nn.Module],
+    hf_config: Any,
+    tp: int,
+    tp_rank: int,
+    *,
+    etp: int | None = None,
+    etp_rank: int | None = None,
+    ep: int = 1,
+    ep_rank: int = 0,
 ) -> list[ParamMapping]:
-    """One ParamMapping per parameter of the (unwrapped or DDP-wrapped) chunks, in chunk order."""
+    """One ParamMapping per parameter of the (unwrapped or DDP-wrapped) chunks, in chunk order.
+    `etp`, `etp_rank`: expert tensor parallelism (default: tp, tp_rank); `ep`, `ep_rank`:
+    expert parallelism (this rank holds experts [ep_rank*E/ep, (ep_rank+1)*E/ep))."""
     geo = _Geometry.from_hf(hf_config, tp)
+    etp, etp_rank = etp or tp, tp_rank if etp_rank is None else etp_rank
+    expert_offset = ep_rank * (getattr(hf_config, "num_experts", 0) or 0) // ep
     mappings = []
     for chunk_index, chunk in enumerate(models):
         chunk = unwrap_chunk(chunk)
         for local_name, param in chunk.named_parameters():
             if getattr(param, "is_lora_adapter", False):
                 continue  # parallel.lora's adapters are not HF weights (parallel.lora_io)
-            global_name = _global_name(chunk, local_name)
+            global_name = _global_name(chunk, local_name, expert_offset)
             rule, skip_export = hf_rule(hf_config, global_name)
             dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+            split = (etp, etp_rank) if rule.expert else (tp, tp_rank)
             mappings.append(
                 ParamMapping(
                     chunk_index=chunk_index,
@@ -236,9 +296,17 @@ def param_mappings(
                     partition_dim=dim,
                     hf_names=rule.hf_names,
                     skip_export=skip_export,
-                    to_hf=partial(megatron_to_hf, hf_config, tp, global_name),
+                    expert=rule.expert,
+                    to_hf=partial(megatron_to_hf, hf_config, tp, global_name, etp=etp),
                     shard_from_hf=partial(
-                        _shard_from_hf, rule=rule, geo=geo, tp_rank=tp_rank, dim=dim, like=param
+                        _shard_from_hf,
+                        rule=rule,
+                        geo=geo,
+                        tp_rank=tp_rank,
+                        dim=dim,
+                        like=param,
+                        ffn=getattr(hf_config, rule.ffn, 0),
+                        split=split,
                     ),
                 )
             )

@@ -6,8 +6,16 @@ the registry discovers every such module, so adding a family is adding one file.
 Rule kinds (how one Megatron tensor relates to HF tensors; see `parallel.convert.mapping`):
     "copy"     one HF tensor, same layout (TP split, if any, along the param's partition_dim)
     "qkv"      HF (q, k, v) fused into Megatron's linear_qkv, interleaved per query group
-    "gate_up"  HF (gate, up) fused into linear_fc1; each TP shard holds [gate_r; up_r]
+    "gate_up"  HF (gate, up) fused into linear_fc1; each TP shard holds [gate_r; up_r]; `ffn`
+               names the config.json key of the width of gate and up (dense MLP, routed
+               experts and shared experts differ)
     "vocab"    HF vocab rows, padded with zero rows up to the padded vocab size
+
+Routed experts: a rule whose Megatron name and HF names hold `{expert}` is one rule for every
+expert (megatron's SequentialMLP `mlp.experts.local_experts.{expert}.`, Transformer Engine's
+grouped GEMM `mlp.experts.linear_fc1.weight{expert}`); the index in global Megatron names and in
+HF names is the global expert index. Expert weights are split by expert parallelism (whole
+experts per EP rank) and by expert tensor parallelism instead of TP.
 """
 
 from __future__ import annotations
@@ -22,7 +30,9 @@ from typing import Any, NamedTuple
 
 class Rule(NamedTuple):
     kind: str  # "copy" | "qkv" | "gate_up" | "vocab"
-    hf_names: tuple[str, ...]
+    hf_names: tuple[str, ...]  # routed experts: with `{expert}` in a family's table
+    ffn: str = "intermediate_size"  # gate_up only: the config.json key of gate's / up's width
+    expert: bool = False  # a routed expert's weight; `mapping.hf_rule` sets it (names resolved)
 
 
 @dataclass(frozen=True)
@@ -33,7 +43,8 @@ class ModelFamily:
         inside `hf_layer_prefix`. Both local-spec and Transformer-Engine-spec names are listed
         (TE fuses the norms into the following linear as `layer_norm_weight`).
     global_rules: Megatron full name -> Rule with full HF names (embeddings, final norm, head).
-    megatron_options: hf_config -> extra TransformerConfig kwargs (e.g. add_qkv_bias); raises
+    megatron_options: hf_config -> extra TransformerConfig kwargs (e.g. add_qkv_bias,
+        qk_layernorm, the MoE architecture: num_moe_experts, moe_router_topk, ...); raises
         ValueError for variants of the family that are not supported.
     """
 

@@ -5,7 +5,7 @@ inputs, start torchrun when needed and print.
 
     rlcli convert hf-to-mcore --model HF_DIR --out DIR --tp T --pp P
     rlcli convert mcore-to-hf --ckpt DIR --out HF_DIR [--tp T --pp P] [--hf-config DIR]
-    rlcli convert verify      --model HF_DIR --tp T --pp P [--tolerance X]
+    rlcli convert verify      --model HF_DIR --tp T --pp P [--ep E --expert-tp T2] [--tolerance X]
     rlcli export CHECKPOINT --out HF_DIR          (a training checkpoint; mcore-to-hf at TP1)
     rlcli export CHECKPOINT --out HF_DIR --critic (PPO's value model, see ``export_critic``)
     rlcli export CHECKPOINT --out DIR --lora      (a LoRA run's adapters as a PEFT folder)
@@ -13,7 +13,8 @@ inputs, start torchrun when needed and print.
 
 Multi-process: when tp * pp > 1 and the command is not already running under torchrun, it
 runs itself again under torchrun with tp * pp processes on this machine
-(``rlcli.commands.relaunch``). To use more machines, start ``-m rlcli.cli convert ...`` under
+(``rlcli.commands.relaunch``); ``verify --ep E`` (MoE models) with pp * lcm(tp, E * expert TP)
+processes, i.e. tp * pp * E with the default expert TP (= tp). To use more machines, start ``-m rlcli.cli convert ...`` under
 torchrun yourself.
 
 The mcore checkpoint written by hf-to-mcore is a folder with
@@ -43,13 +44,15 @@ TP = typer.Option(1, "--tp", help="Tensor-parallel size (processes = tp * pp).")
 PP = typer.Option(1, "--pp", help="Pipeline-parallel size (processes = tp * pp).")
 
 
-def _relaunch_if_parallel(tp: int, pp: int, convert_args: list[str]) -> None:
-    """When tp*pp > 1 outside torchrun: run ``rlcli convert CONVERT_ARGS`` under torchrun with
-    tp*pp processes and exit with its outcome. Otherwise return and run here."""
+def _relaunch_if_parallel(tp: int, pp: int, convert_args: list[str], processes: int = 0) -> None:
+    """When the layout needs more than one process outside torchrun: run ``rlcli convert
+    CONVERT_ARGS`` under torchrun with `processes` (default tp*pp) processes and exit with its
+    outcome. Otherwise return and run here."""
     if tp < 1 or pp < 1:
         raise UserError(f"--tp and --pp must be >= 1 (got --tp {tp} --pp {pp})")
-    if tp * pp > 1 and not under_torchrun():
-        relaunch_under_torchrun(tp * pp, ["convert", *convert_args])
+    processes = processes or tp * pp
+    if processes > 1 and not under_torchrun():
+        relaunch_under_torchrun(processes, ["convert", *convert_args])
 
 
 def _checked_hf_dir(path: Path, option: str) -> Path:
@@ -259,27 +262,56 @@ def export_critic(checkpoint: Path, out: Path) -> None:
     destroy_parallel()
 
 
+def _expert_layout(model: Path, tp: int, ep: int, expert_tp: Optional[int]) -> int:
+    """The expert TP size of `verify --ep`, checked against the model's config.json."""
+    import json
+
+    etp = expert_tp or tp
+    if ep < 1 or etp < 1:
+        raise UserError(f"--ep and --expert-tp must be >= 1 (got --ep {ep} --expert-tp {etp})")
+    from parallel.model_shapes import num_experts_of
+
+    experts = num_experts_of(json.loads((model / "config.json").read_text()))
+    if (ep > 1 or expert_tp is not None) and not experts:
+        raise UserError(f"--ep / --expert-tp: {model} is a dense model (no num_experts)")
+    if experts and experts % ep:
+        raise UserError(f"--ep {ep} must divide the model's {experts} experts (config.json)")
+    return etp
+
+
 @convert_app.command("verify")
 def verify(
     model: Path = typer.Option(..., "--model", help="HF model folder (config.json, safetensors)."),
     tp: int = TP,
     pp: int = PP,
+    ep: int = typer.Option(1, "--ep", help="Expert-parallel size (MoE models)."),
+    expert_tp: Optional[int] = typer.Option(
+        None, "--expert-tp", help="The experts' tensor-parallel size (MoE; default: --tp)."
+    ),
     tolerance: float = typer.Option(
         1e-3, "--tolerance", help="Largest accepted |Megatron - HF| logit difference (fp32)."
     ),
 ) -> None:
-    """Megatron (TP x PP) vs HF transformers logits on a fixed batch, and HF->Megatron->HF
-    round-trip exactness. Exit code 1 when either check fails."""
+    """Megatron (TP x PP, experts over EP) vs HF transformers logits on a fixed batch, and
+    HF->Megatron->HF round-trip exactness. Exit code 1 when either check fails."""
+    import math
+
     _checked_hf_dir(model, "--model")
-    args = ["verify", "--model", str(model), "--tp", str(tp), "--pp", str(pp)]
-    _relaunch_if_parallel(tp, pp, [*args, "--tolerance", str(tolerance)])
-    from parallel.mesh import destroy_parallel, init_parallel
+    etp = _expert_layout(model, tp, ep, expert_tp)
+    args = ["verify", "--model", str(model), "--tp", str(tp), "--pp", str(pp), "--ep", str(ep)]
+    args += ["--expert-tp", str(etp), "--tolerance", str(tolerance)]
+    _relaunch_if_parallel(tp, pp, args, processes=pp * math.lcm(tp, ep * etp))
+    from parallel.mesh import ParallelLayoutError, destroy_parallel, init_parallel
     from parallel.parity import verify_conversion
 
-    mesh = init_parallel(tp=tp, pp=pp)
+    try:
+        mesh = init_parallel(tp=tp, pp=pp, ep=ep, etp=etp)
+    except ParallelLayoutError as err:
+        raise UserError(str(err)) from None
     report = verify_conversion(model, mesh, tolerance)
     if mesh.rank == 0:
-        typer.echo(f"layout tp={tp} pp={pp}: batch {report.batch}x{report.length} tokens")
+        experts = f" ep={ep} expert_tp={etp}" if ep > 1 or etp != tp else ""
+        typer.echo(f"layout tp={tp} pp={pp}{experts}: batch {report.batch}x{report.length} tokens")
         typer.echo(
             f"max |megatron - hf| logit difference: {report.max_logit_diff:.3e} "
             f"(tolerance {tolerance:g})"

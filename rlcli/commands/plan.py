@@ -69,13 +69,15 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
     from parallel.memory_terms import TrainedModel
     from parallel.reshard import AUTO_BUCKET_MB
     from rlcli.batch import mini_batch_count
-    from rlcli.config_validation import derive_dp, uses_critic, validate
+    from rlcli.config_validation import derive_dp, uses_critic, validate, validate_against_model
     from rlcli.lora import lora_spec
     from rlcli.placement_validation import is_separate, trainer_ranks
 
     validate(cfg, world_size=world_size)
     par = cfg.parallel
     dp = derive_dp(par, trainer_ranks(cfg, world_size))
+    experts = {"num_experts": shape.experts, "moe_intermediate_size": shape.moe_ffn}
+    validate_against_model(cfg, {"model_type": Path(cfg.model.path).name, **experts})
     if shape.kv_heads % par.tp:
         raise UserError(
             f"parallel.tp={par.tp} must divide the model's {shape.kv_heads} key/value heads"
@@ -117,6 +119,8 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
             offload_grads=section.offload_grads,
             offload_optimizer=section.offload_optimizer,
             critic=critic,
+            ep=par.ep,
+            etp=par.expert_tp,
             lora_rank=adapters.rank if adapters is not None else 0,
             lora_target_modules=adapters.targets() if adapters is not None else (),
         )
@@ -146,7 +150,7 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
 
 def _candidates(cfg, shape, gpus_per_node: int, world_size: int, plan) -> list[list[str]]:
     """Single changes, cheapest first: offload, distributed optimizer, recompute, smaller
-    micro-batches, less vLLM memory, more TP, more PP."""
+    micro-batches, less vLLM memory, more EP (MoE), more TP, more PP."""
     from rlcli.placement_validation import trainer_ranks
 
     a, par = cfg.actor, cfg.parallel
@@ -176,6 +180,12 @@ def _candidates(cfg, shape, gpus_per_node: int, world_size: int, plan) -> list[l
     util = int((plan.inputs.gpu_memory_bytes - others) / plan.inputs.gpu_memory_bytes * 20) / 20
     if 0 < util < cfg.rollout.gpu_memory_utilization:
         out.append([f"rollout.gpu_memory_utilization={util:.2f}"])
+    ep = par.ep * 2  # MoE: spread the experts further
+    while shape.is_moe and shape.experts % ep == 0:
+        if (world_size // par.pp) % (ep * (par.expert_tp or par.tp)):
+            break
+        out.append([f"parallel.ep={ep}"])
+        ep *= 2
     tp = par.tp * 2
     while tp <= gpus_per_node and shape.kv_heads % tp == 0 and world_size % (tp * par.pp) == 0:
         out.append([f"parallel.tp={tp}"])
@@ -265,6 +275,12 @@ def plan_command(
         f"model: {source}: {actor.params / 1e9:.3f} B params on the busiest rank, "
         f"{shape.layers} layers, hidden {shape.hidden}, {shape.heads}/{shape.kv_heads} heads"
     )
+    if shape.is_moe:
+        echo(
+            f"experts: {shape.experts} per MoE layer, top-{shape.topk}, ep={actor.ep} "
+            f"expert_tp={actor.etp or actor.tp} (expert dp={actor.expert_dp}): "
+            f"{actor.expert_params / 1e9:.3f} B expert params on the busiest rank"
+        )
     echo(
         f"layout: tp={actor.tp} pp={actor.pp} dp={actor.dp} {actor.dtype}, distributed optimizer "
         f"{'on' if actor.distributed_optimizer else 'off'}, recompute {actor.recompute}, "

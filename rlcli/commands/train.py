@@ -106,9 +106,15 @@ def _check_process_count(cfg: RLConfig, nproc: int) -> None:
 
 
 def check_model_dir(cfg: RLConfig) -> None:
-    """model.path must be an HF folder rlcli can load. With model.build the builder writes it
-    (and under torchrun rank 0 may be writing it right now), so it is not checked."""
+    """model.path must be an HF folder rlcli can load, and the settings that depend on the model
+    must fit its config.json. With model.build the builder writes it (and under torchrun rank 0
+    may be writing it right now): it is a dense model of model.spec."""
+    import json
+
+    from rlcli.config_validation import validate_against_model
+
     if cfg.model.build:
+        validate_against_model(cfg, {"model_type": cfg.model.spec.architecture})
         return
     path = Path(cfg.model.path)
     from parallel.convert import hf_model_dir_problem
@@ -116,3 +122,4 @@ def check_model_dir(cfg: RLConfig) -> None:
     problem = hf_model_dir_problem(path)
     if problem is not None:
         raise UserError(f"model.path={cfg.model.path}: {problem}")
+    validate_against_model(cfg, json.loads((path / "config.json").read_text()))

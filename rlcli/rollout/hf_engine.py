@@ -130,14 +130,43 @@ class HFEngine(RolloutEngine):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.model.named_parameters(remove_duplicate=False))
+        checkpoint_names = {}
         for name, tensor in weights:
-            if name not in params:
-                raise KeyError(f"{name} is not a parameter of {type(self.model).__name__}")
-            # With tied embeddings both names point at one tensor: either name updates it.
-            params[name].copy_(tensor)
+            if name in params:
+                # With tied embeddings both names point at one tensor: either name updates it.
+                params[name].copy_(tensor)
+            else:
+                checkpoint_names[name] = tensor
+        if checkpoint_names:
+            _load_checkpoint_names(self.model, checkpoint_names)
 
     def close(self) -> None:
         self.model = None
+
+
+def _load_checkpoint_names(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Load tensors named as in a checkpoint rather than as the model's parameters: transformers
+    5 holds a MoE layer's experts as fused [E, ...] tensors (`mlp.experts.gate_up_proj`) and
+    converts the checkpoint's per-expert tensors when it loads a model; its own loader does the
+    same here. All experts of a layer must come in one call (the resharder sends them in one
+    bucket)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+    from transformers.utils import logging as hf_logging
+
+    mapping = get_model_conversion_mapping(model)
+    config = LoadStateDictConfig(weight_mapping=mapping, dtype=next(model.parameters()).dtype)
+    progress = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a "Loading weights" bar on every weight sync otherwise
+    try:
+        info, _ = convert_and_load_state_dict_in_model(model, tensors, config)
+    finally:
+        if progress:
+            hf_logging.enable_progress_bar()
+    if info.unexpected_keys:
+        unknown = sorted(info.unexpected_keys)
+        raise KeyError(f"{unknown} are not weights of {type(model).__name__}")
 
 
 def _key(sampling: SamplingConfig) -> tuple:

@@ -27,3 +27,21 @@ def tiny_qwen2_tied_dir(tmp_path_factory) -> Path:
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """Llama without biases, untied embeddings."""
     return make_tiny_hf_model(tmp_path_factory.mktemp("llama"), "llama", seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> Path:
+    """Qwen3 dense: QK-norm, head_dim 32 (heads x head_dim != hidden)."""
+    return make_tiny_hf_model(tmp_path_factory.mktemp("qwen3"), "qwen3", seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory) -> Path:
+    """Qwen3-MoE: 8 experts, top-2 renormalised, QK-norm."""
+    return make_tiny_hf_model(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe", seed=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe_dir(tmp_path_factory) -> Path:
+    """Qwen2-MoE: 8 experts, top-2 not renormalised, a gated shared expert, layer 1 dense."""
+    return make_tiny_hf_model(tmp_path_factory.mktemp("qwen2_moe"), "qwen2_moe", seed=5)

@@ -3,13 +3,17 @@
     make_tiny_hf_model(out_dir, family="qwen2", tie_word_embeddings=False, seed=0,
                        head="causal_lm", **config_overrides)
         -> Path   (random transformers model saved as safetensors + config.json, fp32;
+                   families: qwen2, llama, qwen3, qwen3_moe, qwen2_moe;
                    head="sequence_classification": a one-label reward model)
     run_torchrun(script, nproc, *args, timeout_s=600) -> str   (combined output; raises on failure
         with the first worker traceback, i.e. the failing assertion and its values, up front)
 
 The tiny models are deliberately awkward: vocab 251 (odd, so TP padding is exercised), 4 layers
 (2 per stage at PP2, 1 per virtual stage at PP2 x VPP2), GQA (4 heads, 2 KV groups), and a
-non-default rope_theta.
+non-default rope_theta. Qwen3 and the MoE families add what is theirs, awkward too: head_dim 32
+with hidden 64 and 4 heads (so heads x head_dim != hidden, as in Qwen3-0.6B), 8 experts of width
+32 with top-2 routing (renormalised for qwen3_moe, not for qwen2_moe), a dense MLP in layer 1
+of qwen2_moe (`mlp_only_layers`) and its gated shared expert of width 48.
 """
 
 from __future__ import annotations
@@ -37,6 +41,33 @@ TINY_CONFIG = dict(
 )
 
 
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+FAMILY_CONFIG = {
+    "qwen2": {},
+    "llama": {},
+    "qwen3": dict(head_dim=32),
+    "qwen3_moe": dict(head_dim=32, norm_topk_prob=True, **TINY_MOE),
+    "qwen2_moe": dict(
+        norm_topk_prob=False, mlp_only_layers=[1], shared_expert_intermediate_size=48, **TINY_MOE
+    ),
+}
+
+
+def _model_classes(family: str, head: str = "causal_lm"):
+    import transformers
+
+    names = {
+        "qwen2": "Qwen2",
+        "llama": "Llama",
+        "qwen3": "Qwen3",
+        "qwen3_moe": "Qwen3Moe",
+        "qwen2_moe": "Qwen2Moe",
+    }
+    suffix = {"causal_lm": "ForCausalLM", "sequence_classification": "ForSequenceClassification"}
+    prefix = names[family]
+    return getattr(transformers, f"{prefix}Config"), getattr(transformers, prefix + suffix[head])
+
+
 def make_tiny_hf_model(
     out_dir: str | os.PathLike,
     family: str = "qwen2",
@@ -45,18 +76,17 @@ def make_tiny_hf_model(
     head: str = "causal_lm",
     **config_overrides,
 ) -> Path:
-    """Save a randomly initialised fp32 `family` ("qwen2" or "llama") model to `out_dir`: a
+    """Save a randomly initialised fp32 `family` model (see FAMILY_CONFIG) to `out_dir`: a
     causal LM, or with `head="sequence_classification"` a reward model (num_labels 1)."""
-    import transformers
-    from transformers import LlamaConfig, Qwen2Config
-
-    configs = {"qwen2": Qwen2Config, "llama": LlamaConfig}
-    suffix = {"causal_lm": "ForCausalLM", "sequence_classification": "ForSequenceClassification"}
-    config_cls = configs[family]
-    model_cls = getattr(transformers, config_cls.__name__.removesuffix("Config") + suffix[head])
+    config_cls, model_cls = _model_classes(family, head)
     if head == "sequence_classification":
         config_overrides = {"num_labels": 1, **config_overrides}
-    options = {**TINY_CONFIG, "tie_word_embeddings": tie_word_embeddings, **config_overrides}
+    options = {
+        **TINY_CONFIG,
+        **FAMILY_CONFIG[family],
+        "tie_word_embeddings": tie_word_embeddings,
+        **config_overrides,
+    }
     rope_theta = options.pop("rope_theta")
     config = config_cls(
         **options, rope_parameters={"rope_type": "default", "rope_theta": rope_theta}
@@ -64,10 +94,14 @@ def make_tiny_hf_model(
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
     # HF initialises norms to 1 and biases to 0; randomise them so a mapping mistake shows up.
+    # Routers get a wider spread than the other weights: clear top-k choices, no near-ties that
+    # rounding could flip between implementations.
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
                 param.normal_(mean=1.0 if "norm" in name else 0.0, std=0.1)
+            elif name.endswith("mlp.gate.weight"):
+                param.normal_(std=0.5)
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir

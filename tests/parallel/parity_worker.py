@@ -1,38 +1,56 @@
 """torchrun worker for test_convert_parity.py: many checks per launch, one launch per layout.
 
     torchrun --nproc_per_node N tests/parallel/parity_worker.py --tp T --pp P [--vpp V]
-        --models DIR[,DIR...] --result FILE.json --export-dir DIR
+        [--ep E --etp T2] --models DIR[,DIR...] --result FILE.json --export-dir DIR
 
 For each HF model directory: build the Megatron chunks, load the HF weights, run a forward
 through megatron's pipeline schedule and compare the (TP-gathered, unpadded) logits with HF
 transformers; gather the weights back with iter_hf_weights and compare them bit-exactly with the
 safetensors on disk (on every rank); for the first model also write them with
 save_hf_checkpoint and compare the written file. Before loading, DP replicas must hold equal
-random weights. Rank 0 writes the numbers to --result; failures are reported there too.
+random weights (routed experts: the replicas of each expert). For MoE models, every Megatron
+router of this rank must choose the same top-k experts for every token as HF's router of that
+layer, and (TP1 x PP1) `parallel.moe.router_load_metrics` must report the load and the aux
+loss that HF's choices and probabilities give. `rlcli plan`'s counts (parallel.model_shapes, parallel.memory_terms) must equal the
+rank's real parameters (routed experts apart) and the busiest rank's weight bytes. Rank 0
+writes the numbers to --result; failures are reported there too.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.parallel_state import get_expert_data_parallel_group as expert_dp_group
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from parallel.convert import iter_hf_weights, load_hf_weights, save_hf_checkpoint
+from parallel.memory_terms import TrainedModel, weight_bytes
 from parallel.mesh import Mesh, destroy_parallel, init_parallel
 from parallel.model import build_model, transformer_engine_status
+from parallel.model_shapes import ModelShape, stage_expert_params, stage_params
+from parallel.moe import is_moe
+from tests.parallel.moe_checks import (
+    hf_router_choices,
+    megatron_router_choices_equal,
+    router_metrics_match,
+)
 
 BATCH, SEQ = 2, 12
+# Qwen2-MoE runs megatron's all-gather token dispatcher, Qwen3-MoE the default all-to-all.
+MOE_OPTIONS = {"qwen2_moe": {"token_dispatcher": "allgather"}}
 
 
-def _tokens(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(7)
+def _tokens(vocab: int, dp_rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of its own for each data-parallel rank (MoE: uneven all-to-all splits)."""
+    generator = torch.Generator().manual_seed(7 + dp_rank)
     tokens = torch.randint(0, vocab, (BATCH, SEQ), generator=generator)
     return tokens, torch.arange(SEQ).expand(BATCH, SEQ).contiguous()
 
@@ -68,10 +86,42 @@ def _megatron_logits(models, mesh: Mesh, tokens, positions, vocab: int) -> torch
 
 
 def _dp_replicas_equal(models, mesh: Mesh) -> bool:
-    flat = torch.cat([p.detach().flatten() for m in models for p in m.parameters()])
-    copies = [torch.empty_like(flat) for _ in range(mesh.dp)]
-    dist.all_gather(copies, flat, group=mesh.dp_group)
-    return all(torch.equal(copies[0], c) for c in copies)
+    """Dense weights equal over the DP group; routed experts (megatron marks them allreduce=
+    False) over the expert-DP group, the ranks holding the same experts."""
+    params = [p for m in models for p in m.parameters()]
+    equal = True
+    for expert, group in ((False, mesh.dp_group), (True, expert_dp_group())):
+        chosen = [
+            p.detach().flatten() for p in params if (not getattr(p, "allreduce", True)) == expert
+        ]
+        if not chosen:
+            continue
+        flat = torch.cat(chosen)
+        copies = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(copies, flat, group=group)
+        equal &= all(torch.equal(copies[0], c) for c in copies)
+    return equal
+
+
+def _plan_counts(models, mesh: Mesh, hf_dir: Path) -> dict:
+    """rlcli plan's parameter counts for this rank vs the real model's; weight bytes of the
+    busiest rank (fp32) vs the plan's."""
+    shape = ModelShape.from_hf_config(json.loads((hf_dir / "config.json").read_text()))
+    params = {
+        (i, name): p.numel() for i, m in enumerate(models) for name, p in m.named_parameters()
+    }
+    experts = sum(n for (_, name), n in params.items() if ".mlp.experts." in name)
+    real = (sum(params.values()), experts)
+    layout = dict(pp=mesh.pp, pp_rank=mesh.pp_rank, ep=mesh.ep, etp=mesh.etp)
+    planned = (stage_params(shape, tp=mesh.tp, **layout), stage_expert_params(shape, **layout))
+    busiest = torch.tensor([real[0]])
+    dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
+    trained = TrainedModel(shape, "float32", mesh.tp, mesh.pp, dp=mesh.dp, ep=mesh.ep, etp=mesh.etp)
+    return {
+        "params_real_planned": [real, planned],  # rank 0's (total, routed experts)
+        "plan_counts_match": _all_true(real == planned),
+        "plan_weight_bytes_match": weight_bytes(trained) == 4 * busiest.item(),
+    }
 
 
 def _all_true(flag: bool) -> bool:
@@ -82,19 +132,31 @@ def _all_true(flag: bool) -> bool:
 
 def check_model(hf_dir: Path, mesh: Mesh, export_dir: Path | None) -> dict:
     hf_config = AutoConfig.from_pretrained(hf_dir)
-    models = build_model(hf_config, mesh)
+    models = build_model(hf_config, mesh, moe=MOE_OPTIONS.get(hf_config.model_type))
+    for model in models:
+        model.eval()  # megatron's MoE layer refuses to train at TP > 1 without SP
     report = {"dp_replicas_equal": _all_true(_dp_replicas_equal(models, mesh))}
+    report.update(_plan_counts(models, mesh, hf_dir))
     load_hf_weights(models, mesh, hf_dir)
 
-    tokens, positions = _tokens(hf_config.vocab_size)
+    tokens, positions = _tokens(hf_config.vocab_size, mesh.dp_rank)
     logits = _megatron_logits(models, mesh, tokens, positions, hf_config.vocab_size)
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     diff = None
     if mesh.is_last_stage:
-        hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
         with torch.no_grad():
             reference = hf_model(tokens).logits
         diff = (logits - reference).abs().max().item()
     report["max_abs_logit_diff"] = mesh.broadcast_object_from_last_stage(diff)
+    if is_moe(hf_config):
+        forward = partial(_last_stage_output, models, mesh, tokens, positions)
+        hf_routing = hf_router_choices(hf_model, tokens)  # all ranks: every rank routes
+        routers_equal = megatron_router_choices_equal(models, positions, forward, hf_routing)
+        report["router_choices_equal"] = _all_true(routers_equal)
+        if mesh.tp == 1 and mesh.pp == 1:  # a training forward: MoE at TP > 1 needs SP
+            report["router_metrics_match"] = _all_true(
+                router_metrics_match(models, mesh, tokens, positions, hf_routing)
+            )
 
     on_disk = load_file(hf_dir / "model.safetensors")
     gathered = {name: tensor.clone() for name, tensor in iter_hf_weights(models, mesh)}
@@ -142,6 +204,8 @@ def _check_variants(hf_dir: Path, hf_config, mesh: Mesh, tokens, positions) -> d
     report = {}
 
     critic = build_model(hf_config, mesh, critic=True)
+    for model in critic:
+        model.eval()
     load_hf_weights(critic, mesh, hf_dir)
     values = _last_stage_output(critic, mesh, tokens, positions)
     diff = None
@@ -168,17 +232,20 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--vpp", type=int, default=None)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--etp", type=int, default=None)
     parser.add_argument("--models", required=True)
     parser.add_argument("--result", required=True)
     parser.add_argument("--export-dir", default=None)
     args = parser.parse_args()
 
-    mesh = init_parallel(tp=args.tp, pp=args.pp, vpp=args.vpp)
+    mesh = init_parallel(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
     reports = {}
     for index, hf_dir in enumerate(args.models.split(",")):
         export_dir = Path(args.export_dir) if args.export_dir and index == 0 else None
         reports[Path(hf_dir).name] = check_model(Path(hf_dir), mesh, export_dir)
     summary = {"layout": vars(args), "world_size": mesh.world_size, "dp": mesh.dp, **reports}
+    summary["ep"], summary["etp"] = mesh.ep, mesh.etp
     if mesh.rank == 0:
         Path(args.result).write_text(json.dumps(summary, indent=2))
     destroy_parallel()

@@ -4,14 +4,14 @@ For each training layout: build the Megatron model from the HF checkpoint, pertu
 (as an optimizer step would), stream them into the rank's engine with `sync_weights`, sample,
 and check that
   * the buckets hold exactly the tensors of the naive per-tensor export (`iter_hf_weights`) and
-    never split a fused vLLM layer;
+    never split a fused vLLM layer (q/k/v, gate/up, and all routed experts of a MoE layer);
   * vLLM's sampled-token log-probs equal Megatron's log-probs of the same sequences (fp32,
     max abs diff < 1e-3), for every rank's samples;
   * vLLM's greedy output equals the HF engine's greedy output on the same synced weights (rank 0).
 Prints "RESHARD_OK tp=.. pp=.." per layout on rank 0.
 
 usage: torchrun --nproc_per_node N reshard_engine_worker.py MODEL_DIR ROLLOUT_TP LAYOUT [LAYOUT..]
-       LAYOUT is TPxPP, e.g. 2x1
+       LAYOUT is TPxPP[xEP[xETP]], e.g. 2x1, or 1x1x2 (MoE: experts over 2 EP ranks)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from megatron.core import parallel_state
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from parallel.convert import iter_hf_weights, load_hf_weights, param_mappings
+from parallel.convert import iter_hf_weights, load_hf_weights, mesh_mappings
 from parallel.mesh import destroy_parallel, init_parallel
 from parallel.model import build_model
 from parallel.reshard import iter_inference_buckets, sync_weights
@@ -45,9 +45,10 @@ FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 def perturb(models, hf_config, mesh) -> None:
     """Add noise seeded by HF name (and TP rank for split tensors): DP replicas and the TP copies
     of replicated tensors change identically, and a tied head copy like its embedding."""
-    for m in param_mappings(models, hf_config, mesh.tp, mesh.tp_rank):
+    for m in mesh_mappings(models, hf_config, mesh):
+        split_rank = mesh.etp_rank if m.expert else mesh.tp_rank
         seed = zlib.crc32(m.hf_names[0].encode()) + (
-            mesh.tp_rank if m.partition_dim is not None else 0
+            split_rank if m.partition_dim is not None else 0
         )
         noise = torch.randn(m.param.shape, generator=torch.Generator().manual_seed(seed))
         m.param.add_(0.05 * noise.to(m.param.dtype))
@@ -72,7 +73,11 @@ def check_buckets(models, mesh, reference: dict[str, torch.Tensor]) -> None:
     for bucket in iter_inference_buckets(models, mesh, BUCKET_MB):
         names = {name for name, _ in bucket}
         size = sum(t.numel() * t.element_size() for _, t in bucket)
-        layers = {name.rsplit(".", 2)[0] for name in names}  # one module, e.g. ...self_attn
+        # one module, e.g. ...self_attn, or a layer's routed experts
+        layers = {
+            name.partition(".experts.")[0] if ".experts." in name else name.rsplit(".", 2)[0]
+            for name in names
+        }
         assert size <= BUCKET_MB * 2**20 or len(layers) == 1, f"{size} bytes: {sorted(names)}"
         for name in names:
             for group in FUSED_GROUPS:
@@ -80,6 +85,11 @@ def check_buckets(models, mesh, reference: dict[str, torch.Tensor]) -> None:
                     if f".{part}." in name:
                         siblings = {name.replace(f".{part}.", f".{other}.") for other in group}
                         assert siblings <= names, f"bucket splits fused layer of {name}: {names}"
+        for layer in {
+            name.partition(".mlp.experts.")[0] for name in names if ".mlp.experts." in name
+        }:
+            experts = {n for n in reference if n.startswith(f"{layer}.mlp.experts.")}
+            assert experts <= names, f"bucket splits the experts of {layer}"
         seen.update(bucket)
     assert seen.keys() == reference.keys(), sorted(seen.keys() ^ reference.keys())
     for name, tensor in reference.items():
@@ -97,10 +107,13 @@ def megatron_logprobs(models, mesh, sequences: list[list[int]]) -> torch.Tensor:
     return forward_log_probs(models, mesh, input_ids, attention_mask, 8, TEMPERATURE).cpu()
 
 
-def run_layout(model_dir, tp, pp, engine, hf_engine, replica_index) -> None:
-    mesh = init_parallel(tp=tp, pp=pp, seed=1234)
+def run_layout(model_dir, layout, engine, hf_engine, replica_index) -> None:
+    tp, pp, ep, etp = layout + (1, None)[len(layout) - 2 :]
+    mesh = init_parallel(tp=tp, pp=pp, seed=1234, ep=ep, etp=etp)
     hf_config = AutoConfig.from_pretrained(model_dir)
     models = build_model(hf_config, mesh)
+    for model in models:
+        model.eval()  # megatron's MoE layer refuses to train at TP > 1 without SP
     load_hf_weights(models, mesh, model_dir)
     check_buckets(models, mesh, load_file(f"{model_dir}/model.safetensors"))
     perturb(models, hf_config, mesh)
@@ -129,7 +142,7 @@ def run_layout(model_dir, tp, pp, engine, hf_engine, replica_index) -> None:
         start = len(prompt) - 1
         expected = trainer[row, start : start + len(completion)]
         worst = max(worst, (torch.tensor(engine_log_probs) - expected).abs().max().item())
-    assert worst < 1e-3, f"tp={tp} pp={pp}: engine vs Megatron log-prob diff {worst}"
+    assert worst < 1e-3, f"{layout}: engine vs Megatron log-prob diff {worst}"
 
     greedy = SamplingConfig(temperature=0, max_tokens=12)
     vllm_greedy = [c[0].token_ids for c in engine.generate(PROMPTS, 1, greedy)]  # collective
@@ -138,7 +151,8 @@ def run_layout(model_dir, tp, pp, engine, hf_engine, replica_index) -> None:
         assert vllm_greedy == hf_greedy, (vllm_greedy, hf_greedy)
     if mesh.rank == 0:
         print(
-            f"RESHARD_OK tp={tp} pp={pp} dp={mesh.dp} max_diff={worst:.2e} "
+            f"RESHARD_OK tp={tp} pp={pp} ep={mesh.ep} etp={mesh.etp} dp={mesh.dp} "
+            f"max_diff={worst:.2e} "
             f"buckets={stats.num_buckets} bytes={stats.bytes} seconds={stats.seconds:.4f}",
             flush=True,
         )
@@ -155,8 +169,8 @@ def main() -> None:
     section = RolloutConfig(engine="vllm", tp=rollout_tp, kv_cache_gb=0.03, load_format="auto")
     engine = make_engine(section, model_dir, max_model_len=64)
     hf_engine = make_engine(RolloutConfig(engine="hf"), model_dir) if mesh.rank == 0 else None
-    for tp, pp in layouts:
-        run_layout(model_dir, tp, pp, engine, hf_engine, engine.replica_index)
+    for layout in layouts:
+        run_layout(model_dir, layout, engine, hf_engine, engine.replica_index)
     engine.close()
     destroy_parallel()
 

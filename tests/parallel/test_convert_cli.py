@@ -62,3 +62,27 @@ def test_verify_reports_logit_difference_and_exact_round_trip(tiny_llama_dir):
     diff = float(re.search(r"logit difference: (\S+)", output).group(1))
     assert diff < 1e-4
     assert re.search(r"round trip of \d+ tensors: exact", output), output
+
+
+@pytest.mark.dist
+def test_verify_a_moe_model_at_ep2(tiny_qwen3_moe_dir):
+    # --ep 2 relaunches itself under torchrun with tp * pp * ep = 2 processes
+    output = _convert("verify", "--model", tiny_qwen3_moe_dir, "--ep", 2)
+    print(output)
+    assert "layout tp=1 pp=1 ep=2 expert_tp=1" in output
+    assert float(re.search(r"logit difference: (\S+)", output).group(1)) < 1e-4
+    assert re.search(r"round trip of \d+ tensors: exact", output), output
+
+
+@pytest.mark.parametrize(
+    "fixture, ep, needle",
+    [
+        ("tiny_qwen3_moe_dir", "3", "--ep 3 must divide the model's 8 experts"),
+        ("tiny_llama_dir", "2", "dense model"),
+    ],
+)
+def test_verify_expert_layout_errors(fixture, ep, needle, request):
+    model = request.getfixturevalue(fixture)
+    result = CliRunner().invoke(convert_app, ["verify", "--model", str(model), "--ep", ep])
+    assert isinstance(result.exception, UserError), result.output
+    assert needle in str(result.exception)

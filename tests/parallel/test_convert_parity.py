@@ -1,8 +1,14 @@
-"""Megatron <-> HF parity per parallel layout (torchrun, gloo, tiny fp32 Qwen2 / Llama).
+"""Megatron <-> HF parity per parallel layout (torchrun, gloo, tiny fp32 Qwen2 / Llama / Qwen3 /
+Qwen3-MoE / Qwen2-MoE).
 
 One torchrun launch per layout runs every check (see parity_worker.py): Megatron logits vs HF
 transformers logits, HF -> Megatron -> HF bit-exact round trip (iter_hf_weights and
-save_hf_checkpoint), and equal random weights on data-parallel replicas.
+save_hf_checkpoint), equal random weights on data-parallel replicas, and for MoE models the
+same top-k expert choice as HF's router for every token in every layer (at TP1 x PP1, EP1 and
+EP2, also the router load metrics and aux loss against HF's choices and probabilities). The MoE
+layouts: TP1 x DP2 (EP1), TP2 (experts split by expert TP = 2), PP2, EP2 (4 experts per rank,
+DP2) and TP2 x EP2 with expert TP 1 (attention split over 2 ranks, experts spread over the
+same 2). The MoE models share the dense models' launches where their layouts coincide.
 """
 
 from __future__ import annotations
@@ -20,40 +26,50 @@ LOGIT_TOLERANCE = 1e-4
 # sequence parallelism needs TE (megatron's local-spec norm rejects it); checked only with TE
 HAVE_TRANSFORMER_ENGINE = importlib.util.find_spec("transformer_engine") is not None
 
+DENSE = ["tiny_qwen2_dir", "tiny_qwen2_tied_dir", "tiny_llama_dir"]
+NEW = ["tiny_qwen3_dir", "tiny_qwen3_moe_dir", "tiny_qwen2_moe_dir"]
+MOE = ["tiny_qwen3_moe_dir", "tiny_qwen2_moe_dir"]
 LAYOUTS = [
-    # (tp, pp, vpp, processes): tp1 x pp1 on 2 processes is dp=2
-    pytest.param(1, 1, None, 2, id="tp1-pp1-dp2"),
-    pytest.param(2, 1, None, 2, id="tp2"),
-    pytest.param(1, 2, None, 2, id="pp2"),
-    pytest.param(2, 2, None, 4, id="tp2-pp2"),
-    pytest.param(1, 2, 2, 2, id="pp2-vpp2"),
+    # (tp, pp, vpp, ep, expert tp, processes, models): tp1 x pp1 on 2 processes is dp=2.
+    # The first model of a layout also runs the export, DDP and critic checks.
+    pytest.param(1, 1, None, 1, None, 2, DENSE + MOE, id="tp1-pp1-dp2"),
+    pytest.param(2, 1, None, 1, None, 2, DENSE + NEW, id="tp2"),
+    pytest.param(1, 2, None, 1, None, 2, DENSE + NEW, id="pp2"),
+    pytest.param(2, 2, None, 1, None, 4, DENSE, id="tp2-pp2"),
+    # interleaving adds no new mapping; keep the launch short
+    pytest.param(1, 2, 2, 1, None, 2, ["tiny_qwen2_tied_dir"], id="pp2-vpp2"),
+    pytest.param(1, 1, None, 2, None, 2, MOE, id="ep2"),
+    pytest.param(2, 1, None, 2, 1, 2, MOE, id="tp2-ep2-etp1"),
 ]
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("tp, pp, vpp, nproc", LAYOUTS)
-def test_megatron_matches_hf(
-    tp, pp, vpp, nproc, tiny_qwen2_dir, tiny_qwen2_tied_dir, tiny_llama_dir, tmp_path
-):
-    models = [tiny_qwen2_dir, tiny_qwen2_tied_dir, tiny_llama_dir]
-    if vpp:
-        models = [tiny_qwen2_tied_dir]  # interleaving adds no new mapping; keep the launch short
+@pytest.mark.parametrize("tp, pp, vpp, ep, etp, nproc, fixtures", LAYOUTS)
+def test_megatron_matches_hf(tp, pp, vpp, ep, etp, nproc, fixtures, request, tmp_path):
+    models = [request.getfixturevalue(name) for name in fixtures]
     result = tmp_path / "result.json"
-    args = ["--tp", tp, "--pp", pp, "--models", ",".join(map(str, models))]
+    args = ["--tp", tp, "--pp", pp, "--ep", ep, "--models", ",".join(map(str, models))]
     args += ["--result", result, "--export-dir", tmp_path / "export"]
     if vpp:
         args += ["--vpp", vpp]
+    if etp:
+        args += ["--etp", etp]
     run_torchrun(WORKER, nproc, *args)
 
     summary = json.loads(result.read_text())
     print(json.dumps(summary, indent=1))  # parity numbers, visible with -s
     assert summary["dp"] == nproc // (tp * pp)
-    for model_dir in models:
+    assert (summary["ep"], summary["etp"]) == (ep, etp or tp)
+    for model_dir, fixture in zip(models, fixtures, strict=True):
         report = summary[model_dir.name]
         assert report["max_abs_logit_diff"] < LOGIT_TOLERANCE, (model_dir.name, report)
         assert report["round_trip_missing"] == [] and report["round_trip_extra"] == []
         assert report["round_trip_exact"], (model_dir.name, report)
         assert report["dp_replicas_equal"], (model_dir.name, report)
+        assert report["plan_counts_match"] and report["plan_weight_bytes_match"], report
+        assert report.get("router_choices_equal") is (True if fixture in MOE else None), report
+        if fixture in MOE and tp == pp == 1:  # parallel.moe.router_load_metrics vs HF's routing
+            assert report["router_metrics_match"], report
     first = summary[models[0].name]
     assert first["saved_exact"] and first["saved_config_ok"], first
     assert first["ddp_wrapped_round_trip_exact"], first

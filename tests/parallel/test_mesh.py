@@ -27,6 +27,14 @@ def test_virtual_pipeline_needs_pipeline(monkeypatch):
         init_parallel(tp=2, pp=1, vpp=2)
 
 
+def test_expert_parallel_must_fit_the_data_parallel_ranks(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")  # tp2 x dp2
+    with pytest.raises(ParallelLayoutError, match="parallel.ep must divide the data-parallel"):
+        init_parallel(tp=2, ep=4)  # expert TP = tp = 2: 8 ranks per stage needed
+    with pytest.raises(ParallelLayoutError, match="parallel.ep and parallel.expert_tp"):
+        init_parallel(tp=2, ep=0)
+
+
 SINGLE_PROCESS = """
 import torch, torch.distributed as dist
 from parallel.mesh import init_parallel, destroy_parallel

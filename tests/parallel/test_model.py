@@ -64,3 +64,46 @@ def test_unsupported_rope_scaling_and_model_type():
     config.model_type = "gpt2"
     with pytest.raises(ValueError, match="supported: llama, qwen2"):
         transformer_config_from_hf(config, tp=1, pp=1)
+
+
+def _qwen3_moe(**overrides):
+    from transformers import Qwen3MoeConfig
+
+    from tests.parallel.dist_utils import FAMILY_CONFIG
+
+    options = {**TINY_CONFIG, **FAMILY_CONFIG["qwen3_moe"], **overrides}
+    options.pop("rope_theta")
+    return Qwen3MoeConfig(**options)
+
+
+def test_moe_config_carries_experts_layout_and_training_knobs():
+    config = transformer_config_from_hf(
+        _qwen3_moe(), tp=2, pp=1, ep=2, etp=1, moe={"aux_loss_coef": 0.01}
+    )
+    assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (
+        8,
+        2,
+        32,
+    )
+    assert (config.expert_model_parallel_size, config.expert_tensor_parallel_size) == (2, 1)
+    assert config.moe_aux_loss_coeff == 0.01 and config.moe_router_load_balancing_type == "aux_loss"
+    assert config.moe_token_dispatcher_type == "alltoall" and not config.moe_grouped_gemm
+    assert config.qk_layernorm and config.kv_channels == 32
+    default = transformer_config_from_hf(_qwen3_moe(router_aux_loss_coef=0.002), tp=1, pp=1)
+    assert default.moe_aux_loss_coeff == 0.002  # config.json's coefficient
+    assert default.expert_tensor_parallel_size == 1  # expert TP defaults to TP
+    off = transformer_config_from_hf(_qwen3_moe(), tp=1, pp=1, moe={"load_balancing": "none"})
+    assert off.moe_aux_loss_coeff == 0.0
+
+
+def test_moe_layout_and_dense_model_errors_name_the_keys():
+    from parallel.model import ModelConfigError
+
+    with pytest.raises(ParallelLayoutError, match="parallel.ep=3 must divide the model's 8"):
+        transformer_config_from_hf(_qwen3_moe(), tp=1, pp=1, ep=3)
+    with pytest.raises(ParallelLayoutError, match="parallel.expert_tp=3"):
+        transformer_config_from_hf(_qwen3_moe(), tp=1, pp=1, etp=3)
+    with pytest.raises(ModelConfigError, match="parallel.ep"):
+        transformer_config_from_hf(_qwen2(), tp=1, pp=1, ep=2)
+    with pytest.raises(ModelConfigError, match="model.moe_"):
+        transformer_config_from_hf(_qwen2(), tp=1, pp=1, moe={"aux_loss_coef": 0.1})

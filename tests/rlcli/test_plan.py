@@ -36,15 +36,11 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-32b", "llama-3-8b"])
-def test_known_shapes_count_what_transformers_builds(name):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+def _hf_config(shape):
+    """A transformers config of `shape`'s family (Llama, Qwen2, Qwen3, Qwen3-MoE)."""
+    import transformers
 
-    shape = KNOWN_SHAPES[name]
-    config_cls, model_cls = (
-        (LlamaConfig, LlamaForCausalLM) if "llama" in name else (Qwen2Config, Qwen2ForCausalLM)
-    )
-    config = config_cls(
+    options = dict(
         hidden_size=shape.hidden,
         num_hidden_layers=shape.layers,
         num_attention_heads=shape.heads,
@@ -53,10 +49,55 @@ def test_known_shapes_count_what_transformers_builds(name):
         vocab_size=shape.vocab,
         tie_word_embeddings=shape.tied,
     )
+    if shape.qk_norm:
+        options["head_dim"] = shape.head_dim
+    if shape.is_moe:
+        options.update(
+            num_experts=shape.experts,
+            num_experts_per_tok=shape.topk,
+            moe_intermediate_size=shape.moe_ffn,
+        )
+        return transformers.Qwen3MoeConfig(**options), transformers.Qwen3MoeForCausalLM
+    if shape.qk_norm:
+        return transformers.Qwen3Config(**options), transformers.Qwen3ForCausalLM
+    if shape.qkv_bias:
+        return transformers.Qwen2Config(**options), transformers.Qwen2ForCausalLM
+    return transformers.LlamaConfig(**options), transformers.LlamaForCausalLM
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen2.5-0.5b",
+        "qwen2.5-7b",
+        "qwen2.5-32b",
+        "llama-3-8b",
+        "qwen3-0.6b",
+        "qwen3-8b",
+        "qwen3-30b-a3b",
+    ],
+)
+def test_known_shapes_count_what_transformers_builds(name):
+    shape = KNOWN_SHAPES[name]
+    config, model_cls = _hf_config(shape)
     with torch.device("meta"):
         model = model_cls(config)
     hf_count = sum(p.numel() for p in model.parameters())  # tied weights counted once
     assert max_stage_params(shape, tp=1, pp=1) == hf_count
+
+
+def test_moe_experts_split_by_ep_and_their_adam_state_by_expert_dp():
+    shape = KNOWN_SHAPES["qwen3-30b-a3b"]
+    experts = 48 * 128 * 3 * 768 * 2048  # layers x experts x (gate, up, down) x width x hidden
+    one = TrainedModel(shape, tp=1, dp=16, ep=1)
+    eight = dataclasses.replace(one, ep=8)
+    assert one.expert_params == experts and eight.expert_params == experts // 8
+    assert one.params - eight.params == experts - experts // 8
+    assert eight.expert_dp == 2
+    sharded = dataclasses.replace(eight, distributed_optimizer=True)
+    dense = eight.params - eight.expert_params
+    # bf16: fp32 master + 2 Adam moments = 3 fp32 values, dense over DP, experts over expert DP
+    assert optimizer_bytes(sharded) == 4 * 3 * (-(-dense // 16) + -(-experts // 8 // 2))
 
 
 @pytest.mark.parametrize(
@@ -159,6 +200,20 @@ def test_32b_layout_gets_a_recommendation(capsys):
     assert code == 1 and "smallest change that fits:" in out
 
 
+def test_qwen3_moe_recipe_fits_its_stated_cluster_and_names_ep_as_the_fix(capsys):
+    moe = ["plan", "recipes/grpo_qwen3_30b_a3b.yaml", "--nodes", "2", "--gpus-per-node", "8"]
+    code, out, _ = run_cli(capsys, *moe, "--gpu-memory-gb", "80")
+    assert code == 0 and "-> fits" in out, out
+    assert "experts: 128 per MoE layer, top-8, ep=8 expert_tp=1 (expert dp=2)" in out
+    code, out, _ = run_cli(capsys, *moe, "parallel.ep=1", "--gpu-memory-gb", "80")
+    assert code == 1 and "smallest change that fits: parallel.ep=" in out, out
+
+
+def test_qwen3_dense_recipe_fits(capsys):
+    code, out, _ = run_cli(capsys, "plan", "recipes/grpo_qwen3_8b.yaml", "--gpus-per-node", "8")
+    assert code == 0 and "known shape for 'Qwen3-8B'" in out and "-> fits" in out, out
+
+
 def test_quickstart_plans_from_its_built_spec(capsys, tmp_path):
     # A fresh output folder: after `make demo` the built model's config.json would answer first.
     output = f"trainer.output_dir={tmp_path}"
@@ -177,6 +232,9 @@ def test_quickstart_plans_from_its_built_spec(capsys, tmp_path):
         (["actor.recompute=sometimes"], "actor.recompute"),
         (["--nodes", "0"], "--nodes"),
         (["--model-config", "/nonexistent/config.json"], "--model-config"),
+        (["model.moe_aux_loss_coef=0.01"], "model.moe_aux_loss_coef: the"),
+        (["parallel.ep=2"], "has no experts"),
+        (["model.moe_token_dispatcher=broadcast"], "model.moe_token_dispatcher"),
     ],
 )
 def test_bad_input_is_a_user_error(capsys, extra, needle):
@@ -202,3 +260,21 @@ def test_separate_placement_plans_trainer_and_rollout_gpus_apart(capsys):
     code, out, _ = run_cli(capsys, *SEVEN_B, *separate, "rollout.gpu_memory_utilization=0.99")
     assert code == 1 and "does NOT fit" in out
     assert "rollout.gpu_memory_utilization=" in out  # the fix names the engine's share
+
+
+@pytest.mark.parametrize(
+    "nodes, extra, needle",
+    [
+        (
+            "3",
+            ["parallel.ep=3"],
+            "parallel.ep=3 must divide the 'Qwen3-30B-A3B' model's 128 experts",
+        ),
+        ("2", ["parallel.ep=32"], "parallel.ep must divide the data-parallel size 16"),
+        ("2", ["parallel.tp=2"], "parallel.sequence_parallel=true"),
+    ],
+)
+def test_bad_expert_layout_is_a_user_error(capsys, nodes, extra, needle):
+    moe = ["plan", "recipes/grpo_qwen3_30b_a3b.yaml", "--nodes", nodes, "--gpus-per-node", "8"]
+    code, _, err = run_cli(capsys, *moe, *extra)
+    assert code == 2 and needle in err, err

@@ -137,6 +137,28 @@ def test_hf_engine_load_weights_with_tied_embeddings(tied_model_dir):
         assert samples[0].token_ids == argmax
 
 
+def test_hf_engine_loads_per_expert_names_into_fused_experts(tmp_path):
+    """transformers 5 fuses a MoE layer's experts ([E, 2F, h] gate_up_proj); the engine takes
+    the per-expert checkpoint names the resharder sends and matches a model loaded from disk."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    model_dir = make_tiny_hf_model(tmp_path / "moe", "qwen3_moe")
+    engine = engine_for("hf", model_dir)
+    changed = {
+        k: v + 0.01 * torch.randn_like(v)
+        for k, v in load_file(model_dir / "model.safetensors").items()
+    }
+    engine.load_weights(list(changed.items()))
+    save_file(changed, model_dir / "model.safetensors", metadata={"format": "pt"})
+    expected = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    loaded = engine.model.state_dict()
+    assert loaded.keys() == expected.keys() and "model.layers.0.mlp.experts.gate_up_proj" in loaded
+    assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+    with pytest.raises(KeyError, match="model.layers.0.mlp.no_such.weight"):
+        engine.load_weights([("model.layers.0.mlp.no_such.weight", torch.zeros(2))])
+
+
 # ---- vLLM engine ----------------------------------------------------------------------
 
 
