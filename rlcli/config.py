@@ -13,6 +13,12 @@ from typing import Any, Literal, Optional, get_args, get_origin, get_type_hints
 
 from omegaconf import OmegaConf
 
+from rlcli.config_rewards import (
+    RewardCombineConfig,
+    RewardModelConfig,
+    RewardModelTrainingConfig,
+)
+
 
 @dataclass
 class DataConfig:
@@ -89,19 +95,27 @@ class MultiTurnConfig:
 
 
 @dataclass
-class RolloutConfig:
-    engine: Literal["vllm", "hf"] = "vllm"  # the rollout engine
+class EngineConfig:
+    """What every inference engine is built from (``rlcli.rollout.factory.make_engine``): the
+    policy's rollout engine (``rollout.*``) and the generative judge's (``reward.judge.*``)."""
+
+    engine: Literal["vllm", "hf"] = "vllm"  # the inference engine
     tp: int = 1  # inference tensor parallel size, independent of parallel.tp / parallel.pp
+    # context length; None: rollout: data.max_prompt_length + rollout.max_tokens, judge: its model's
+    max_model_len: Optional[int] = None
+    gpu_memory_utilization: float = 0.5  # GPU: share of memory vLLM takes for weights + KV cache
+    kv_cache_gb: float = 1.0  # CPU only: resident KV cache per engine
+    enforce_eager: bool = True  # GPU: no CUDA graphs (faster start, slower decoding)
+
+
+@dataclass
+class RolloutConfig(EngineConfig):
     n: int = 8  # samples per prompt
     temperature: float = 1.0  # sampling temperature (the trainer's log-probs use the same)
     top_p: float = 1.0  # nucleus sampling (1.0: off)
     top_k: int = -1  # top-k sampling (-1: off)
     max_tokens: int = 64  # max new tokens per response
     stop_token_ids: list[int] = field(default_factory=list)  # EOS is always a stop token
-    max_model_len: Optional[int] = None  # default: data.max_prompt_length + rollout.max_tokens
-    gpu_memory_utilization: float = 0.5  # GPU: share of memory vLLM takes for weights + KV cache
-    kv_cache_gb: float = 1.0  # CPU only: resident KV cache per engine
-    enforce_eager: bool = True  # GPU: no CUDA graphs (faster start, slower decoding)
     sync_bucket_mb: int = 0  # 0: parallel.reshard.AUTO_BUCKET_MB (small models: one bucket)
     sleep_level: Literal[1, 2] = (
         1  # GPU vLLM: 1 offloads weights to host, 2 discards them (sync on wake)
@@ -117,6 +131,41 @@ class RolloutConfig:
     max_logprob_diff: float = 0.5
     logprob_diff_action: Literal["warn", "stop"] = "warn"
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+
+
+@dataclass
+class JudgeConfig(EngineConfig):
+    """A generative judge (LLM-as-a-judge): a causal LM served by an engine built like the
+    rollout's, asked to grade each sample with ``template``; its reply is parsed into a score
+    (docs/data-and-rewards.md). Its engine sleeps outside the step's judge phase."""
+
+    path: Optional[str] = None  # HF causal-LM folder of the judge; None: no judge
+    # Python format string with {question}, {response} (required) and {reference}; None: the
+    # built-in template of reward.judge.mode
+    template: Optional[str] = None
+    # render the prompt as a user message with the judge tokenizer's chat template; None: when
+    # it has one
+    apply_chat_template: Optional[bool] = None
+    temperature: float = 0.0  # judge sampling temperature (0: greedy)
+    max_tokens: int = 128  # max new tokens per judge reply
+    mode: Literal["number", "verdict"] = "number"  # a number in [min_score, max_score] | a word
+    min_score: float = 0.0  # number mode: the lowest acceptable score
+    max_score: float = 10.0  # number mode: the highest acceptable score
+    # number mode: regex with one group, the last match is the score; None: 'Score: N'
+    pattern: Optional[str] = None
+    # verdict mode: the last of these words (whole, any case) in the reply -> its score
+    verdicts: dict[str, float] = field(default_factory=lambda: {"correct": 1.0, "incorrect": 0.0})
+    default_score: float = 0.0  # the score of a reply without an acceptable one (counted)
+    weight: float = 1.0  # the judge's weight in the model reward (reward.combine)
+
+    # The engine settings a judge has no choice of (read by the engine like rollout's keys):
+    @property
+    def load_format(self) -> str:
+        return "auto"  # the weights are read from reward.judge.path: nothing ever syncs them
+
+    @property
+    def sleep_level(self) -> int:
+        return 1  # the weights stay in host memory (level 2 would discard what nothing reloads)
 
 
 @dataclass
@@ -235,6 +284,9 @@ class RewardConfig:
     # Stop the run (with the reward's own error) when more than this fraction of a step's
     # samples fail to score (raise, time out or return a non-number).
     max_failure_rate: float = 0.5
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    combine: RewardCombineConfig = field(default_factory=RewardCombineConfig)
 
 
 @dataclass
@@ -245,38 +297,6 @@ class SFTConfig:
     batch_size: int = 64  # pairs per SFT step
     micro_batch_size: int = 64  # pairs per forward/backward
     lr_warmup_steps: int = 0  # warm-start warmup steps
-
-
-@dataclass
-class RewardModelTrainingConfig:
-    """``rlcli rm``: a reward model trained on preference pairs with the Bradley-Terry loss, in
-    the layout of ``parallel.*`` (the model settings are ``model.*``)."""
-
-    # JSONL / Parquet rows {"prompt", "chosen", "rejected"[, "margin"]} (rlcli.data.preferences)
-    train_files: list[str] = field(default_factory=list)
-    val_files: list[str] = field(default_factory=list)  # held-out pairs: pairwise accuracy
-    # "arith": write the quickstart's preference pairs (the correct answer preferred) under
-    # trainer.output_dir/data and train and validate on them
-    synthetic: Optional[Literal["arith"]] = None
-    # HF folder to start from: a language model (its transformer, a fresh score head) or a
-    # reward model (trained further); its tokenizer and chat template are the reward model's.
-    # None: model.path
-    init_path: Optional[str] = None
-    # the trained model as an HF *ForSequenceClassification folder (replaced if it exists)
-    out_dir: str = "${trainer.output_dir}/reward_model"
-    steps: int = 100  # optimizer steps
-    batch_size: int = 32  # pairs per step, all data-parallel ranks together
-    micro_batch_size: int = 16  # pairs per forward/backward
-    max_tokens: int = 0  # > 0: micro-batches by this token budget (both sequences of a pair)
-    max_length: int = 512  # pairs with a longer sequence (prompt + response) are dropped
-    lr: float = 1e-5  # Adam learning rate (betas / eps as actor.*), constant after warmup
-    lr_warmup_steps: int = 0  # linear warmup steps
-    weight_decay: float = 0.0  # AdamW weight decay
-    grad_clip: float = 1.0  # global gradient-norm clip (0: off)
-    val_freq: int = 50  # held-out accuracy every N steps, besides before and after (0: never)
-    # checkpoint every N steps into <trainer.output_dir>/rm_checkpoints (0: none); a run
-    # resumes from the newest one as trainer.resume says
-    save_freq: int = 0
 
 
 @dataclass
