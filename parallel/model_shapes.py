@@ -80,8 +80,19 @@ def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // tp) * tp  # as parallel.model.padded_vocab_size
 
 
-def stage_params(shape: ModelShape, *, tp: int, pp: int, pp_rank: int, critic: bool = False) -> int:
-    """Parameters held by one (TP rank, pipeline stage), all virtual chunks together."""
+def stage_params(
+    shape: ModelShape,
+    *,
+    tp: int,
+    pp: int,
+    pp_rank: int,
+    critic: bool = False,
+    head_bias: bool = True,
+) -> int:
+    """Parameters held by one (TP rank, pipeline stage), all virtual chunks together.
+    ``critic``: a one-output head instead of the LM head, as ``parallel.model.build_model``
+    builds it: with a bias (PPO's value head) or, ``head_bias=False``, without (a reward model's
+    score head)."""
     first, last = pp_rank == 0, pp_rank == pp - 1
     count = shape.layers // pp * layer_params(shape, tp)
     embedding = padded_vocab(shape.vocab, tp) // tp * shape.hidden
@@ -90,11 +101,16 @@ def stage_params(shape: ModelShape, *, tp: int, pp: int, pp_rank: int, critic: b
     if last:
         count += shape.hidden  # final norm
         if critic:
-            count += shape.hidden + 1  # value head, replicated
+            count += shape.hidden + (1 if head_bias else 0)  # value / score head, replicated
         elif not shape.tied or pp > 1:  # a tied head is a second copy on the last stage
             count += embedding
     return count
 
 
-def max_stage_params(shape: ModelShape, *, tp: int, pp: int, critic: bool = False) -> int:
-    return max(stage_params(shape, tp=tp, pp=pp, pp_rank=r, critic=critic) for r in range(pp))
+def max_stage_params(
+    shape: ModelShape, *, tp: int, pp: int, critic: bool = False, head_bias: bool = True
+) -> int:
+    return max(
+        stage_params(shape, tp=tp, pp=pp, pp_rank=r, critic=critic, head_bias=head_bias)
+        for r in range(pp)
+    )

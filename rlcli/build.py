@@ -1,8 +1,9 @@
 """The one factory: config -> ``Trainer`` (``rlcli train``), or an SFT-only run (``rlcli sft``).
 
 Every rank builds the same things in the same order: rewards (a reward spec that does not import
-fails at once), inputs (process groups, data, model), the SFT warm start, the actor, the
-reference, PPO's critic, the rollout engine, then resumes from the newest checkpoint when asked.
+fails at once), inputs (process groups, data, model), the SFT warm start, the reward-model stage
+(``rm.before_rl``), the actor, the reference, PPO's critic, the model rewards (reward model,
+judge), the rollout engine, then resumes from the newest checkpoint when asked.
 """
 
 from __future__ import annotations
@@ -10,11 +11,10 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
 import algorithms
 from rlcli.advantages import KLController
-from rlcli.config import RLConfig, TrainedModelConfig, to_dict
+from rlcli.config import RLConfig, to_dict
 from rlcli.config_validation import uses_critic
 from rlcli.data import PromptLoader
 from rlcli.errors import UserError
@@ -24,7 +24,7 @@ from rlcli.rewards import RewardManager
 from rlcli.rollout.base import RolloutEngine
 from rlcli.run_checkpoint import CheckpointManager, checkpoint_root, resume_run
 from rlcli.sampling import ReplicaInfo
-from rlcli.trained_model import MicroBatching, OptimizerSettings, TrainedModel
+from rlcli.trained_model import MicroBatching, OptimizerSettings, TrainedModel, model_options
 from rlcli.trainer import Trainer, say
 
 
@@ -35,6 +35,8 @@ def build_trainer(cfg: RLConfig, reference: bool | None = None, logger: bool = T
     inputs = prepare_inputs(cfg)
     if cfg.sft.steps > 0:
         inputs.model_dir = str(warm_start(inputs))
+    if cfg.rm.before_rl:
+        reward_model_stage(inputs)
     loader = PromptLoader(
         inputs.train_data,
         cfg.data.train_batch_size,
@@ -55,6 +57,9 @@ def build_trainer(cfg: RLConfig, reference: bool | None = None, logger: bool = T
             model_options=model_options(cfg),
         )
     critic = build_critic(inputs, total_steps=total) if uses_critic(cfg) else None
+    from rlcli.model_rewards import build_model_rewards
+
+    model_rewards = build_model_rewards(cfg, mesh, inputs.tokenizer, model_options(cfg))
     say(mesh, f"starting the {cfg.rollout.engine} engine (rollout.tp={cfg.rollout.tp})")
     engine, replica = build_engine(inputs)
     from rlcli.rollout.transport import make_transport
@@ -80,6 +85,7 @@ def build_trainer(cfg: RLConfig, reference: bool | None = None, logger: bool = T
         logger=None,
         total_steps=total,
         critic=critic,
+        model_rewards=model_rewards,
     )
     state = resume_run(
         trainer.checkpoints,
@@ -91,6 +97,8 @@ def build_trainer(cfg: RLConfig, reference: bool | None = None, logger: bool = T
     if state is not None:
         loader.load_state_dict(state["loader"])
         trainer.kl_ctrl.value = state["kl_coef"]
+        if model_rewards is not None:
+            model_rewards.load_state_dict(state.get("model_rewards", {}))
         trainer.step = trainer.resumed_from = int(state["step"])
     if logger:
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
@@ -133,6 +141,29 @@ def warm_start(inputs: RunInputs, force: bool = False) -> Path:
         tmp.rename(out)  # a crash mid-save leaves only sft_model.tmp, never a partial sft_model
     barrier()
     return out
+
+
+def reward_model_stage(inputs: RunInputs) -> None:
+    """``rm.before_rl``: train a reward model as ``rlcli rm`` does into ``rm.out_dir``, from
+    ``rm.init_path`` or the RL start model (the SFT policy), unless one is there already."""
+    from rlcli.reward_model_training import train_reward_model
+
+    cfg, mesh = inputs.cfg, inputs.mesh
+    out = Path(cfg.rm.out_dir)
+    if (out / "config.json").exists():
+        say(mesh, f"reward model: reusing {out}")
+        return
+    start = cfg.rm.init_path or inputs.model_dir
+    say(mesh, f"reward model: {cfg.rm.steps} Bradley-Terry steps from {start} into {out}")
+    report = train_reward_model(cfg, mesh, log=lambda m: say(mesh, m), init_path=start)
+    if report.val_accuracy_after is not None:
+        before = report.val_accuracy_before
+        say(
+            mesh,
+            "reward model held-out pairwise accuracy "
+            + ("n/a" if before is None else f"{before:.3f}")
+            + f" -> {report.val_accuracy_after:.3f} ({report.val_pairs} pairs)",
+        )
 
 
 def build_actor(inputs: RunInputs, total_steps: int, sft: bool = False) -> TrainedModel:
@@ -192,22 +223,6 @@ def build_critic(inputs: RunInputs, total_steps: int) -> TrainedModel:
             f"tokenizer ({actor_vocab} tokens): the critic reads the actor's token ids"
         )
     return critic
-
-
-def model_options(cfg: RLConfig, section: TrainedModelConfig | None = None) -> dict[str, Any]:
-    """``parallel.model.build_model``'s layout options from the config; a model that trains
-    adds its own activation recomputation (``section``: its ``actor`` / ``critic`` section)."""
-    options: dict[str, Any] = {
-        "sequence_parallel": cfg.parallel.sequence_parallel,
-        "transformer_impl": cfg.model.transformer_impl,
-    }
-    if section is not None:
-        from parallel.memory_terms import recompute_options
-
-        options["recompute"] = recompute_options(
-            section.recompute, section.recompute_method, section.recompute_num_layers
-        )
-    return options
 
 
 def needs_reference(cfg: RLConfig) -> bool:

@@ -62,9 +62,30 @@ def _model_shape(cfg, model_config: Optional[Path]):
     return shape, f"known shape for '{Path(cfg.model.path).name}'"
 
 
+def _other_model_shape(key: str, path: str, fallback=None):
+    """The shape of another model of the run (``reward.model.path``, ``reward.judge.path``): its
+    config.json, the table of known shapes, or `fallback` (a reward model still to be trained
+    from the policy has the policy's shape)."""
+    from parallel.model_shapes import KNOWN_SHAPES, ModelShape, known_shape
+
+    file = Path(path) / "config.json"
+    if file.is_file():
+        try:
+            return ModelShape.from_hf_config(json.loads(file.read_text()))
+        except (KeyError, ValueError) as err:
+            raise UserError(f"{key}={path}: {file} is not an HF model config ({err})") from None
+    shape = known_shape(path) or fallback
+    if shape is None:
+        raise UserError(
+            f"{key}={path}: model shape unknown ({file} does not exist and "
+            f"'{Path(path).name}' is not a known shape: {', '.join(KNOWN_SHAPES)})"
+        )
+    return shape
+
+
 def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flash_attention: bool):
     """parallel.memory_plan's inputs for a validated RLConfig on `world_size` GPUs."""
-    from parallel.memory_plan import PlanInputs, RolloutEngine
+    from parallel.memory_plan import JudgeEngine, PlanInputs, RolloutEngine
     from parallel.memory_terms import TrainedModel
     from parallel.reshard import AUTO_BUCKET_MB
     from rlcli.batch import mini_batch_count
@@ -123,6 +144,27 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
         sync_bucket_bytes=(cfg.rollout.sync_bucket_mb or AUTO_BUCKET_MB) * 1024**2,
     )
     critic = trained(cfg.critic, critic=True) if uses_critic(cfg) else None
+    reward_model = judge = None
+    if cfg.reward.model.path:  # frozen, in the actor's layout, scoring whole sequences
+        rm_shape = _other_model_shape(
+            "reward.model.path", cfg.reward.model.path, shape if cfg.rm.before_rl else None
+        )
+        reward_model = dataclasses.replace(
+            actor,
+            shape=rm_shape,
+            micro_batch_size=cfg.reward.model.micro_batch_size,
+            critic=True,
+            head_bias=False,
+        )
+    j = cfg.reward.judge
+    if j.path:
+        judge = JudgeEngine(
+            _other_model_shape("reward.judge.path", j.path),
+            vllm=j.engine == "vllm",
+            tp=j.tp,
+            gpu_memory_utilization=j.gpu_memory_utilization,
+            dtype=cfg.model.dtype,
+        )
     return PlanInputs(
         actor=actor,
         rollout=rollout,
@@ -130,6 +172,10 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
         ref=cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward,
         ref_offload=cfg.ref.offload,
         critic=critic,
+        reward_model=reward_model,
+        reward_model_offload=cfg.reward.model.offload,
+        judge=judge,
+        rollout_vllm=cfg.rollout.engine == "vllm",
     )
 
 
@@ -144,7 +190,10 @@ def _candidates(cfg, shape, gpus_per_node: int, world_size: int, plan) -> list[l
     if not (a.offload_grads and a.offload_optimizer):
         out.append(state)
     if not (a.offload_params and cfg.ref.offload):
-        out.append([f"{m}.offload_params=true" for m in trained] + state + ["ref.offload=true"])
+        everything = [f"{m}.offload_params=true" for m in trained] + state + ["ref.offload=true"]
+        if plan.inputs.reward_model is not None:
+            everything.append("reward.model.offload=true")
+        out.append(everything)
     if not par.use_distributed_optimizer and world_size // (par.tp * par.pp) > 1:
         out.append(["parallel.use_distributed_optimizer=true"])
     for mode in ("selective", "full"):
@@ -175,21 +224,20 @@ def _gib(n: int) -> str:
 
 
 def _table(plan, plan_offloaded) -> list[str]:
-    from parallel.memory_plan import PHASES
-
+    phases = list(plan.phases)  # the "reward" phase only with a reward model or a judge
     rows = []
-    for phase in PHASES:
+    for phase in phases:
         rows += [t for t in plan.phases[phase].terms if t not in rows]
-    head = f"{'per GPU, GiB':34}" + "".join(f"{p:>11}" for p in PHASES)
+    head = f"{'per GPU, GiB':34}" + "".join(f"{p:>11}" for p in phases)
     lines = [head, "-" * len(head)]
     for term in rows:
-        cells = "".join(f"{_gib(plan.phases[p].terms.get(term, 0)):>11}" for p in PHASES)
+        cells = "".join(f"{_gib(plan.phases[p].terms.get(term, 0)):>11}" for p in phases)
         lines.append(f"{term:34}{cells}")
     lines.append("-" * len(head))
-    lines.append(f"{'total':34}" + "".join(f"{_gib(plan.phases[p].total):>11}" for p in PHASES))
+    lines.append(f"{'total':34}" + "".join(f"{_gib(plan.phases[p].total):>11}" for p in phases))
     lines.append(
         f"{'total, everything offloaded':34}"
-        + "".join(f"{_gib(plan_offloaded.phases[p].total):>11}" for p in PHASES)
+        + "".join(f"{_gib(plan_offloaded.phases[p].total):>11}" for p in phases)
     )
     return lines
 
@@ -211,7 +259,8 @@ def plan_command(
         help="Attention without an s x s score tensor (Transformer Engine installed).",
     ),
 ) -> None:
-    """Per-GPU memory of each phase (generate, log-probs, update, sync): does the layout fit?"""
+    """Per-GPU memory of each phase (generate, reward, log-probs, update, sync): does the
+    layout fit?"""
 
     from parallel.memory_plan import plan_memory
     from rlcli.config_loader import load_config
@@ -238,6 +287,7 @@ def plan_command(
         actor=dataclasses.replace(actor, **offloaded),
         critic=dataclasses.replace(critic, **offloaded) if critic is not None else None,
         ref_offload=True,
+        reward_model_offload=True,
     )
     echo = typer.echo
     echo(
