@@ -17,6 +17,7 @@ install_requires = [
     "pyarrow",
     "rich",
     "psutil",  # megatron-core dist_checkpointing
+    "peft==0.21.2",  # LoRA adapters: the config class of exported adapters, and the tests' reference
     "math-verify",
     "numpy",
     "matplotlib",  # benchmark chart

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
 from parallel.cpu_compat import enable_cpu_compat
 
@@ -174,3 +174,14 @@ def destroy_parallel() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def rng_tracker_states() -> dict[str, torch.Tensor]:
+    """megatron's named RNG streams (`get_cuda_rng_tracker`: per-TP-rank dropout, e.g. a LoRA
+    adapter's on a TP-split input), copied; empty before `init_parallel`. A checkpoint keeps
+    them so a resumed run draws the masks the uninterrupted run would."""
+    return {name: state.clone() for name, state in get_cuda_rng_tracker().get_states().items()}
+
+
+def set_rng_tracker_states(states: dict[str, torch.Tensor]) -> None:
+    get_cuda_rng_tracker().set_states({name: state.clone() for name, state in states.items()})

@@ -11,20 +11,27 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import algorithms
 from rlcli.advantages import KLController
-from rlcli.config import RLConfig, to_dict
+from rlcli.config import RLConfig, TrainedModelConfig, to_dict
 from rlcli.config_validation import uses_critic
 from rlcli.data import PromptLoader
 from rlcli.errors import UserError
 from rlcli.inputs import RunInputs, barrier, prepare_inputs
+from rlcli.lora import lora_spec
 from rlcli.metrics import MetricsLogger
 from rlcli.rewards import RewardManager
 from rlcli.rollout.base import RolloutEngine
 from rlcli.run_checkpoint import CheckpointManager, checkpoint_root, resume_run
 from rlcli.sampling import ReplicaInfo
-from rlcli.trained_model import MicroBatching, OptimizerSettings, TrainedModel, model_options
+from rlcli.trained_model import (
+    LoraReference,
+    MicroBatching,
+    OptimizerSettings,
+    TrainedModel,
+)
 from rlcli.trainer import Trainer, say
 
 
@@ -49,13 +56,7 @@ def build_trainer(cfg: RLConfig, reference: bool | None = None, logger: bool = T
     actor = build_actor(inputs, total_steps=total)
     ref = None
     if needs_reference(cfg) if reference is None else reference:
-        ref = TrainedModel(
-            mesh,
-            inputs.model_dir,
-            dtype=cfg.model.dtype,
-            micro_batching=MicroBatching.of(cfg.actor),
-            model_options=model_options(cfg),
-        )
+        ref = build_reference(inputs, actor)
     critic = build_critic(inputs, total_steps=total) if uses_critic(cfg) else None
     from rlcli.model_rewards import build_model_rewards
 
@@ -72,7 +73,7 @@ def build_trainer(cfg: RLConfig, reference: bool | None = None, logger: bool = T
         actor=actor,
         reference=ref,
         engine=engine,
-        transport=make_transport(cfg.rollout, engine),
+        transport=make_transport(cfg.rollout, engine, adapters=actor.lora is not None),
         replica=replica,
         rewards=rewards,
         loader=loader,
@@ -185,6 +186,24 @@ def build_actor(inputs: RunInputs, total_steps: int, sft: bool = False) -> Train
         optim=settings,
         micro_batching=micro_batching,
         model_options=model_options(cfg, cfg.actor),
+        # The SFT warm start trains the whole model; RL then adapts what it left.
+        lora=None if sft else lora_spec(cfg.actor.lora, cfg.trainer.seed),
+        adapter_path=None if sft else cfg.actor.lora.adapter_path,
+    )
+
+
+def build_reference(inputs: RunInputs, actor: TrainedModel) -> TrainedModel | LoraReference:
+    """The frozen reference policy: the actor's start weights, a model of its own; or, for a
+    LoRA actor, the actor itself with its adapters switched off (the base it started from)."""
+    if actor.lora is not None:
+        return LoraReference(actor)
+    cfg = inputs.cfg
+    return TrainedModel(
+        inputs.mesh,
+        inputs.model_dir,
+        dtype=cfg.model.dtype,
+        micro_batching=MicroBatching.of(cfg.actor),
+        model_options=model_options(cfg),
     )
 
 
@@ -225,6 +244,22 @@ def build_critic(inputs: RunInputs, total_steps: int) -> TrainedModel:
     return critic
 
 
+def model_options(cfg: RLConfig, section: TrainedModelConfig | None = None) -> dict[str, Any]:
+    """``parallel.model.build_model``'s layout options from the config; a model that trains
+    adds its own activation recomputation (``section``: its ``actor`` / ``critic`` section)."""
+    options: dict[str, Any] = {
+        "sequence_parallel": cfg.parallel.sequence_parallel,
+        "transformer_impl": cfg.model.transformer_impl,
+    }
+    if section is not None:
+        from parallel.memory_terms import recompute_options
+
+        options["recompute"] = recompute_options(
+            section.recompute, section.recompute_method, section.recompute_num_layers
+        )
+    return options
+
+
 def needs_reference(cfg: RLConfig) -> bool:
     return cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
 
@@ -241,12 +276,14 @@ def build_engine(inputs: RunInputs) -> tuple[RolloutEngine, ReplicaInfo]:
     cfg, mesh = inputs.cfg, inputs.mesh
     r = cfg.rollout
     index, count = rollout_replicas(mesh.world_size, mesh.rank, r.tp)
+    adapters = cfg.actor.lora.enable and r.lora_sync == "adapter"
     engine = make_engine(
         r,
         inputs.model_dir,
         dtype=cfg.model.dtype,
         seed=cfg.trainer.seed,  # engines space request seeds per replica themselves
         max_model_len=r.max_model_len or (cfg.data.max_prompt_length + r.max_tokens),
+        max_lora_rank=cfg.actor.lora.rank if adapters else 0,
     )
     replica = ReplicaInfo(index=index, count=count, is_leader=mesh.rank % r.tp == 0)
     return engine, replica

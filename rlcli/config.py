@@ -123,6 +123,10 @@ class RolloutConfig(EngineConfig):
     # vLLM start weights: dummy (no checkpoint read; the trainer syncs from Megatron right after
     # the engine starts, which also proves the sync path) | auto (read model.path)
     load_format: Literal["dummy", "auto"] = "dummy"
+    # How a LoRA actor's weights reach the engine (actor.lora.enable): merged (every sync sends
+    # W + alpha/r * B A per tensor; any engine) | adapter (only the adapters move and the engine
+    # applies them as a LoRA adapter; vLLM only; the base is sent when the engine has none)
+    lora_sync: Literal["merged", "adapter"] = "merged"
     val_temperature: float = 0.0  # greedy validation
     val_n: int = 1  # samples per held-out prompt
     # Trainer-vs-engine agreement on the sampled tokens' log-probs (a broken weight sync shows
@@ -203,6 +207,26 @@ class TrainedModelConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the actor (``parallel.lora``): the base model is frozen and only the
+    adapters train (no base gradients or optimizer state); the reference policy is the same
+    model with its adapters switched off, so no second model is built."""
+
+    enable: bool = False  # LoRA on the actor (false: full fine-tuning)
+    rank: int = 32  # r: the adapters' inner dimension (A is [r, in], B is [out, r])
+    alpha: float = 32.0  # the update is alpha / rank * B A
+    dropout: float = 0.0  # on the adapters' input in training passes (off in no-grad passes)
+    # Megatron linears that get adapters: linear_qkv (HF q/k/v_proj), linear_proj (o_proj),
+    # linear_fc1 (gate/up_proj), linear_fc2 (down_proj); all: every one
+    target_modules: list[
+        Literal["all", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    ] = field(default_factory=lambda: ["all"])
+    # a PEFT adapter folder to start from (adapter_config.json + adapter_model.safetensors; its
+    # r, lora_alpha and modules must be these); None: A random, B zero (the base model)
+    adapter_path: Optional[str] = None
+
+
+@dataclass
 class ActorConfig(TrainedModelConfig):
     """The policy: megatron-core GPT model(s) trained with the policy loss below."""
 
@@ -218,6 +242,7 @@ class ActorConfig(TrainedModelConfig):
     use_kl_loss: bool = False  # KL to the reference as a loss term (GRPO style)
     kl_loss_coef: float = 0.001  # weight of that KL loss
     kl_loss_type: str = "low_var_kl"  # k1 | abs | k2 | k3 / low_var_kl (+ suffix: straight-through)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

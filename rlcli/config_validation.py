@@ -5,6 +5,7 @@ the key. (Choices of a fixed set are declared on the fields themselves as ``Lite
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from rlcli.errors import UserError
@@ -53,6 +54,7 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
         )
     _check_multi_turn(cfg)
     _check_model_rewards(cfg, world_size)
+    _check_lora(cfg)
     positive = {
         "data.train_batch_size": cfg.data.train_batch_size,
         "data.max_prompt_length": cfg.data.max_prompt_length,
@@ -204,6 +206,48 @@ def _check_trained_model(key: str, section: TrainedModelConfig, cfg: RLConfig) -
         raise UserError(
             f"{key}.loss_agg_mode={section.loss_agg_mode!r} is not valid; choose one of: "
             f"{', '.join(algorithms.LOSS_AGG_MODES)}"
+        )
+
+
+def _check_lora(cfg: RLConfig) -> None:
+    """``actor.lora`` and ``rollout.lora_sync``: the adapters' settings (rank, alpha, dropout,
+    target modules: ``parallel.lora``'s own checks), the layers they need, the starting adapter's
+    folder, and an engine that can take adapters. Whether the adapter fits the model is checked
+    when it loads (``parallel.lora_io.load_peft_adapter``), against the model's shapes."""
+    lora, rollout = cfg.actor.lora, cfg.rollout
+    if not lora.enable:
+        if rollout.lora_sync == "adapter":
+            raise UserError(
+                "rollout.lora_sync=adapter syncs LoRA adapters, but actor.lora.enable=false: "
+                "set actor.lora.enable=true or rollout.lora_sync=merged"
+            )
+        return
+    from parallel.lora import LoraConfigError
+    from rlcli.lora import lora_spec
+
+    try:
+        lora_spec(lora, cfg.trainer.seed).targets()
+    except LoraConfigError as err:
+        raise UserError(str(err)) from None
+    if rollout.lora_sync == "adapter" and rollout.engine != "vllm":
+        raise UserError(
+            f"rollout.lora_sync=adapter: the {rollout.engine} engine cannot apply LoRA adapters "
+            "(only rollout.engine=vllm can); set rollout.lora_sync=merged"
+        )
+    if cfg.parallel.sequence_parallel:
+        raise UserError(
+            "actor.lora: the adapters do not support sequence-parallel linears; set "
+            "parallel.sequence_parallel=false"
+        )
+    if cfg.model.transformer_impl == "transformer_engine":
+        raise UserError(
+            "actor.lora needs megatron's local layers (Transformer Engine fuses the norm into "
+            "the linear the adapter reads): set model.transformer_impl=local"
+        )
+    if lora.adapter_path is not None and not os.path.isdir(lora.adapter_path):
+        raise UserError(
+            f"actor.lora.adapter_path={lora.adapter_path!r}: no such folder (a PEFT adapter "
+            "folder holds adapter_config.json and adapter_model.safetensors)"
         )
 
 

@@ -22,6 +22,9 @@ the next rollout.
     (the reference is OFF again in every phase but ``ref`` when ref.offload, and the reward
     model in every phase but ``reward_model`` when reward.model.offload)
 
+With LoRA (``actor.lora.enable``) there is no reference model: the reference is the actor with
+its adapters switched off, so the ``ref`` row asks for the actor's params instead.
+
 A phase the step skips is not entered, so a skipped update (PPO's critic warmup, DAPO keeping too
 few groups) moves no gradient or optimizer state. Adding a phase is one row here and one call in
 the step.
@@ -79,12 +82,13 @@ def residency_plan(cfg: RLConfig) -> ResidencyPlan:
     actor_off, critic_off = offloaded_kinds(cfg.actor), offloaded_kinds(cfg.critic)
     reference_off = frozenset({"params"} if cfg.ref.offload else ())
     reward_model_off = frozenset({"params"} if cfg.reward.model.offload else ())
+    reference = "actor" if cfg.actor.lora.enable else "reference"  # LoRA: the actor, adapters off
     plan: ResidencyPlan = {
         "rollout": {"actor": Need(off=actor_off), "critic": Need(off=critic_off)},
         "reward_model": {"reward_model": Need(on=frozenset({"params"}))},
         "judge": {},
         "old_log_prob": {"actor": Need(on=frozenset({"params"}))},
-        "ref": {"reference": Need(on=frozenset({"params"}))},
+        "ref": {reference: Need(on=frozenset({"params"}))},
         "values": {"critic": Need(on=frozenset({"params"}))},
         "update_critic": {"critic": Need(on=everything)},
         "update": {"actor": Need(on=everything), "critic": Need(off=critic_off)},

@@ -31,7 +31,7 @@ from parallel.mesh import Mesh
 from parallel.preference_pairs import TokenizedPairs
 from rlcli.config import RLConfig
 from rlcli.errors import UserError
-from rlcli.trained_model import MicroBatching, OptimizerSettings, TrainedModel, model_options
+from rlcli.trained_model import MicroBatching, OptimizerSettings, TrainedModel
 
 REPORT_FILE = "reward_model_report.json"
 
@@ -141,6 +141,8 @@ def _build(
         decay_style="constant",
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
     )
+    from rlcli.build import model_options  # build imports the trainer, which imports this
+
     return TrainedModel(
         mesh,
         init_dir,

@@ -7,8 +7,10 @@ The roles are compositions of this core with their own math:
     actor     = TrainedModel(mesh, hf_dir, optim=..., micro_batching=...)   # + rlcli.actor_update
     reference = TrainedModel(mesh, hf_dir, micro_batching=...)              # frozen: log-probs only
     critic    = TrainedModel(mesh, hf_dir, head="value", optim=...)         # + rlcli.critic
-    reward    = TrainedModel(mesh, rm_dir, head="score", ...)  # frozen: rlcli.model_rewards;
-                                                               # with optim: rlcli rm
+    reward    = TrainedModel(mesh, rm_dir, head="score")  # rlcli.model_rewards; trained: rlcli rm
+
+    actor     = TrainedModel(..., optim=..., lora=LoraSpec(...))   # LoRA: only adapters train
+    reference = LoraReference(actor)        # the same chunks with the adapters off: no 2nd model
 
 ``forward`` gives the response-aligned outputs ``[B, R]`` of a ``RolloutBatch`` (log-probs of a
 language-model head, values of a value head) through ``parallel.schedule``; ``score`` a reward
@@ -20,7 +22,8 @@ micro-batches itself, as preference pairs must be).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -28,6 +31,7 @@ import torch
 
 import algorithms
 from parallel.dtypes import DTYPES
+from parallel.lora import LoraConfigError, LoraSpec, lora_disabled
 from parallel.mesh import Mesh
 from parallel.micro_batches import micro_batches
 from parallel.offload import Offloader, TransferStats
@@ -37,7 +41,7 @@ from rlcli.dp_stats import DataParallelStats
 from rlcli.errors import UserError
 
 if TYPE_CHECKING:
-    from rlcli.config import RLConfig, TrainedModelConfig
+    from rlcli.config import TrainedModelConfig
 
 
 @dataclass(frozen=True)
@@ -123,20 +127,24 @@ class TrainedModel:
         model_options: dict[str, Any] | None = None,
         score_head_from_language_model: bool = False,
         pad_token_id: int | None = None,
+        lora: LoraSpec | None = None,
+        adapter_path: str | None = None,
     ) -> None:
         """``model_options``: ``parallel.model.build_model``'s layout options (sequence_parallel,
         transformer_impl, recompute); a setting this machine cannot build is a UserError.
-        ``head="value"``: a value model (PPO's critic) instead of a language model;
-        ``head="score"``: a reward model, an HF ``*ForSequenceClassification`` folder loaded by
-        ``parallel.reward_model.load_reward_model`` (``score_head_from_language_model``: a
-        language model's transformer with a fresh score head; ``pad_token_id`` overrides the
-        config's, which decides the scored position)."""
+        ``head="value"``: a value model (PPO's critic); ``head="score"``: a reward model, an HF
+        ``*ForSequenceClassification`` folder (``parallel.reward_model.load_reward_model``;
+        ``score_head_from_language_model``: a language model with a fresh score head;
+        ``pad_token_id`` overrides the config's, which decides the scored position).
+        ``lora``: LoRA adapters on the frozen base, added before DDP and the optimizer, which
+        then hold only the adapters; ``adapter_path``: a PEFT adapter folder to start from."""
         from parallel.hf_model import load_hf_model
         from parallel.model import ModelConfigError
         from parallel.reward_model import load_reward_model
 
         self.mesh, self.hf_dir, self.head = mesh, hf_dir, head
         self.micro_batching = micro_batching
+        self.lora = lora
         options = model_options or {}
         try:
             if head == "score":
@@ -152,7 +160,14 @@ class TrainedModel:
                 models = load_hf_model(
                     hf_dir, mesh, dtype=DTYPES[dtype], critic=head == "value", **options
                 )
-        except ModelConfigError as err:
+            if lora is not None:
+                from parallel.lora import apply_lora
+                from parallel.lora_io import load_peft_adapter
+
+                apply_lora(models, lora)
+                if adapter_path:
+                    load_peft_adapter(models, mesh, adapter_path)
+        except (ModelConfigError, LoraConfigError) as err:
             raise UserError(str(err)) from None
         self.hf_config = models[0].hf_config
         self.optimizer = self.scheduler = None
@@ -195,14 +210,16 @@ class TrainedModel:
         if self.head == "score":
             raise ValueError("a reward model scores whole sequences: call score()")
         mb, tokens = self.micro_batching.size, self.micro_batching.forward_tokens
-        if self.head == "value":
-            per_position = forward_values(
-                self.models, self.mesh, batch.input_ids, batch.attention_mask, mb, tokens
+        with self._without_dropout():
+            if self.head == "value":
+                per_position = forward_values(
+                    self.models, self.mesh, batch.input_ids, batch.attention_mask, mb, tokens
+                )
+                return response_values(per_position.cpu(), batch.response_index) * batch.loss_mask
+            ids, mask = batch.input_ids, batch.attention_mask
+            per_position = forward_log_probs(
+                self.models, self.mesh, ids, mask, mb, temperature, tokens
             )
-            return response_values(per_position.cpu(), batch.response_index) * batch.loss_mask
-        per_position = forward_log_probs(
-            self.models, self.mesh, batch.input_ids, batch.attention_mask, mb, temperature, tokens
-        )
         return response_values(per_position.cpu(), batch.response_index)
 
     @torch.no_grad()
@@ -223,6 +240,22 @@ class TrainedModel:
             micro_batch_size=self.micro_batching.size,
             max_tokens=self.micro_batching.forward_tokens,
         )
+
+    @contextmanager
+    def _without_dropout(self) -> Iterator[None]:
+        """A no-grad pass must score the policy itself, not a dropout sample of it: the chunks
+        go to eval mode for it when the LoRA adapters have dropout (the base has none)."""
+        if self.lora is None or not self.lora.dropout:
+            yield
+            return
+        modes = [chunk.training for chunk in self.models]
+        for chunk in self.models:
+            chunk.eval()
+        try:
+            yield
+        finally:
+            for chunk, training in zip(self.models, modes, strict=True):
+                chunk.train(training)
 
     def train_step(
         self,
@@ -324,20 +357,21 @@ class TrainedModel:
         return self.offloader.onload(params=params, grads=grads, optimizer=optimizer)
 
 
-def model_options(cfg: RLConfig, section: TrainedModelConfig | None = None) -> dict[str, Any]:
-    """``parallel.model.build_model``'s layout options from the config; a model that trains
-    adds its own activation recomputation (``section``: its ``actor`` / ``critic`` section)."""
-    options: dict[str, Any] = {
-        "sequence_parallel": cfg.parallel.sequence_parallel,
-        "transformer_impl": cfg.model.transformer_impl,
-    }
-    if section is not None:
-        from parallel.memory_terms import recompute_options
+class LoraReference:
+    """The reference policy of a LoRA actor: the actor's own chunks with the adapters switched
+    off (``parallel.lora.lora_disabled``), i.e. the frozen base. No second model and no memory of
+    its own: the residency plan's ``ref`` row asks for the actor's params."""
 
-        options["recompute"] = recompute_options(
-            section.recompute, section.recompute_method, section.recompute_num_layers
-        )
-    return options
+    def __init__(self, actor: TrainedModel) -> None:
+        if actor.lora is None:
+            raise ValueError("LoraReference needs an actor with LoRA adapters")
+        self.actor = actor
+
+    @torch.no_grad()
+    def forward(self, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
+        """The base model's ``[B, R]`` response log-probs (``TrainedModel.forward``)."""
+        with lora_disabled(self.actor.models):
+            return self.actor.forward(batch, temperature)
 
 
 def reduce_step(

@@ -30,6 +30,7 @@ from rlcli.critic import update_critic, value_metrics
 from rlcli.data import PromptDataset, PromptLoader
 from rlcli.dp_stats import DataParallelStats
 from rlcli.errors import UserError
+from rlcli.lora import lora_state
 from rlcli.metrics import MetricsLogger
 from rlcli.model_rewards import ModelRewards
 from rlcli.residency import Residency, StepPhases, residency_plan
@@ -38,7 +39,7 @@ from rlcli.rollout.base import RolloutEngine
 from rlcli.rollout.transport import WeightTransport
 from rlcli.run_checkpoint import CheckpointManager, save_run
 from rlcli.sampling import ReplicaInfo, collect_rollouts, evaluate
-from rlcli.trained_model import TrainedModel
+from rlcli.trained_model import LoraReference, TrainedModel
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -55,7 +56,8 @@ class Trainer:
     tokenizer: PreTrainedTokenizerBase  # pad / eos ids, decoding responses for rewards
     model_dir: str  # the HF directory the run starts from (after any SFT warm start)
     actor: TrainedModel
-    reference: TrainedModel | None  # frozen; only when a KL term needs it
+    # frozen; only when a KL term needs it (a LoRA actor's: the actor with its adapters off)
+    reference: TrainedModel | LoraReference | None
     engine: RolloutEngine
     transport: WeightTransport  # how the actor's new weights reach the engine
     replica: ReplicaInfo
@@ -75,7 +77,9 @@ class Trainer:
 
     def __post_init__(self) -> None:
         self.stats = DataParallelStats(self.mesh)
-        models = {"actor": self.actor, "reference": self.reference, "critic": self.critic}
+        # A LoRA actor's reference is the actor itself: its residency is the actor's.
+        reference = self.reference if isinstance(self.reference, TrainedModel) else None
+        models = {"actor": self.actor, "reference": reference, "critic": self.critic}
         if self.model_rewards is not None:
             models["reward_model"] = self.model_rewards.reward_model
         self.residency = Residency(residency_plan(self.cfg), models)
@@ -99,6 +103,7 @@ class Trainer:
             self.rewards.close()
             if self.model_rewards is not None:
                 self.model_rewards.close()
+            self.transport.close()
             self.engine.close()
 
     def _fit(self, stop: StopRequest) -> dict[str, float]:
@@ -186,6 +191,9 @@ class Trainer:
             "loader": self.loader.state_dict(),
             "kl_coef": float(self.kl_ctrl.value),
             "model_dir": self.model_dir,
+            # A LoRA run saves only the adapters: resume and export rebuild the base from
+            # model_dir and need the adapters' shape.
+            "lora": lora_state(self.actor.lora),
         }
         if self.model_rewards is not None:
             state["model_rewards"] = self.model_rewards.state_dict()

@@ -90,6 +90,7 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
     from parallel.reshard import AUTO_BUCKET_MB
     from rlcli.batch import mini_batch_count
     from rlcli.config_validation import derive_dp, uses_critic, validate
+    from rlcli.lora import lora_spec
 
     validate(cfg, world_size=world_size)
     par = cfg.parallel
@@ -106,9 +107,13 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
     seq_len = cfg.data.max_prompt_length + cfg.rollout.max_tokens
     sequences = cfg.data.train_batch_size * cfg.rollout.n
 
+    lora = lora_spec(cfg.actor.lora, cfg.trainer.seed)
+
     def trained(section, critic: bool = False) -> TrainedModel:
         """The memory terms of the model an ``actor`` / ``critic`` section trains: the run's
-        layout, the section's micro-batches per optimizer step, recomputation and offloading."""
+        layout, the section's micro-batches per optimizer step, recomputation and offloading
+        (the actor's LoRA adapters: only they have gradients and optimizer state)."""
+        adapters = lora if not critic else None
         prompts = cfg.data.train_batch_size
         mini = prompts // mini_batch_count(prompts, section.ppo_mini_batch_size) * cfg.rollout.n
         return TrainedModel(
@@ -131,6 +136,8 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
             offload_grads=section.offload_grads,
             offload_optimizer=section.offload_optimizer,
             critic=critic,
+            lora_rank=adapters.rank if adapters is not None else 0,
+            lora_target_modules=adapters.targets() if adapters is not None else (),
         )
 
     actor = trained(cfg.actor)
@@ -169,7 +176,8 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
         actor=actor,
         rollout=rollout,
         gpu_memory_bytes=int(gpu_memory_gb * GB),
-        ref=cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward,
+        # a LoRA actor's reference is the actor itself, adapters off: no weights of its own
+        ref=(cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and lora is None,
         ref_offload=cfg.ref.offload,
         critic=critic,
         reward_model=reward_model,
@@ -325,6 +333,8 @@ def plan_command(
             + ("" if held >= plan.inputs.rollout.sequences else ": vLLM will queue the rest")
             + ")"
         )
+    if actor.lora_rank:
+        _lora_gains(plan, plan_for, cfg, echo)
     verdict = "fits" if plan.fits else "does NOT fit"
     echo(
         f"peak: {plan.peak_phase} at {plan.peak / GB:.2f} GiB of {gpu_memory_gb:g} GiB -> {verdict}"
@@ -334,6 +344,48 @@ def plan_command(
     _recommend(plan, plan_for, cfg, shape, gpus_per_node, world, echo)
     # not typer.Exit: the CLI runs click with standalone_mode=False, which returns its code
     sys.exit(1)
+
+
+def _lora_gains(plan, plan_for, cfg, echo) -> None:
+    """A LoRA actor against full fine-tuning of the same recipe: the memory the adapters free
+    (no base gradients, Adam moments, master weights or reference), and the smaller TP and the
+    larger micro-batch that fit thanks to it."""
+    actor = plan.inputs.actor
+    full = plan_for(["actor.lora.enable=false", "rollout.lora_sync=merged"])
+    echo(
+        f"LoRA rank {actor.lora_rank} on {', '.join(actor.lora_target_modules)}: "
+        f"{actor.lora_params / 1e6:.1f} M trainable params per GPU "
+        f"({actor.lora_params / actor.params:.2%} of the base's {actor.params / 1e9:.2f} B); "
+        "the reference is the actor with its adapters off (no weights of its own)"
+    )
+    echo(
+        "  vs full fine-tuning: "
+        + ", ".join(
+            f"{phase} {full.phases[phase].total / GB:.2f} -> {plan.phases[phase].total / GB:.2f}"
+            for phase in plan.phases
+        )
+        + f" GiB; peak {full.peak / GB:.2f} -> {plan.peak / GB:.2f} GiB "
+        f"({(full.peak - plan.peak) / GB:.2f} GiB freed per GPU)"
+    )
+    full_ft = ["actor.lora.enable=false", "rollout.lora_sync=merged"]
+    smaller_tp = [f"parallel.tp={tp}" for tp in (2**k for k in range(8)) if tp < cfg.parallel.tp]
+    larger_mbs = [f"actor.micro_batch_size={cfg.actor.micro_batch_size * 2**k}" for k in (1, 2, 3)]
+    gains = []
+    for change in [*reversed(smaller_tp), *larger_mbs]:
+        try:
+            with_lora, without = plan_for([change]), plan_for([*full_ft, change])
+        except UserError:  # a layout the model or the batch cannot take
+            continue
+        if with_lora.fits:
+            verdict = "fits" if without.fits else "does NOT fit"
+            gains.append(
+                f"{change}: peak {with_lora.peak / GB:.2f} GiB (full fine-tuning "
+                f"{without.peak / GB:.2f} GiB, {verdict})"
+            )
+    if gains:
+        echo("  with LoRA these fit too:")
+        for line in gains:
+            echo(f"    {line}")
 
 
 def _recommend(plan, plan_for, cfg, shape, gpus_per_node, world, echo) -> None:

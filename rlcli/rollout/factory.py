@@ -24,9 +24,11 @@ def make_engine(
     seed: int = 0,
     max_model_len: int | None = None,
     key: str = "rollout",
+    max_lora_rank: int = 0,
 ) -> RolloutEngine:
     """The engine ``section.engine`` for the model in ``model_dir``, configured by ``section``
-    (whose config key is ``key``: errors name it).
+    (whose config key is ``key``: errors name it); ``max_lora_rank`` > 0 makes it take LoRA
+    adapters of that rank (``rollout.lora_sync=adapter``).
 
     Under torchrun every rank calls this: ranks form replicas of ``section.tp`` ranks (see
     ``rollout_replicas``); ``seed`` is the run's seed, engines space their request seeds per
@@ -48,7 +50,18 @@ def make_engine(
         from rlcli.rollout.vllm_engine import VLLMEngine
 
         return VLLMEngine(
-            model_dir, section, dtype=dtype, seed=seed, max_model_len=max_model_len, key=key
+            model_dir,
+            section,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            key=key,
+            max_lora_rank=max_lora_rank,
+        )
+    if max_lora_rank > 0:
+        raise UserError(
+            "rollout.lora_sync=adapter: the hf engine cannot apply LoRA adapters (only "
+            "rollout.engine=vllm can); set rollout.lora_sync=merged"
         )
     if section.tp != 1:
         raise UserError(

