@@ -13,7 +13,9 @@ from typing import Any, Literal, Optional, get_args, get_origin, get_type_hints
 
 from omegaconf import OmegaConf
 
+from rlcli.config_engine import EngineConfig
 from rlcli.config_rewards import (
+    JudgeConfig,
     RewardCombineConfig,
     RewardModelConfig,
     RewardModelTrainingConfig,
@@ -95,20 +97,6 @@ class MultiTurnConfig:
 
 
 @dataclass
-class EngineConfig:
-    """What every inference engine is built from (``rlcli.rollout.factory.make_engine``): the
-    policy's rollout engine (``rollout.*``) and the generative judge's (``reward.judge.*``)."""
-
-    engine: Literal["vllm", "hf"] = "vllm"  # the inference engine
-    tp: int = 1  # inference tensor parallel size, independent of parallel.tp / parallel.pp
-    # context length; None: rollout: data.max_prompt_length + rollout.max_tokens, judge: its model's
-    max_model_len: Optional[int] = None
-    gpu_memory_utilization: float = 0.5  # GPU: share of memory vLLM takes for weights + KV cache
-    kv_cache_gb: float = 1.0  # CPU only: resident KV cache per engine
-    enforce_eager: bool = True  # GPU: no CUDA graphs (faster start, slower decoding)
-
-
-@dataclass
 class RolloutConfig(EngineConfig):
     n: int = 8  # samples per prompt
     temperature: float = 1.0  # sampling temperature (the trainer's log-probs use the same)
@@ -135,41 +123,6 @@ class RolloutConfig(EngineConfig):
     max_logprob_diff: float = 0.5
     logprob_diff_action: Literal["warn", "stop"] = "warn"
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
-
-
-@dataclass
-class JudgeConfig(EngineConfig):
-    """A generative judge (LLM-as-a-judge): a causal LM served by an engine built like the
-    rollout's, asked to grade each sample with ``template``; its reply is parsed into a score
-    (docs/data-and-rewards.md). Its engine sleeps outside the step's judge phase."""
-
-    path: Optional[str] = None  # HF causal-LM folder of the judge; None: no judge
-    # Python format string with {question}, {response} (required) and {reference}; None: the
-    # built-in template of reward.judge.mode
-    template: Optional[str] = None
-    # render the prompt as a user message with the judge tokenizer's chat template; None: when
-    # it has one
-    apply_chat_template: Optional[bool] = None
-    temperature: float = 0.0  # judge sampling temperature (0: greedy)
-    max_tokens: int = 128  # max new tokens per judge reply
-    mode: Literal["number", "verdict"] = "number"  # a number in [min_score, max_score] | a word
-    min_score: float = 0.0  # number mode: the lowest acceptable score
-    max_score: float = 10.0  # number mode: the highest acceptable score
-    # number mode: regex with one group, the last match is the score; None: 'Score: N'
-    pattern: Optional[str] = None
-    # verdict mode: the last of these words (whole, any case) in the reply -> its score
-    verdicts: dict[str, float] = field(default_factory=lambda: {"correct": 1.0, "incorrect": 0.0})
-    default_score: float = 0.0  # the score of a reply without an acceptable one (counted)
-    weight: float = 1.0  # the judge's weight in the model reward (reward.combine)
-
-    # The engine settings a judge has no choice of (read by the engine like rollout's keys):
-    @property
-    def load_format(self) -> str:
-        return "auto"  # the weights are read from reward.judge.path: nothing ever syncs them
-
-    @property
-    def sleep_level(self) -> int:
-        return 1  # the weights stay in host memory (level 2 would discard what nothing reloads)
 
 
 @dataclass

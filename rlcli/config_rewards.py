@@ -1,12 +1,14 @@
 """The reward model's config sections: scoring in the RL step (``reward.model.*``), how model and
 rule rewards combine (``reward.combine.*``), and training one (``rm.*``, ``rlcli rm``). The
-generative judge's section (``reward.judge.*``) is an engine section and lives with the rollout
-engine's in ``rlcli.config``, which assembles every section into ``RLConfig``."""
+generative judge's section (``reward.judge.*``) is an engine section (``EngineConfig``, as
+``rollout.*``). ``rlcli.config`` assembles every section into ``RLConfig``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal, Optional
+
+from rlcli.config_engine import EngineConfig
 
 
 @dataclass
@@ -72,3 +74,38 @@ class RewardModelTrainingConfig:
     # checkpoint every N steps into <trainer.output_dir>/rm_checkpoints (0: none); a run
     # resumes from the newest one as trainer.resume says
     save_freq: int = 0
+
+
+@dataclass
+class JudgeConfig(EngineConfig):
+    """A generative judge (LLM-as-a-judge): a causal LM served by an engine built like the
+    rollout's, asked to grade each sample with ``template``; its reply is parsed into a score
+    (docs/data-and-rewards.md). Its engine sleeps outside the step's judge phase."""
+
+    path: Optional[str] = None  # HF causal-LM folder of the judge; None: no judge
+    # Python format string with {question}, {response} (required) and {reference}; None: the
+    # built-in template of reward.judge.mode
+    template: Optional[str] = None
+    # render the prompt as a user message with the judge tokenizer's chat template; None: when
+    # it has one
+    apply_chat_template: Optional[bool] = None
+    temperature: float = 0.0  # judge sampling temperature (0: greedy)
+    max_tokens: int = 128  # max new tokens per judge reply
+    mode: Literal["number", "verdict"] = "number"  # a number in [min_score, max_score] | a word
+    min_score: float = 0.0  # number mode: the lowest acceptable score
+    max_score: float = 10.0  # number mode: the highest acceptable score
+    # number mode: regex with one group, the last match is the score; None: 'Score: N'
+    pattern: Optional[str] = None
+    # verdict mode: the last of these words (whole, any case) in the reply -> its score
+    verdicts: dict[str, float] = field(default_factory=lambda: {"correct": 1.0, "incorrect": 0.0})
+    default_score: float = 0.0  # the score of a reply without an acceptable one (counted)
+    weight: float = 1.0  # the judge's weight in the model reward (reward.combine)
+
+    # The engine settings a judge has no choice of (read by the engine like rollout's keys):
+    @property
+    def load_format(self) -> str:
+        return "auto"  # the weights are read from reward.judge.path: nothing ever syncs them
+
+    @property
+    def sleep_level(self) -> int:
+        return 1  # the weights stay in host memory (level 2 would discard what nothing reloads)

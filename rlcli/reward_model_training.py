@@ -170,7 +170,7 @@ def train_reward_model(
     from parallel.checkpoint import load_checkpoint, save_checkpoint
     from parallel.convert import save_hf_checkpoint
     from parallel.reward_training import bradley_terry_step, pairwise_accuracy
-    from rlcli.config_validation import check_reward_model_training
+    from rlcli.config_validation_rewards import check_reward_model_training
     from rlcli.run_checkpoint import CheckpointManager
     from rlcli.run_state import load_trainer_state, save_trainer_state
 

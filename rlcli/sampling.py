@@ -22,7 +22,7 @@ import algorithms
 from parallel import cpu_compat
 from rlcli.batch import Sample, groups_of, split_evenly
 from rlcli.config import RLConfig
-from rlcli.config_validation import uses_model_reward
+from rlcli.config_validation_rewards import uses_model_reward
 from rlcli.data import PromptItem
 from rlcli.errors import UserError
 from rlcli.metrics import Timer

@@ -26,7 +26,8 @@ def rm(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES, nproc:
     """Train a reward model (Bradley-Terry loss on pairwise preference rows) and write it as an
     HF *ForSequenceClassification folder (rm.out_dir)."""
     from rlcli.config_loader import load_config
-    from rlcli.config_validation import check_reward_model_training, derive_dp, validate
+    from rlcli.config_validation import derive_dp, validate
+    from rlcli.config_validation_rewards import check_reward_model_training
 
     cfg = load_config(recipe, overrides or [])
     if under_torchrun():

@@ -70,12 +70,8 @@ def _load_for_run(
             raise UserError(f"--nproc must be >= 1, got {nproc}")
         _check_process_count(cfg, nproc)
         world_size = nproc
-    from rlcli.config_validation import (
-        check_reward_model_dirs,
-        check_reward_model_training,
-        derive_dp,
-        validate,
-    )
+    from rlcli.config_validation import derive_dp, validate
+    from rlcli.config_validation_rewards import check_reward_model_dirs, check_reward_model_training
 
     validate(cfg, world_size=world_size)
     check_model_dir(cfg)

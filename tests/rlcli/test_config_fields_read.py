@@ -14,9 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 # Where keys are declared, loaded and checked: reading a key there does not make it do anything.
 CONFIG_MODULES = {
     "rlcli/config.py",
+    "rlcli/config_engine.py",
     "rlcli/config_rewards.py",
     "rlcli/config_loader.py",
     "rlcli/config_validation.py",
+    "rlcli/config_validation_rewards.py",
 }
 
 # A section type shared by several sections (``actor.*`` and ``critic.*`` are both
