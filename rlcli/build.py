@@ -156,7 +156,9 @@ def reward_model_stage(inputs: RunInputs) -> None:
         return
     start = cfg.rm.init_path or inputs.model_dir
     say(mesh, f"reward model: {cfg.rm.steps} Bradley-Terry steps from {start} into {out}")
-    report = train_reward_model(cfg, mesh, log=lambda m: say(mesh, m), init_path=start)
+    report = train_reward_model(
+        cfg, mesh, model_options(cfg, cfg.actor), log=lambda m: say(mesh, m), init_path=start
+    )
     if report.val_accuracy_after is not None:
         before = report.val_accuracy_before
         say(

@@ -2,7 +2,7 @@
 Megatron (the trainer's TP / PP / DP layout), report its held-out pairwise accuracy, checkpoint,
 and write it as an HF ``*ForSequenceClassification`` folder.
 
-    report = train_reward_model(cfg, mesh, log=print)        # collective; every rank calls it
+    report = train_reward_model(cfg, mesh, model_options, log=print)   # collective, every rank
 
 The model starts from ``rm.init_path`` (default ``model.path``): a language model (the SFT
 policy, typically) gives its transformer and a fresh score head; a reward model is trained
@@ -122,7 +122,12 @@ def _init_dir(cfg: RLConfig, init_path: str | None) -> tuple[str, bool]:
 
 
 def _build(
-    cfg: RLConfig, mesh: Mesh, init_dir: str, is_reward_model: bool, pad_token_id: int
+    cfg: RLConfig,
+    mesh: Mesh,
+    init_dir: str,
+    is_reward_model: bool,
+    pad_token_id: int,
+    model_options: dict[str, Any],
 ) -> TrainedModel:
     """The reward model to train: the trained-model core with a score head, ``rm.*``'s Adam
     (betas and eps as ``actor.*``) and constant LR after warmup, micro-batches of
@@ -141,8 +146,6 @@ def _build(
         decay_style="constant",
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
     )
-    from rlcli.build import model_options  # build imports the trainer, which imports this
-
     return TrainedModel(
         mesh,
         init_dir,
@@ -150,7 +153,7 @@ def _build(
         dtype=cfg.model.dtype,
         head="score",
         optim=settings,
-        model_options=model_options(cfg, actor),
+        model_options=model_options,
         score_head_from_language_model=not is_reward_model,
         pad_token_id=None if is_reward_model else pad_token_id,
     )
@@ -159,12 +162,14 @@ def _build(
 def train_reward_model(
     cfg: RLConfig,
     mesh: Mesh,
+    model_options: dict[str, Any],
     log: Callable[[str], None] | None = None,
     init_path: str | None = None,
 ) -> RewardModelReport:
     """Train, evaluate, checkpoint and export a reward model as ``cfg.rm`` says (module
-    docstring); `init_path` (the RLHF stage of ``rlcli train``: the SFT policy) replaces
-    ``rm.init_path``. Collective: every rank of `mesh` calls it with the same config."""
+    docstring); `model_options`: its ``parallel.model.build_model`` layout options (the actor's:
+    ``rlcli.build.model_options(cfg, cfg.actor)``); `init_path` (the RLHF stage of ``rlcli
+    train``: the SFT policy) replaces ``rm.init_path``. Collective: every rank of `mesh` calls it with the same config."""
     from transformers import AutoTokenizer
 
     from parallel.checkpoint import load_checkpoint, save_checkpoint
@@ -197,7 +202,7 @@ def train_reward_model(
         f", tp={mesh.tp} pp={mesh.pp} dp={mesh.dp}): {len(train)} training pairs, "
         f"{len(val) if val else 0} held-out"
     )
-    model = _build(cfg, mesh, init_dir, is_reward_model, pad_token_id)
+    model = _build(cfg, mesh, init_dir, is_reward_model, pad_token_id, model_options)
     pad_id = model.hf_config.pad_token_id  # the reward model's: decides the scored position
     sizes = {
         "pad_token_id": pad_id,
