@@ -1,7 +1,8 @@
-"""Model-based rewards in the RL step, on a real trainer (single process, HF engines, a tiny
-quickstart model; see model_rewards_worker.py): a reward model trained by the rm.before_rl stage,
-a generative judge and the rule reward, combined as configured; checked against HF transformers
-(the reward model's forward, the judge's greedy generate), the judge's template and parser
+"""Model-based rewards in the RL step, on a real trainer (single process, a tiny quickstart
+model; see model_rewards_worker.py): a reward model trained by the rm.before_rl stage (on
+Megatron), a generative judge on a vLLM-CPU engine next to the policy's HF engine, and the rule
+reward, combined as configured; checked against HF transformers (the reward model's
+*ForSequenceClassification forward, the judge's greedy generate), the judge's template and parser
 semantics written out here, and the running normaliser recomputed from the logged step metrics.
 Bad reward-model folders and judge templates exit 2 naming the key."""
 
@@ -64,7 +65,9 @@ def run(model_dir, tmp_path_factory) -> dict:
         "reward.model.offload=true",
         "reward.model.micro_batch_size=3",
         f"reward.judge.path={model_dir}",
-        "reward.judge.engine=hf",
+        "reward.judge.engine=vllm",
+        "reward.judge.kv_cache_gb=0.05",
+        "reward.judge.max_model_len=512",
         "reward.judge.max_tokens=6",
         "reward.judge.pattern=(\\d+)",
         "reward.judge.max_score=9",
@@ -128,6 +131,21 @@ def test_phases_residency_and_judge_sleep(run):
             assert key in metrics and metrics[key] == metrics[key], key
     # The judge's engine is awake only inside the judge phase of each step.
     assert run["judge_calls"] == [["judge", "wake_up"], ["judge", "sleep"]] * 2
+
+
+def test_reward_model_scores_equal_hf_sequence_classification(run):
+    """The step's reward-model scores (before normalisation: their logged spread) are HF
+    transformers' AutoModelForSequenceClassification forward of the same inputs, in fp32."""
+    hf = torch.tensor(run["direct"]["hf_reward_scores"], dtype=torch.float64)
+    metrics = run["direct"]["metrics"]
+    assert hf.numel() == SAMPLES_PER_STEP and hf.std() > 0  # distinct scores, not a constant
+    for name, value in (
+        ("mean", hf.mean()),
+        ("std", hf.std()),
+        ("min", hf.min()),
+        ("max", hf.max()),
+    ):
+        assert metrics[f"reward/model_score_{name}"] == pytest.approx(value.item(), abs=1e-5), name
 
 
 def test_judge_prompts_replies_failures_and_default(run):

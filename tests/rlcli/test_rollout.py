@@ -272,13 +272,6 @@ def test_vllm_requests_are_answered_alike_alone_or_together(vllm_engine):
 
 @needs_vllm
 @pytest.mark.vllm
-def test_second_vllm_engine_in_one_process_is_refused(vllm_engine, model_dir):
-    with pytest.raises(RuntimeError, match="one vLLM engine per process"):
-        engine_for("vllm", model_dir, kv_cache_gb=0.05, max_model_len=256)
-
-
-@needs_vllm
-@pytest.mark.vllm
 def test_two_vllm_engines_in_one_process(model_dir, tmp_path):
     """The policy's engine and a judge's (another model, built from a reward.judge section) live
     in one process: each answers as HF greedy does for its own model, and closing the policy's
