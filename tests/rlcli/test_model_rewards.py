@@ -240,7 +240,7 @@ def test_a_judge_template_without_the_response_exits_2(tmp_path):
     judge = make_tiny_hf_model(tmp_path / "judge")
     proc = rlcli_train(
         f"reward.judge.path={judge}",
-        "reward.judge.template=Is this right? {question} Score:",
+        "reward.judge.template=Is this right? {question} Reply with a score.",
         f"trainer.output_dir={tmp_path / 'run'}",
     )
     assert proc.returncode == USER_ERROR_EXIT_CODE, proc.stderr[-2000:]
