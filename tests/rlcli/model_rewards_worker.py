@@ -97,7 +97,7 @@ def main(recipe: str, out_json: str, *overrides: str) -> None:
             "metrics": metrics,
             "phases": [{"phase": p["phase"], "reward_model": p["reward_model"]} for p in phases],
         }
-    out["judge_calls"] = judge_calls.calls
+    out["judge_calls"] = list(judge_calls.calls)  # the two steps only, not the rounds below
 
     phases = StepPhases(trainer.residency)
     samples, _ = collect_rollouts(
