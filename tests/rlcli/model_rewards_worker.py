@@ -8,11 +8,13 @@ Records:
   * "steps": two rl_step calls: metrics, the phases entered with what the reward model holds
     on the device after each, and the judge engine's sleep / wake calls around them;
   * "direct": one more round of real rollouts scored by ModelRewards.score, per sample: the rule
-    score, the final reward, the judge prompt the step built, the reward model's score by HF
-    transformers (AutoModelForSequenceClassification on the reward model's inputs) and the
-    judge's reply by HF transformers' greedy generate on the judge's prompt ids (both
-    independent of rlcli's forward and engine); the running normaliser's statistics;
-  * "gate": the same samples combined again with reward.combine.mode=gate;
+    score, the final reward, the judge prompt the step built and the reply its engine sampled,
+    the reward model's score by HF transformers (AutoModelForSequenceClassification on the
+    reward model's inputs); the judge engine's greedy replies to the same prompts next to HF
+    transformers' greedy generate on the judge's prompt ids (both independent of rlcli's
+    forward and engine); the running normaliser's statistics;
+  * "gate": the same samples combined again with reward.combine.mode=gate (and the judge's
+    replies that round: the same seed, so the same replies);
   * "checkpoint": the model-reward state written into a checkpoint's trainer state.
 """
 
@@ -112,13 +114,26 @@ def main(recipe: str, out_json: str, *overrides: str) -> None:
         inputs(s.prompt_ids, s.response_ids, s.item.prompt_messages, s.finish_reason == "stop")
         for s in samples
     ]
+    sampled: list[list[str]] = []  # the judge's replies, one list per scoring round
+    replies = rewards.judge.replies
+
+    def recorded(prompts, seed):
+        sampled.append(replies(prompts, seed))
+        return sampled[-1]
+
+    rewards.judge.replies = recorded
     scored, metrics = rewards.score(samples, phases, 3)
+    greedy = dataclasses.replace(
+        rewards.judge, sampling=dataclasses.replace(rewards.judge.sampling, temperature=0.0)
+    )
     out["direct"] = {
         "rule": rule,
         "reward": [s.score for s in scored],
         "kept_groups": sorted({s.group for s in scored}),
         "groups": [s.group for s in untouched],
         "prompts": prompts,
+        "judge_replies": sampled[0],
+        "engine_greedy_replies": greedy.replies(prompts, 0),
         "questions": [s.item.prompt_messages[0]["content"] for s in untouched],
         "responses": trainer.tokenizer.batch_decode(
             [s.response_ids for s in untouched], skip_special_tokens=True
@@ -138,6 +153,7 @@ def main(recipe: str, out_json: str, *overrides: str) -> None:
     gated = dataclasses.replace(rewards, cfg=gate_cfg, normalizer=None)
     regated, _ = gated.score(copy.deepcopy(untouched), StepPhases(trainer.residency), 3)
     out["gate"] = [s.score for s in regated]
+    out["gate_judge_replies"] = sampled[1]
 
     trainer.step = 3
     trainer.save()

