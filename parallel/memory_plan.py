@@ -9,6 +9,15 @@ Pure arithmetic on a model shape and a layout; nothing here allocates or imports
     plan = plan_memory(PlanInputs(actor=TrainedModel(shape, tp=4, dp=4, ...), ...))
     plan.phases["update"].total, plan.peak_phase, plan.fits
 
+Model rewards add a ``reward`` phase between generate and log_probs (only when there are any): a
+frozen reward model (``PlanInputs.reward_model``, the actor's layout, its own shape) holds its
+weights in every phase unless offloaded, and its forward working set in ``reward``; a judge
+engine (``PlanInputs.judge``) holds its memory while awake. vLLM's sleep-mode allocator
+(vllm/device_allocator/cumem.py, ``CuMemAllocator``) is one per process, and an engine's
+sleep / wake acts on every allocation made through it: a vLLM judge next to a vLLM rollout engine
+wakes with it (generate, and its weights in sync) and wakes it (reward). An HF judge never
+sleeps: its weights stay in every phase.
+
 Sources: the training-state terms (weights, gradients, Adam, activations, logits) are
 `parallel.memory_terms`, with theirs ([ZeRO], [MCORE], [KORT]); the engine's:
   [VLLM]  vLLM's KV cache: 2 (K and V) * num_layers * (kv_heads / tp) * head_dim * dtype bytes per
@@ -33,7 +42,7 @@ from parallel.memory_terms import (
 )
 from parallel.model_shapes import ModelShape, max_stage_params
 
-PHASES = ("generate", "log_probs", "update", "sync")
+PHASES = ("generate", "reward", "log_probs", "update", "sync")
 # CUDA context, NCCL communicators and allocator slack, per GPU (in no formula here or in
 # parallel.memory_terms; a
 # measured-order-of-magnitude reserve so "fits" does not mean "fits with 0 bytes to spare").
@@ -51,6 +60,18 @@ class RolloutEngine:
 
 
 @dataclass(frozen=True)
+class JudgeEngine:
+    """A generative judge's engine: vLLM (a memory budget, asleep outside the reward phase) or
+    HF transformers (its weights, always resident)."""
+
+    shape: ModelShape
+    vllm: bool = True
+    tp: int = 1
+    gpu_memory_utilization: float = 0.5
+    dtype: str = "bfloat16"
+
+
+@dataclass(frozen=True)
 class PlanInputs:
     actor: TrainedModel
     rollout: RolloutEngine
@@ -59,6 +80,10 @@ class PlanInputs:
     ref_offload: bool = False
     critic: TrainedModel | None = None
     separate: bool = False  # engines on GPUs of their own (rollout.placement=separate)
+    reward_model: TrainedModel | None = None  # frozen (reward.model); critic=True, no head bias
+    reward_model_offload: bool = False
+    judge: JudgeEngine | None = None
+    rollout_vllm: bool = True  # the rollout engine is vLLM (it shares the judge's allocator)
 
 
 @dataclass
@@ -125,6 +150,30 @@ def _resident(model: TrainedModel, prefix: str, *, params: bool, grads: bool, op
     return {name: value for name, value in terms.items() if keep[name]}
 
 
+def _model_reward_terms(inputs: PlanInputs) -> dict[str, dict[str, int]]:
+    """Each phase's bytes of the reward model and the judge (module docstring)."""
+    terms: dict[str, dict[str, int]] = {phase: {} for phase in PHASES}
+    rm = inputs.reward_model
+    if rm is not None:
+        for phase in PHASES:
+            if phase == "reward" or not inputs.reward_model_offload:
+                terms[phase]["reward model weights"] = weight_bytes(rm)
+        terms["reward"]["reward model forward"] = forward_only_bytes(rm, rm.micro_batch_size)
+    judge = inputs.judge
+    if judge is not None:
+        weights = max_stage_params(judge.shape, tp=judge.tp, pp=1) * DTYPE_BYTES[judge.dtype]
+        if not judge.vllm:
+            for phase in PHASES:
+                terms[phase]["judge weights (HF)"] = weights
+        else:
+            budget = int(judge.gpu_memory_utilization * inputs.gpu_memory_bytes)
+            terms["reward"]["judge vLLM (gpu_memory_utilization)"] = budget
+            if inputs.rollout_vllm:  # one allocator: asleep and awake with the rollout engine
+                terms["generate"]["judge vLLM (gpu_memory_utilization)"] = budget
+                terms["sync"]["judge vLLM weights"] = weights
+    return terms
+
+
 def plan_memory(inputs: PlanInputs) -> MemoryPlan:
     """Bytes per GPU of each phase of one RL step (see the module docstring); with
     ``inputs.separate`` the phases are the trainer GPUs' and ``rollout_rank`` the engines'."""
@@ -155,6 +204,14 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
         "forward working set": fwd,
         **reserve,
     }
+    # Woken for its phase, a vLLM judge wakes a vLLM rollout engine too (one allocator).
+    rollout_awake = inputs.judge is not None and inputs.judge.vllm and inputs.rollout_vllm
+    reward = {
+        **idle(params=False, grads=False, opt=False),
+        **ref_idle,
+        **({"vLLM (gpu_memory_utilization)": vllm_budget} if rollout_awake else {}),
+        **reserve,
+    }
     update = {**idle(params=True, grads=True, opt=True), **ref_idle, **reserve}
     # the critic updates before the actor, one after the other: the larger activation peak counts
     update["activations"] = max(activation_bytes(m) for m, _ in models)
@@ -174,9 +231,13 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
                 **reserve,
             }
         )
+    extra = _model_reward_terms(inputs)
+    rows = dict(zip(PHASES, (generate, reward, log_probs, update, sync), strict=True))
+    if inputs.reward_model is None and inputs.judge is None:
+        del rows["reward"]
     phases = {
-        name: Phase({k: v for k, v in terms.items() if v})
-        for name, terms in zip(PHASES, (generate, log_probs, update, sync), strict=True)
+        name: Phase({k: v for k, v in {**terms, **extra[name]}.items() if v})
+        for name, terms in rows.items()
     }
     components = {
         **{k: v for m, p in models for k, v in _trained_terms(m, p).items()},
@@ -187,4 +248,6 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
         "vLLM weights": vllm_weights,
         "vLLM KV cache": max(kv_cache, 0),
     }
+    if inputs.reward_model is not None:
+        components["reward model weights"] = weight_bytes(inputs.reward_model)
     return MemoryPlan(inputs, components, phases, vllm_weights, kv_cache, kv_needed, rollout_rank)

@@ -66,7 +66,8 @@ def recompute_options(mode: str, method: str = "uniform", num_layers: int = 1) -
 
 @dataclass(frozen=True)
 class TrainedModel:
-    """A model trained with megatron on every GPU (the actor; the PPO critic is another one)."""
+    """A model trained with megatron on every GPU (the actor; the PPO critic is another one; a
+    frozen reward model is one that never trains)."""
 
     shape: ModelShape
     dtype: str = "bfloat16"
@@ -84,7 +85,8 @@ class TrainedModel:
     recompute_num_layers: int = 1
     sequence_parallel: bool = False
     flash_attention: bool = True  # Transformer Engine / flash attention: no s^2 score tensor
-    critic: bool = False
+    critic: bool = False  # a one-output head (value, or a reward model's score) instead of the LM's
+    head_bias: bool = True  # that head's bias: PPO's value head has one, a score head none
     offload_params: bool = False
     offload_grads: bool = False
     offload_optimizer: bool = False
@@ -99,7 +101,13 @@ class TrainedModel:
     def params(self) -> int:
         """Base parameters on the busiest rank."""
         return max_stage_params(
-            self.shape, tp=self.tp, pp=self.pp, critic=self.critic, ep=self.ep, etp=self.etp
+            self.shape,
+            tp=self.tp,
+            pp=self.pp,
+            critic=self.critic,
+            head_bias=self.head_bias,
+            ep=self.ep,
+            etp=self.etp,
         )
 
     @property
@@ -123,6 +131,7 @@ class TrainedModel:
             pp=self.pp,
             pp_rank=pp_rank,
             critic=self.critic,
+            head_bias=self.head_bias,
             ep=self.ep,
             etp=etp,
         )

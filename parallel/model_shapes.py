@@ -183,11 +183,14 @@ def stage_params(
     pp: int,
     pp_rank: int,
     critic: bool = False,
+    head_bias: bool = True,
     ep: int = 1,
     etp: int | None = None,
 ) -> int:
     """Parameters held by one (TP rank, pipeline stage, EP rank), all virtual chunks together;
-    `etp` (expert TP) defaults to tp."""
+    `etp` (expert TP) defaults to tp. ``critic``: a one-output head instead of the LM head,
+    as ``parallel.model.build_model`` builds it: with a bias (PPO's value head) or,
+    ``head_bias=False``, without (a reward model's score head)."""
     first, last = pp_rank == 0, pp_rank == pp - 1
     count = sum(layer_params(shape, tp, i) for i in _stage_layers(shape, pp, pp_rank))
     count += stage_expert_params(shape, pp=pp, pp_rank=pp_rank, ep=ep, etp=etp or tp)
@@ -197,7 +200,7 @@ def stage_params(
     if last:
         count += shape.hidden  # final norm
         if critic:
-            count += shape.hidden + 1  # value head, replicated
+            count += shape.hidden + (1 if head_bias else 0)  # value / score head, replicated
         elif not shape.tied or pp > 1:  # a tied head is a second copy on the last stage
             count += embedding
     return count
@@ -209,11 +212,14 @@ def max_stage_params(
     tp: int,
     pp: int,
     critic: bool = False,
+    head_bias: bool = True,
     ep: int = 1,
     etp: int | None = None,
 ) -> int:
     return max(
-        stage_params(shape, tp=tp, pp=pp, pp_rank=r, critic=critic, ep=ep, etp=etp)
+        stage_params(
+            shape, tp=tp, pp=pp, pp_rank=r, critic=critic, head_bias=head_bias, ep=ep, etp=etp
+        )
         for r in range(pp)
     )
 

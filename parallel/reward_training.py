@@ -2,14 +2,17 @@
 
     # TokenizedPairs: parallel.preference_pairs
     pairs = TokenizedPairs(chosen=[[ids...], ...], rejected=[[ids...], ...])
-    metrics = bradley_terry_step(models, mesh, optimizer, scheduler, pairs.share(mesh),
-                                 num_pairs=len(pairs), micro_batch_size=8, max_tokens=0)
-    report = pairwise_accuracy(models, mesh, held_out, micro_batch_size=8)
+    metrics = bradley_terry_step(train, mesh, pairs.share(mesh), num_pairs=len(pairs),
+                                 pad_token_id=0, micro_batch_size=8, max_tokens=0)
+    report = pairwise_accuracy(score, mesh, held_out, pad_token_id=0)
 
-The models are reward-model chunks from ``parallel.reward_model.load_reward_model`` (DDP-wrapped
-by ``parallel.optim.wrap_for_training`` for training). A pair's two sequences (prompt + response
-each, token ids of the reward model's tokenizer) always sit in the same micro-batch, chosen rows
-first: ``input_ids [2k, S]`` for k pairs, scored at ``parallel.reward_model.score_positions``.
+The model is a reward model (``parallel.reward_model.load_reward_model``), reached through two
+calls its owner provides: ``train(micro_batches, loss_fn) -> result``, one optimizer step as
+``parallel.optim.train_step`` (``functools.partial(train_step, models, mesh, optimizer,
+scheduler)`` on DDP-wrapped chunks, or rlcli's ``TrainedModel.train_micro_batches``), and
+``score(input_ids, attention_mask) -> [B]`` as ``parallel.reward_model.score_sequences``. A
+pair's two sequences (prompt + response each, token ids of the reward model's tokenizer) always
+sit in the same micro-batch, chosen rows first: ``input_ids [2k, S]`` for k pairs, scored at ``parallel.reward_model.score_positions``.
 Micro-batches hold ``micro_batch_size`` pairs, or as many as fit ``max_tokens`` tokens (both
 sequences counted) when it is > 0; under pipeline parallelism all have the same shape (the last
 one filled with masked copies).
@@ -20,27 +23,26 @@ Gradients: ``bradley_terry_step`` steps on the gradient of the mean Bradley-Terr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from algorithms.reward_model import bradley_terry_loss
-from parallel.convert.mapping import unwrap_chunk
 from parallel.cpu_compat import device
 from parallel.mesh import Mesh
 from parallel.micro_batches import ROW_KEY, micro_batches
-from parallel.optim import train_step
 from parallel.preference_pairs import TokenizedPairs, pad_sequences
-from parallel.reward_model import SCORE_INDEX_KEY, pick_scores, score_positions, score_sequences
+from parallel.reward_model import SCORE_INDEX_KEY, pick_scores, score_positions
 from parallel.schedule import LossFn
 
 PAIR_MASK_KEY = "pair_mask"
 MARGIN_KEY = "margin"
 
-
-def _pad_token_id(models: list[torch.nn.Module]) -> int | None:
-    return unwrap_chunk(models[0]).hf_config.pad_token_id
+# One optimizer step over micro-batches (see the module docstring), and scores of sequences.
+TrainFn = Callable[[list[dict[str, torch.Tensor]], LossFn], dict[str, Any]]
+ScoreFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def pair_micro_batches(
@@ -127,30 +129,28 @@ def _sum_over_data_parallel(values: list[float], mesh: Mesh) -> list[float]:
 
 
 def bradley_terry_step(
-    models: list[torch.nn.Module],
+    train: TrainFn,
     mesh: Mesh,
-    optimizer: Any,
-    scheduler: Any,
     pairs: TokenizedPairs,
     *,
     num_pairs: int,
+    pad_token_id: int | None,
     micro_batch_size: int,
     max_tokens: int = 0,
 ) -> dict[str, Any]:
-    """One optimizer step on this DP rank's share `pairs` of a global batch of `num_pairs`
-    pairs (collective). Returns ``loss`` (the global batch's mean Bradley-Terry loss),
-    ``accuracy`` (its pairwise accuracy before the step), ``score_margin`` (mean chosen -
-    rejected score), ``grad_norm``, ``lr``, ``skipped`` — equal on every rank."""
+    """One optimizer step (``train``) on this DP rank's share `pairs` of a global batch of
+    `num_pairs` pairs (collective); `pad_token_id` is the reward model's. Returns ``loss`` (the
+    global batch's mean Bradley-Terry loss), ``accuracy`` (its pairwise accuracy before the
+    step), ``score_margin`` (mean chosen - rejected score), ``grad_norm``, ``lr``, ``skipped``
+    — equal on every rank."""
     parts = pair_micro_batches(
         pairs,
-        _pad_token_id(models),
+        pad_token_id,
         micro_batch_size=micro_batch_size,
         max_tokens=max_tokens,
         equal_sizes=mesh.pp > 1,
     )
-    result = train_step(
-        models, mesh, optimizer, scheduler, parts, make_bradley_terry_loss(num_pairs / mesh.dp)
-    )
+    result = train(parts, make_bradley_terry_loss(num_pairs / mesh.dp))
     keys = ("rm/loss", "rm/pairs", "rm/correct", "rm/score_margin_sum")
     local = [sum(m[key] for m in result["micro_batch_metrics"]) for key in keys]
     loss, counted, correct, margin = _sum_over_data_parallel(local, mesh)
@@ -166,28 +166,16 @@ def bradley_terry_step(
 
 @torch.no_grad()
 def pairwise_accuracy(
-    models: list[torch.nn.Module],
-    mesh: Mesh,
-    pairs: TokenizedPairs,
-    *,
-    micro_batch_size: int,
-    max_tokens: int = 0,
+    score: ScoreFn, mesh: Mesh, pairs: TokenizedPairs, *, pad_token_id: int | None
 ) -> dict[str, float]:
-    """Scores every pair of `pairs` (the same list on every rank; DP ranks split it) and returns
-    ``accuracy`` (share with chosen > rejected, ties one half), ``score_margin``, ``loss`` (mean
-    Bradley-Terry loss) and ``pairs`` (collective)."""
+    """Scores every pair of `pairs` (the same list on every rank; DP ranks split it) with
+    ``score`` and returns ``accuracy`` (share with chosen > rejected, ties one half),
+    ``score_margin``, ``loss`` (mean Bradley-Terry loss) and ``pairs`` (collective)."""
     if len(pairs) < mesh.dp:
         raise ValueError(f"{len(pairs)} held-out pairs cannot be split over dp={mesh.dp}")
     mine = pairs.select(range(mesh.dp_rank, len(pairs), mesh.dp))
-    input_ids, attention_mask = pad_sequences(mine.chosen + mine.rejected, _pad_token_id(models))
-    scores = score_sequences(
-        models,
-        mesh,
-        input_ids,
-        attention_mask,
-        micro_batch_size=micro_batch_size,
-        max_tokens=max_tokens,
-    )
+    input_ids, attention_mask = pad_sequences(mine.chosen + mine.rejected, pad_token_id)
+    scores = score(input_ids, attention_mask)
     k = len(mine)
     margins = None if mine.margins is None else torch.tensor(mine.margins, device=scores.device)
     loss, metrics = bradley_terry_loss(scores[:k], scores[k:], margins, denominator=1.0)

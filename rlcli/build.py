@@ -1,8 +1,9 @@
 """The one factory: config -> ``Trainer`` (``rlcli train``), or an SFT-only run (``rlcli sft``).
 
 Every rank builds the same things in the same order: rewards (a reward spec that does not import
-fails at once), inputs (process groups, data, model), the SFT warm start, the actor, the
-reference, PPO's critic, the rollout engine, then resumes from the newest checkpoint when asked.
+fails at once), inputs (process groups, data, model), the SFT warm start, the reward-model stage
+(``rm.before_rl``), the actor, the reference, PPO's critic, the model rewards (reward model,
+judge), the rollout engine, then resumes from the newest checkpoint when asked.
 With ``rollout.placement=separate`` (``run_role``) the trainer ranks build all of that but the
 engine and the rewards; the rollout ranks build only those (``RolloutWorker``). The rollout
 side's builders are ``rlcli.build_rollouts``.
@@ -84,6 +85,8 @@ def build_trainer(
         raise RuntimeError("a rollout rank builds a RolloutWorker, not a Trainer (run_role)")
     if cfg.sft.steps > 0:
         inputs.model_dir = str(warm_start(inputs))
+    if cfg.rm.before_rl:
+        reward_model_stage(inputs)
     if inputs.roles is not None:  # the rollout ranks wait for the model the engines load
         inputs.roles.barrier_all("warm_start")
     loader = build_loader(inputs)
@@ -100,6 +103,9 @@ def build_trainer(
         rollouts = build_streamed_rollouts(inputs, channel)
     else:
         rollouts = build_colocated_rollouts(inputs, rewards, adapters=actor.lora is not None)
+    from rlcli.model_rewards import build_model_rewards
+
+    model_rewards = build_model_rewards(cfg, mesh, inputs.tokenizer, model_options(cfg))
     trainer = Trainer(
         cfg=cfg,
         mesh=mesh,
@@ -117,6 +123,7 @@ def build_trainer(
         logger=None,
         total_steps=total,
         critic=critic,
+        model_rewards=model_rewards,
     )
     state = resume_run(
         trainer.checkpoints,
@@ -128,6 +135,8 @@ def build_trainer(
     if state is not None:
         loader.load_state_dict(state["loader"])
         trainer.kl_ctrl.value = state["kl_coef"]
+        if model_rewards is not None:
+            model_rewards.load_state_dict(state.get("model_rewards", {}))
         trainer.step = trainer.resumed_from = int(state["step"])
     if logger:
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
@@ -186,6 +195,31 @@ def warm_start(inputs: RunInputs, force: bool = False) -> Path:
         tmp.rename(out)  # a crash mid-save leaves only sft_model.tmp, never a partial sft_model
     barrier()
     return out
+
+
+def reward_model_stage(inputs: RunInputs) -> None:
+    """``rm.before_rl``: train a reward model as ``rlcli rm`` does into ``rm.out_dir``, from
+    ``rm.init_path`` or the RL start model (the SFT policy), unless one is there already."""
+    from rlcli.reward_model_training import train_reward_model
+
+    cfg, mesh = inputs.cfg, inputs.mesh
+    out = Path(cfg.rm.out_dir)
+    if (out / "config.json").exists():
+        say(mesh, f"reward model: reusing {out}")
+        return
+    start = cfg.rm.init_path or inputs.model_dir
+    say(mesh, f"reward model: {cfg.rm.steps} Bradley-Terry steps from {start} into {out}")
+    report = train_reward_model(
+        cfg, mesh, model_options(cfg, cfg.actor), log=lambda m: say(mesh, m), init_path=start
+    )
+    if report.val_accuracy_after is not None:
+        before = report.val_accuracy_before
+        say(
+            mesh,
+            "reward model held-out pairwise accuracy "
+            + ("n/a" if before is None else f"{before:.3f}")
+            + f" -> {report.val_accuracy_after:.3f} ({report.val_pairs} pairs)",
+        )
 
 
 def build_actor(inputs: RunInputs, total_steps: int, sft: bool = False) -> TrainedModel:

@@ -13,6 +13,14 @@ from typing import Any, Literal, Optional, get_args, get_origin, get_type_hints
 
 from omegaconf import OmegaConf
 
+from rlcli.config_engine import EngineConfig
+from rlcli.config_rewards import (
+    JudgeConfig,
+    RewardCombineConfig,
+    RewardModelConfig,
+    RewardModelTrainingConfig,
+)
+
 
 @dataclass
 class DataConfig:
@@ -105,24 +113,17 @@ class MultiTurnConfig:
 
 
 @dataclass
-class RolloutConfig:
-    engine: Literal["vllm", "hf"] = "vllm"  # the rollout engine
+class RolloutConfig(EngineConfig):
     # colocated: every rank trains and runs an engine, in turn | separate: the last
     # rollout.num_ranks ranks only run engines, the others only train (docs/placement.md)
     placement: Literal["colocated", "separate"] = "colocated"
     num_ranks: int = 0  # separate: ranks that only run engines (a multiple of rollout.tp)
-    tp: int = 1  # inference tensor parallel size, independent of parallel.tp / parallel.pp
     n: int = 8  # samples per prompt
     temperature: float = 1.0  # sampling temperature (the trainer's log-probs use the same)
     top_p: float = 1.0  # nucleus sampling (1.0: off)
     top_k: int = -1  # top-k sampling (-1: off)
     max_tokens: int = 64  # max new tokens per response (multi-turn: per assistant turn)
     stop_token_ids: list[int] = field(default_factory=list)  # EOS is always a stop token
-    # default: data.max_prompt_length + rollout.max_tokens (multi-turn: + max_response_tokens)
-    max_model_len: Optional[int] = None
-    gpu_memory_utilization: float = 0.5  # GPU: share of memory vLLM takes for weights + KV cache
-    kv_cache_gb: float = 1.0  # CPU only: resident KV cache per engine
-    enforce_eager: bool = True  # GPU: no CUDA graphs (faster start, slower decoding)
     sync_bucket_mb: int = 0  # 0: parallel.reshard.AUTO_BUCKET_MB (small models: one bucket)
     sleep_level: Literal[1, 2] = (
         1  # GPU vLLM: 1 offloads weights to host, 2 discards them (sync on wake)
@@ -285,6 +286,9 @@ class RewardConfig:
     # Stop the run (with the reward's own error) when more than this fraction of a step's
     # samples fail to score (raise, time out or return a non-number).
     max_failure_rate: float = 0.5
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    combine: RewardCombineConfig = field(default_factory=RewardCombineConfig)
 
 
 @dataclass
@@ -295,38 +299,6 @@ class SFTConfig:
     batch_size: int = 64  # pairs per SFT step
     micro_batch_size: int = 64  # pairs per forward/backward
     lr_warmup_steps: int = 0  # warm-start warmup steps
-
-
-@dataclass
-class RewardModelTrainingConfig:
-    """``rlcli rm``: a reward model trained on preference pairs with the Bradley-Terry loss, in
-    the layout of ``parallel.*`` (the model settings are ``model.*``)."""
-
-    # JSONL / Parquet rows {"prompt", "chosen", "rejected"[, "margin"]} (rlcli.data.preferences)
-    train_files: list[str] = field(default_factory=list)
-    val_files: list[str] = field(default_factory=list)  # held-out pairs: pairwise accuracy
-    # "arith": write the quickstart's preference pairs (the correct answer preferred) under
-    # trainer.output_dir/data and train and validate on them
-    synthetic: Optional[Literal["arith"]] = None
-    # HF folder to start from: a language model (its transformer, a fresh score head) or a
-    # reward model (trained further); its tokenizer and chat template are the reward model's.
-    # None: model.path
-    init_path: Optional[str] = None
-    # the trained model as an HF *ForSequenceClassification folder (replaced if it exists)
-    out_dir: str = "${trainer.output_dir}/reward_model"
-    steps: int = 100  # optimizer steps
-    batch_size: int = 32  # pairs per step, all data-parallel ranks together
-    micro_batch_size: int = 16  # pairs per forward/backward
-    max_tokens: int = 0  # > 0: micro-batches by this token budget (both sequences of a pair)
-    max_length: int = 512  # pairs with a longer sequence (prompt + response) are dropped
-    lr: float = 1e-5  # Adam learning rate (betas / eps as actor.*), constant after warmup
-    lr_warmup_steps: int = 0  # linear warmup steps
-    weight_decay: float = 0.0  # AdamW weight decay
-    grad_clip: float = 1.0  # global gradient-norm clip (0: off)
-    val_freq: int = 50  # held-out accuracy every N steps, besides before and after (0: never)
-    # checkpoint every N steps into <trainer.output_dir>/rm_checkpoints (0: none); a run
-    # resumes from the newest one as trainer.resume says
-    save_freq: int = 0
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from rlcli.config_validation_rewards import check_model_rewards
 from rlcli.errors import UserError
 from rlcli.placement_validation import check_off_policy, check_placement, is_separate
 
@@ -63,6 +64,7 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
             "(algorithm.adv_estimator=gae); set trainer.critic_warmup=0"
         )
     _check_multi_turn(cfg)
+    check_model_rewards(cfg, world_size)
     _check_lora(cfg)
     positive = {
         "data.train_batch_size": cfg.data.train_batch_size,
@@ -396,29 +398,3 @@ def _check_reliability(cfg: RLConfig) -> None:
         )
     if not cfg.rollout.max_logprob_diff > 0:
         raise UserError(f"rollout.max_logprob_diff must be > 0, got {cfg.rollout.max_logprob_diff}")
-
-
-def check_reward_model_training(cfg: RLConfig, dp: int) -> None:
-    """The ``rm.*`` settings of ``rlcli rm`` (checked only when a reward model is trained, so a
-    recipe that never trains one is not held to them)."""
-    rm = cfg.rm
-    for key in ("steps", "batch_size", "micro_batch_size", "max_length"):
-        if getattr(rm, key) < 1:
-            raise UserError(f"rm.{key} must be >= 1, got {getattr(rm, key)}")
-    for key in ("max_tokens", "lr_warmup_steps", "val_freq", "save_freq", "grad_clip", "lr"):
-        if getattr(rm, key) < 0:
-            raise UserError(f"rm.{key} must be >= 0, got {getattr(rm, key)}")
-    if rm.lr_warmup_steps >= rm.steps:
-        raise UserError(
-            f"rm.lr_warmup_steps={rm.lr_warmup_steps} must be smaller than rm.steps={rm.steps}"
-        )
-    if rm.batch_size % dp:
-        raise UserError(
-            f"rm.batch_size={rm.batch_size} must divide evenly over the {dp} data-parallel "
-            "replicas (world size / (parallel.tp * parallel.pp))"
-        )
-    if not rm.synthetic and not rm.train_files:
-        raise UserError(
-            "rm.train_files is empty: give JSONL / Parquet preference rows "
-            "({prompt, chosen, rejected}) or set rm.synthetic=arith"
-        )

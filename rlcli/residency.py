@@ -1,7 +1,8 @@
 """Which model state sits on the device in each phase of the step: the residency plan, declared
 once from the config, and the one helper that makes it so, timing and counting what moves.
 
-A row of the plan is a phase; for each model (``actor``, ``reference``, ``critic``) it names the
+A row of the plan is a phase; for each model (``actor``, ``reference``, ``critic``,
+``reward_model``) it names the
 kinds of state (``params``, ``grads``, ``optimizer``) the phase needs ON the device, and those it
 must hand back (OFF: the memory goes to something else, such as the engine's KV cache while it
 generates). What a row does not name stays where the previous phase left it, so nothing moves
@@ -9,6 +10,8 @@ twice: the actor's offloaded weights come back for its first forward of the step
 the next rollout.
 
     rollout        actor, critic: OFF their ``*.offload_*`` kinds; reference: OFF if ref.offload
+    reward_model   reward_model: ON params (reward.model.*: scores the samples)
+    judge          (the judge is an engine: it wakes for this phase and sleeps after it)
     old_log_prob   actor: ON params
     ref            reference: ON params
     values         critic: ON params
@@ -16,7 +19,8 @@ the next rollout.
     update         actor: ON params, grads, optimizer; critic: OFF its offload kinds
     sync           actor: ON params
     checkpoint     actor, critic: ON everything (a save reads it all)
-    (and the reference is OFF again in every phase after ``ref`` when ref.offload)
+    (the reference is OFF again in every phase but ``ref`` when ref.offload, and the reward
+    model in every phase but ``reward_model`` when reward.model.offload)
 
 With ``rollout.placement=separate`` the engines run on ranks of their own: the rollout row is
 empty (nothing leaves the trainer's device for them), and a rollout rank holds no model at all.
@@ -46,6 +50,8 @@ if TYPE_CHECKING:
 KINDS = ("params", "grads", "optimizer")
 PHASES = (
     "rollout",
+    "reward_model",
+    "judge",
     "old_log_prob",
     "ref",
     "values",
@@ -78,9 +84,12 @@ def residency_plan(cfg: RLConfig) -> ResidencyPlan:
     everything = frozenset(KINDS)
     actor_off, critic_off = offloaded_kinds(cfg.actor), offloaded_kinds(cfg.critic)
     reference_off = frozenset({"params"} if cfg.ref.offload else ())
+    reward_model_off = frozenset({"params"} if cfg.reward.model.offload else ())
     reference = "actor" if cfg.actor.lora.enable else "reference"  # LoRA: the actor, adapters off
     plan: ResidencyPlan = {
         "rollout": {"actor": Need(off=actor_off), "critic": Need(off=critic_off)},
+        "reward_model": {"reward_model": Need(on=frozenset({"params"}))},
+        "judge": {},
         "old_log_prob": {"actor": Need(on=frozenset({"params"}))},
         "ref": {reference: Need(on=frozenset({"params"}))},
         "values": {"critic": Need(on=frozenset({"params"}))},
@@ -94,6 +103,8 @@ def residency_plan(cfg: RLConfig) -> ResidencyPlan:
     for phase, row in plan.items():
         if phase != "ref":
             row["reference"] = Need(off=reference_off)
+        if phase != "reward_model":
+            row["reward_model"] = Need(off=reward_model_off)
     return plan
 
 

@@ -2,7 +2,7 @@
 Megatron (the trainer's TP / PP / DP layout), report its held-out pairwise accuracy, checkpoint,
 and write it as an HF ``*ForSequenceClassification`` folder.
 
-    report = train_reward_model(cfg, mesh, log=print)        # collective; every rank calls it
+    report = train_reward_model(cfg, mesh, model_options, log=print)   # collective, every rank
 
 The model starts from ``rm.init_path`` (default ``model.path``): a language model (the SFT
 policy, typically) gives its transformer and a fresh score head; a reward model is trained
@@ -31,6 +31,7 @@ from parallel.mesh import Mesh
 from parallel.preference_pairs import TokenizedPairs
 from rlcli.config import RLConfig
 from rlcli.errors import UserError
+from rlcli.trained_model import MicroBatching, OptimizerSettings, TrainedModel
 
 REPORT_FILE = "reward_model_report.json"
 
@@ -100,13 +101,17 @@ def _load_pairs(
     return pairs, dropped
 
 
-def _init_dir(cfg: RLConfig) -> tuple[str, bool]:
-    """The folder to start from and whether it is a reward model already."""
+def _init_dir(cfg: RLConfig, init_path: str | None) -> tuple[str, bool]:
+    """The folder to start from (`init_path`, else ``rm.init_path``, else ``model.path``) and
+    whether it is a reward model already."""
     from parallel.reward_model import reward_model_problem
 
-    key, path = (
-        ("rm.init_path", cfg.rm.init_path) if cfg.rm.init_path else ("model.path", cfg.model.path)
-    )
+    if init_path is not None:
+        key, path = "the RL start model", init_path
+    elif cfg.rm.init_path:
+        key, path = "rm.init_path", cfg.rm.init_path
+    else:
+        key, path = "model.path", cfg.model.path
     problem = reward_model_problem(path, from_language_model=True)
     if problem is not None:
         raise UserError(
@@ -116,50 +121,61 @@ def _init_dir(cfg: RLConfig) -> tuple[str, bool]:
     return path, reward_model_problem(path) is None
 
 
-def _build(cfg: RLConfig, mesh: Mesh, init_dir: str, is_reward_model: bool, pad_token_id: int):
-    from parallel.dtypes import DTYPES
-    from parallel.optim import build_optimizer, wrap_for_training
-    from parallel.reward_model import load_reward_model
-    from rlcli.build import model_options
-
+def _build(
+    cfg: RLConfig,
+    mesh: Mesh,
+    init_dir: str,
+    is_reward_model: bool,
+    pad_token_id: int,
+    model_options: dict[str, Any],
+) -> TrainedModel:
+    """The reward model to train: the trained-model core with a score head, ``rm.*``'s Adam
+    (betas and eps as ``actor.*``) and constant LR after warmup, micro-batches of
+    ``rm.micro_batch_size`` (pairs to train, sequences to score) or ``rm.max_tokens``."""
     rm, actor = cfg.rm, cfg.actor
-    models = load_reward_model(
-        init_dir,
-        mesh,
-        dtype=DTYPES[cfg.model.dtype],
-        from_language_model=not is_reward_model,
-        pad_token_id=None if is_reward_model else pad_token_id,
-        **model_options(cfg, actor),
-    )
-    hf_config = models[0].hf_config
-    distributed = cfg.parallel.use_distributed_optimizer
-    models = wrap_for_training(models, mesh, use_distributed_optimizer=distributed)
-    optimizer, scheduler = build_optimizer(
-        models,
+    settings = OptimizerSettings(
         lr=rm.lr,
+        min_lr=0.0,
         weight_decay=rm.weight_decay,
         adam_beta1=actor.adam_beta1,
         adam_beta2=actor.adam_beta2,
         adam_eps=actor.adam_eps,
         clip_grad=rm.grad_clip,
-        use_distributed_optimizer=distributed,
         warmup_steps=rm.lr_warmup_steps,
         total_steps=rm.steps,
+        decay_style="constant",
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
     )
-    return models, optimizer, scheduler, hf_config
+    return TrainedModel(
+        mesh,
+        init_dir,
+        micro_batching=MicroBatching(rm.micro_batch_size, rm.max_tokens),
+        dtype=cfg.model.dtype,
+        head="score",
+        optim=settings,
+        model_options=model_options,
+        score_head_from_language_model=not is_reward_model,
+        pad_token_id=None if is_reward_model else pad_token_id,
+    )
 
 
 def train_reward_model(
-    cfg: RLConfig, mesh: Mesh, log: Callable[[str], None] | None = None
+    cfg: RLConfig,
+    mesh: Mesh,
+    model_options: dict[str, Any],
+    log: Callable[[str], None] | None = None,
+    init_path: str | None = None,
 ) -> RewardModelReport:
     """Train, evaluate, checkpoint and export a reward model as ``cfg.rm`` says (module
-    docstring). Collective: every rank of `mesh` calls it with the same config."""
+    docstring); `model_options`: its ``parallel.model.build_model`` layout options (the actor's:
+    ``rlcli.build.model_options(cfg, cfg.actor)``); `init_path` (the RLHF stage of ``rlcli
+    train``: the SFT policy) replaces ``rm.init_path``. Collective: every rank of `mesh` calls it with the same config."""
     from transformers import AutoTokenizer
 
     from parallel.checkpoint import load_checkpoint, save_checkpoint
     from parallel.convert import save_hf_checkpoint
     from parallel.reward_training import bradley_terry_step, pairwise_accuracy
-    from rlcli.config_validation import check_reward_model_training
+    from rlcli.config_validation_rewards import check_reward_model_training
     from rlcli.run_checkpoint import CheckpointManager
     from rlcli.run_state import load_trainer_state, save_trainer_state
 
@@ -167,7 +183,7 @@ def train_reward_model(
     rm = cfg.rm
     check_reward_model_training(cfg, mesh.dp)
     start = time.perf_counter()
-    init_dir, is_reward_model = _init_dir(cfg)
+    init_dir, is_reward_model = _init_dir(cfg, init_path)
     tokenizer = AutoTokenizer.from_pretrained(init_dir)
     pad_token_id = (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -186,13 +202,18 @@ def train_reward_model(
         f", tp={mesh.tp} pp={mesh.pp} dp={mesh.dp}): {len(train)} training pairs, "
         f"{len(val) if val else 0} held-out"
     )
-    models, optimizer, scheduler, hf_config = _build(
-        cfg, mesh, init_dir, is_reward_model, pad_token_id
-    )
-    sizes = {"micro_batch_size": rm.micro_batch_size, "max_tokens": rm.max_tokens}
+    model = _build(cfg, mesh, init_dir, is_reward_model, pad_token_id, model_options)
+    pad_id = model.hf_config.pad_token_id  # the reward model's: decides the scored position
+    sizes = {
+        "pad_token_id": pad_id,
+        "micro_batch_size": rm.micro_batch_size,
+        "max_tokens": rm.max_tokens,
+    }
 
     def held_out() -> float | None:
-        return None if val is None else pairwise_accuracy(models, mesh, val, **sizes)["accuracy"]
+        if val is None:
+            return None
+        return pairwise_accuracy(model.score, mesh, val, pad_token_id=pad_id)["accuracy"]
 
     checkpoints = CheckpointManager(
         Path(cfg.trainer.output_dir) / "rm_checkpoints", keep_last=cfg.checkpoint.keep_last
@@ -201,7 +222,11 @@ def train_reward_model(
     state: dict[str, Any] = {"step": 0, "history": [], "val_accuracy_before": None}
     if resume_from is not None:
         load_checkpoint(
-            resume_from / "model", models, mesh, optimizer=optimizer, scheduler=scheduler
+            resume_from / "model",
+            model.models,
+            mesh,
+            optimizer=model.optimizer,
+            scheduler=model.scheduler,
         )
         state = load_trainer_state(resume_from)
         say(f"resumed the reward model from {resume_from} (step {state['step']})")
@@ -212,7 +237,7 @@ def train_reward_model(
     for step in range(state["step"] + 1, rm.steps + 1):
         batch = train.select(batch_indices(step, len(train), rm.batch_size, cfg.trainer.seed))
         metrics = bradley_terry_step(
-            models, mesh, optimizer, scheduler, batch.share(mesh), num_pairs=rm.batch_size, **sizes
+            model.train_micro_batches, mesh, batch.share(mesh), num_pairs=rm.batch_size, **sizes
         )
         entry = {"step": step, **{k: metrics[k] for k in ("loss", "accuracy", "grad_norm", "lr")}}
         if rm.val_freq and step % rm.val_freq == 0 and step != rm.steps:
@@ -226,7 +251,9 @@ def train_reward_model(
             say(f"rm step {step}/{rm.steps}: {shown} ({time.perf_counter() - start:.1f} s)")
         if rm.save_freq and step % rm.save_freq == 0:
             with checkpoints.saving(step, subdirs=("model",)) as directory:
-                save_checkpoint(directory / "model", models, mesh, optimizer, scheduler)
+                save_checkpoint(
+                    directory / "model", model.models, mesh, model.optimizer, model.scheduler
+                )
                 save_trainer_state(directory, state)
     after = held_out()
     say(f"held-out pairwise accuracy after training: {after}")
@@ -235,7 +262,7 @@ def train_reward_model(
     if mesh.rank == 0 and staging.exists():
         shutil.rmtree(staging)
     _barrier()
-    save_hf_checkpoint(models, mesh, staging, hf_config, tokenizer_dir=init_dir)
+    save_hf_checkpoint(model.models, mesh, staging, model.hf_config, tokenizer_dir=init_dir)
     history = state["history"]
     report = RewardModelReport(
         out_dir=str(out_dir),

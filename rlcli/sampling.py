@@ -23,6 +23,7 @@ from parallel import cpu_compat
 from rlcli.agent_loop import AgentLoop, agent_loop_for, multi_turn_metrics
 from rlcli.batch import Sample, groups_of, split_evenly
 from rlcli.config import RLConfig
+from rlcli.config_validation_rewards import uses_model_reward
 from rlcli.data import PromptItem
 from rlcli.errors import UserError
 from rlcli.metrics import Timer
@@ -235,6 +236,9 @@ def collect_rollouts(
     weight sync first. ReMax's greedy baselines are sampled in the same block.
     """
     dyn = cfg.algorithm.dynamic_sampling
+    # With a model reward (its own phases after this one) DAPO's filter runs on the combined
+    # reward there (rlcli.model_rewards), not on the rule's score here.
+    filtering = dyn.enabled and not uses_model_reward(cfg)
     remax = cfg.algorithm.adv_estimator == "remax"
     train = sampling_params(cfg, tokenizer.eos_token_id, step, train=True)
     greedy = sampling_params(cfg, tokenizer.eos_token_id, step, train=False)
@@ -243,7 +247,7 @@ def collect_rollouts(
     metrics: dict[str, float] = {}
     drawn = 0
     with awake(engine):
-        for round_index in range(dyn.max_gen_batches if dyn.enabled else 1):
+        for round_index in range(dyn.max_gen_batches if filtering else 1):
             items = next(loader)
             with timer("gen"):
                 samples = generate_samples(
@@ -268,12 +272,12 @@ def collect_rollouts(
                 metrics.update(reward_stats)
                 metrics.update(multi_turn_metrics(samples))
             groups = groups_of(samples)
-            if dyn.enabled:
+            if filtering:
                 groups = informative_groups(samples, dyn.metric)
             kept.extend(groups)
             if len(kept) >= cfg.data.train_batch_size:
                 break
-    if dyn.enabled:
+    if filtering:
         metrics["dapo/kept_groups_ratio"] = len(kept) / max(drawn, 1)
         metrics["dapo/gen_batches"] = float(round_index + 1)
     kept = kept[: cfg.data.train_batch_size]

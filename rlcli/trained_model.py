@@ -7,14 +7,17 @@ The roles are compositions of this core with their own math:
     actor     = TrainedModel(mesh, hf_dir, optim=..., micro_batching=...)   # + rlcli.actor_update
     reference = TrainedModel(mesh, hf_dir, micro_batching=...)              # frozen: log-probs only
     critic    = TrainedModel(mesh, hf_dir, head="value", optim=...)         # + rlcli.critic
+    reward    = TrainedModel(mesh, rm_dir, head="score")  # rlcli.model_rewards; trained: rlcli rm
 
     actor     = TrainedModel(..., optim=..., lora=LoraSpec(...))   # LoRA: only adapters train
     reference = LoraReference(actor)        # the same chunks with the adapters off: no 2nd model
 
 ``forward`` gives the response-aligned outputs ``[B, R]`` of a ``RolloutBatch`` (log-probs of a
-language-model head, values of a value head) through ``parallel.schedule``; ``update`` runs PPO
-epochs x mini-batches of whole groups x micro-batches through megatron-core's schedule and
-optimizer, with a loss the role supplies.
+language-model head, values of a value head) through ``parallel.schedule``; ``score`` a reward
+model's one score per sequence; ``update`` runs PPO epochs x mini-batches of whole groups x
+micro-batches through megatron-core's schedule and optimizer, with a loss the role supplies;
+``train_step`` is one optimizer step (``train_micro_batches`` when the caller cuts the
+micro-batches itself, as preference pairs must be).
 """
 
 from __future__ import annotations
@@ -119,27 +122,44 @@ class TrainedModel:
         *,
         micro_batching: MicroBatching,
         dtype: str = "float32",
-        head: Literal["lm", "value"] = "lm",
+        head: Literal["lm", "value", "score"] = "lm",
         optim: OptimizerSettings | None = None,
         model_options: dict[str, Any] | None = None,
+        score_head_from_language_model: bool = False,
+        pad_token_id: int | None = None,
         lora: LoraSpec | None = None,
         adapter_path: str | None = None,
     ) -> None:
         """``model_options``: ``parallel.model.build_model``'s layout options (sequence_parallel,
         transformer_impl, recompute); a setting this machine cannot build is a UserError.
-        ``head="value"``: a value model (PPO's critic) instead of a language model.
+        ``head="value"``: a value model (PPO's critic); ``head="score"``: a reward model, an HF
+        ``*ForSequenceClassification`` folder (``parallel.reward_model.load_reward_model``;
+        ``score_head_from_language_model``: a language model with a fresh score head;
+        ``pad_token_id`` overrides the config's, which decides the scored position).
         ``lora``: LoRA adapters on the frozen base, added before DDP and the optimizer, which
         then hold only the adapters; ``adapter_path``: a PEFT adapter folder to start from."""
         from parallel.hf_model import load_hf_model
         from parallel.model import ModelConfigError
+        from parallel.reward_model import load_reward_model
 
         self.mesh, self.hf_dir, self.head = mesh, hf_dir, head
         self.micro_batching = micro_batching
         self.lora = lora
+        options = model_options or {}
         try:
-            models = load_hf_model(
-                hf_dir, mesh, dtype=DTYPES[dtype], critic=head == "value", **(model_options or {})
-            )
+            if head == "score":
+                models = load_reward_model(
+                    hf_dir,
+                    mesh,
+                    dtype=DTYPES[dtype],
+                    from_language_model=score_head_from_language_model,
+                    pad_token_id=pad_token_id,
+                    **options,
+                )
+            else:
+                models = load_hf_model(
+                    hf_dir, mesh, dtype=DTYPES[dtype], critic=head == "value", **options
+                )
             if lora is not None:
                 from parallel.lora import apply_lora
                 from parallel.lora_io import load_peft_adapter
@@ -187,6 +207,8 @@ class TrainedModel:
         """Response-aligned ``[B, R]`` outputs under the current weights, float32 on the CPU:
         the response tokens' log-probs (``lm``; at ``temperature``) or the values of the
         positions that predict them (``value``; zero where ``loss_mask`` is 0)."""
+        if self.head == "score":
+            raise ValueError("a reward model scores whole sequences: call score()")
         mb, tokens = self.micro_batching.size, self.micro_batching.forward_tokens
         with self._without_dropout():
             if self.head == "value":
@@ -194,16 +216,30 @@ class TrainedModel:
                     self.models, self.mesh, batch.input_ids, batch.attention_mask, mb, tokens
                 )
                 return response_values(per_position.cpu(), batch.response_index) * batch.loss_mask
+            ids, mask = batch.input_ids, batch.attention_mask
             per_position = forward_log_probs(
-                self.models,
-                self.mesh,
-                batch.input_ids,
-                batch.attention_mask,
-                mb,
-                temperature,
-                tokens,
+                self.models, self.mesh, ids, mask, mb, temperature, tokens
             )
         return response_values(per_position.cpu(), batch.response_index)
+
+    @torch.no_grad()
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """A reward model's scores ``[B]`` (float32, on every model-parallel rank) of the
+        right-padded sequences ``input_ids / attention_mask [B, S]``, in micro-batches of
+        ``micro_batching.size`` rows or its no-grad token budget
+        (``parallel.reward_model.score_sequences``)."""
+        from parallel.reward_model import score_sequences
+
+        if self.head != "score":
+            raise ValueError(f"score() needs a reward model (head='score'), not {self.head!r}")
+        return score_sequences(
+            self.models,
+            self.mesh,
+            input_ids,
+            attention_mask,
+            micro_batch_size=self.micro_batching.size,
+            max_tokens=self.micro_batching.forward_tokens,
+        )
 
     @contextmanager
     def _without_dropout(self) -> Iterator[None]:
@@ -232,14 +268,25 @@ class TrainedModel:
         or any ``input_ids`` / ``attention_mask`` + what ``loss_fn`` reads) cut into
         micro-batches: gradients summed over micro-batches, averaged over DP (see
         ``parallel.optim.train_step``)."""
-        from parallel.optim import train_step
-
         chunks = micro_batches(
             tensors,
             self.micro_batching.size,
             equal_sizes=self.mesh.pp > 1,
             max_tokens=self.micro_batching.max_tokens,
         )
+        return self.train_micro_batches(chunks, loss_fn, temperature, compute_entropy)
+
+    def train_micro_batches(
+        self,
+        chunks: list[dict[str, torch.Tensor]],
+        loss_fn: LossFn,
+        temperature: float = 1.0,
+        compute_entropy: bool = False,
+    ) -> dict[str, Any]:
+        """``train_step`` on micro-batches the caller cut (all of one size under pipeline
+        parallelism), e.g. preference pairs kept together (``parallel.reward_training``)."""
+        from parallel.optim import train_step
+
         result = train_step(
             self.models,
             self.mesh,

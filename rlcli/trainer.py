@@ -1,8 +1,9 @@
 """The RL trainer: every rank runs the same code (SPMD under torchrun).
 
 ``rl_step`` is the whole algorithm on one screen, one phase per call, in the order a batch
-travels: rollout (gen + reward) -> distribute -> old_log_prob -> ref -> values -> adv ->
-update_critic -> update -> sync (values and update_critic only with PPO's critic; during
+travels: rollout (gen + reward) -> reward_model / judge -> distribute -> old_log_prob -> ref ->
+values -> adv -> update_critic -> update -> sync (reward_model / judge only with model rewards,
+``rlcli.model_rewards``; values and update_critic only with PPO's critic; during
 ``trainer.critic_warmup`` steps only the critic learns). Each phase is entered through
 ``rlcli.residency.StepPhases``, which first gives it the device residency its row of the plan
 declares, then times it. Where the samples come from and the weights go is the rollout
@@ -34,6 +35,7 @@ from rlcli.dp_stats import DataParallelStats
 from rlcli.errors import UserError
 from rlcli.lora import lora_state
 from rlcli.metrics import MetricsLogger
+from rlcli.model_rewards import ModelRewards
 from rlcli.residency import Residency, StepPhases, residency_plan
 from rlcli.rollouts import Rollouts
 from rlcli.run_checkpoint import CheckpointManager
@@ -64,6 +66,7 @@ class Trainer:
     logger: MetricsLogger | None
     total_steps: int
     critic: TrainedModel | None = None  # PPO's value model (algorithm.adv_estimator=gae)
+    model_rewards: ModelRewards | None = None  # reward.model / reward.judge
     step: int = 0
     resumed_from: int | None = None  # the checkpoint step this run continues from
     stats: DataParallelStats = field(init=False)
@@ -74,6 +77,8 @@ class Trainer:
         # A LoRA actor's reference is the actor itself: its residency is the actor's.
         reference = self.reference if isinstance(self.reference, TrainedModel) else None
         models = {"actor": self.actor, "reference": reference, "critic": self.critic}
+        if self.model_rewards is not None:
+            models["reward_model"] = self.model_rewards.reward_model
         self.residency = Residency(residency_plan(self.cfg), models)
         # Warmup, decay and total are counted in RL steps: fit() steps the schedule once per
         # step, whatever the number of mini-batches (optimizer steps) in it.
@@ -93,6 +98,8 @@ class Trainer:
             if self.logger is not None:
                 self.logger.close()
             self.rollouts.close()
+            if self.model_rewards is not None:
+                self.model_rewards.close()
 
     def _fit(self, stop: StopRequest) -> dict[str, float]:
         cfg = self.cfg
@@ -183,6 +190,8 @@ class Trainer:
             # model_dir and need the adapters' shape.
             "lora": lora_state(self.actor.lora),
         }
+        if self.model_rewards is not None:
+            state["model_rewards"] = self.model_rewards.state_dict()
         save_run(
             self.checkpoints,
             self.step,
@@ -205,6 +214,9 @@ def rl_step(t: Trainer) -> dict[str, float]:
         # gen + reward (timed inside): every rank ends with ALL scored samples, exchanged once
         with phases("rollout", timed=False):
             samples, metrics = t.rollouts.collect(t.loader, t.step, phases.timer)
+        if t.model_rewards is not None:  # reward model / judge phases; DAPO's filter after them
+            samples, scored = t.model_rewards.score(samples, phases, t.step)
+            metrics.update(scored)
         with phases("distribute"):  # this DP rank's whole groups; from here on nothing moves
             mine, fewest_groups = take_dp_share(samples, t.mesh.dp, t.mesh.dp_rank)
             batch = collate(mine, t.tokenizer.pad_token_id) if fewest_groups else None

@@ -2,8 +2,9 @@
 dataclasses so it cannot drift from the code.
 
 Every key's type and default come from the dataclasses themselves; its one-line meaning comes
-from the source of ``rlcli/config.py``: the comment on the field's line(s), or the comment lines
-right above the field. A section's description is its class docstring. The output is
+from the source of the config modules (``rlcli/config.py``, ``rlcli/config_engine.py``,
+``rlcli/config_rewards.py``): the comment on the field's line(s), or the comment lines right above
+the field. A section's description is its class docstring. The output is
 deterministic, so ``tests/docs`` regenerates it and compares byte for byte with the committed file.
 
 Mounted by rlcli.cli as ``config.config_app.command("docs")(docs.config_docs)``.
@@ -131,15 +132,21 @@ def _section(cls: type, prefix: str, sources: dict, out: list[str], missing: lis
 
 
 def render_config_reference() -> tuple[str, list[str]]:
-    """(the Markdown reference, the keys whose field has no comment in rlcli/config.py)."""
+    """(the Markdown reference, the keys whose field has no comment in the config modules)."""
     import rlcli.config as config_module
+    import rlcli.config_engine as engine_module
+    import rlcli.config_rewards as rewards_module
     from rlcli.config import RLConfig
 
-    sources = _field_sources(Path(inspect.getsourcefile(config_module)).read_text())
+    sources: dict[str, dict[str, Any]] = {}
+    for module in (config_module, engine_module, rewards_module):
+        sources.update(_field_sources(Path(inspect.getsourcefile(module)).read_text()))
     out = [
         "# Config reference",
         "",
-        f"Generated from the dataclasses in `rlcli/config.py` by `{REGENERATE}`; do not edit "
+        "Generated from the dataclasses in `rlcli/config.py`, `rlcli/config_engine.py` and "
+        "`rlcli/config_rewards.py` by "
+        f"`{REGENERATE}`; do not edit "
         "by hand (a test fails when this file is stale).",
         "",
         "A recipe (YAML) holds only what differs from these defaults; any key can also be given "

@@ -10,142 +10,14 @@ Mounted by rlcli.cli as ``app.command("plan")(plan_command)``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from rlcli.commands.plan_inputs import GB, build_plan_inputs, model_shape
 from rlcli.errors import UserError
-
-GB = 1024**3
-
-
-def _model_shape(cfg, model_config: Optional[Path]):
-    """(shape, where it came from): --model-config, the recipe's config.json, model.build's spec,
-    or the table of known shapes keyed by model.path's basename."""
-    from parallel.model_shapes import KNOWN_SHAPES, ModelShape, known_shape
-
-    candidates = [model_config] if model_config else []
-    if cfg.model.path:
-        candidates.append(Path(cfg.model.path))
-    for path in candidates:
-        file = path / "config.json" if path.is_dir() else path
-        if file.is_file():
-            try:
-                return ModelShape.from_hf_config(json.loads(file.read_text())), str(file)
-            except (KeyError, ValueError) as err:
-                raise UserError(f"{file}: not an HF model config ({err})") from None
-        if path is model_config:
-            raise UserError(f"--model-config {path}: no such config.json")
-    if cfg.model.build:
-        spec = cfg.model.spec
-        shape = ModelShape(
-            spec.hidden_size,
-            spec.num_layers,
-            spec.num_heads,
-            spec.num_kv_heads,
-            spec.hidden_size // spec.num_heads,
-            spec.intermediate_size,
-            spec.vocab_size,
-            spec.tie_word_embeddings,
-            spec.architecture == "qwen2",
-        )
-        return shape, "model.spec (built locally)"
-    shape = known_shape(cfg.model.path)
-    if shape is None:
-        raise UserError(
-            f"model shape unknown: {cfg.model.path}/config.json does not exist and "
-            f"'{Path(cfg.model.path).name}' is not a known shape ({', '.join(KNOWN_SHAPES)}); "
-            "pass --model-config path/to/config.json"
-        )
-    return shape, f"known shape for '{Path(cfg.model.path).name}'"
-
-
-def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flash_attention: bool):
-    """parallel.memory_plan's inputs for a validated RLConfig on `world_size` GPUs."""
-    from parallel.memory_plan import PlanInputs, RolloutEngine
-    from parallel.memory_terms import TrainedModel
-    from parallel.reshard import AUTO_BUCKET_MB
-    from rlcli.batch import mini_batch_count
-    from rlcli.config_validation import derive_dp, uses_critic, validate, validate_against_model
-    from rlcli.lora import lora_spec
-    from rlcli.placement_validation import is_separate, trainer_ranks
-
-    validate(cfg, world_size=world_size)
-    par = cfg.parallel
-    dp = derive_dp(par, trainer_ranks(cfg, world_size))
-    experts = {"num_experts": shape.experts, "moe_intermediate_size": shape.moe_ffn}
-    validate_against_model(cfg, {"model_type": Path(cfg.model.path).name, **experts})
-    if shape.kv_heads % par.tp:
-        raise UserError(
-            f"parallel.tp={par.tp} must divide the model's {shape.kv_heads} key/value heads"
-        )
-    if shape.layers % (par.pp * (par.vpp or 1)):
-        raise UserError(
-            f"{shape.layers} layers cannot be split over parallel.pp * parallel.vpp = "
-            f"{par.pp * (par.vpp or 1)} stages"
-        )
-    seq_len = cfg.data.max_prompt_length + cfg.rollout.max_tokens
-    sequences = cfg.data.train_batch_size * cfg.rollout.n
-
-    lora = lora_spec(cfg.actor.lora, cfg.trainer.seed)
-
-    def trained(section, critic: bool = False) -> TrainedModel:
-        """The memory terms of the model an ``actor`` / ``critic`` section trains: the run's
-        layout, the section's micro-batches per optimizer step, recomputation and offloading
-        (the actor's LoRA adapters: only they have gradients and optimizer state)."""
-        adapters = lora if not critic else None
-        prompts = cfg.data.train_batch_size
-        mini = prompts // mini_batch_count(prompts, section.ppo_mini_batch_size) * cfg.rollout.n
-        return TrainedModel(
-            shape,
-            dtype=cfg.model.dtype,
-            tp=par.tp,
-            pp=par.pp,
-            vpp=par.vpp,
-            dp=dp,
-            distributed_optimizer=par.use_distributed_optimizer,
-            micro_batch_size=section.micro_batch_size,
-            seq_len=seq_len,
-            num_micro_batches=max(1, mini // dp // section.micro_batch_size),
-            recompute=section.recompute,
-            recompute_method=section.recompute_method,
-            recompute_num_layers=section.recompute_num_layers,
-            sequence_parallel=par.sequence_parallel,
-            flash_attention=flash_attention,
-            offload_params=section.offload_params,
-            offload_grads=section.offload_grads,
-            offload_optimizer=section.offload_optimizer,
-            critic=critic,
-            ep=par.ep,
-            etp=par.expert_tp,
-            lora_rank=adapters.rank if adapters is not None else 0,
-            lora_target_modules=adapters.targets() if adapters is not None else (),
-        )
-
-    actor = trained(cfg.actor)
-    engines = (cfg.rollout.num_ranks if is_separate(cfg) else world_size) // cfg.rollout.tp
-    rollout = RolloutEngine(
-        tp=cfg.rollout.tp,
-        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-        max_model_len=cfg.rollout.max_model_len or seq_len,
-        sequences=-(-sequences // engines),
-        dtype=cfg.model.dtype,
-        sync_bucket_bytes=(cfg.rollout.sync_bucket_mb or AUTO_BUCKET_MB) * 1024**2,
-    )
-    critic = trained(cfg.critic, critic=True) if uses_critic(cfg) else None
-    return PlanInputs(
-        actor=actor,
-        rollout=rollout,
-        gpu_memory_bytes=int(gpu_memory_gb * GB),
-        # a LoRA actor's reference is the actor itself, adapters off: no weights of its own
-        ref=(cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and lora is None,
-        ref_offload=cfg.ref.offload,
-        critic=critic,
-        separate=is_separate(cfg),
-    )
 
 
 def _candidates(cfg, shape, gpus_per_node: int, world_size: int, plan) -> list[list[str]]:
@@ -165,7 +37,10 @@ def _candidates(cfg, shape, gpus_per_node: int, world_size: int, plan) -> list[l
     if trained and not (a.offload_grads and a.offload_optimizer):
         out.append(state)
     if not (a.offload_params and cfg.ref.offload):
-        out.append([f"{m}.offload_params=true" for m in trained] + state + ["ref.offload=true"])
+        everything = [f"{m}.offload_params=true" for m in trained] + state + ["ref.offload=true"]
+        if plan.inputs.reward_model is not None:
+            everything.append("reward.model.offload=true")
+        out.append(everything)
     if not par.use_distributed_optimizer and world_size // (par.tp * par.pp) > 1:
         out.append(["parallel.use_distributed_optimizer=true"])
     for mode in ("selective", "full"):
@@ -202,22 +77,21 @@ def _gib(n: int) -> str:
 
 
 def _table(plan, plan_offloaded) -> list[str]:
-    from parallel.memory_plan import PHASES
-
+    phases = list(plan.phases)  # the "reward" phase only with a reward model or a judge
     rows = []
-    for phase in PHASES:
+    for phase in phases:
         rows += [t for t in plan.phases[phase].terms if t not in rows]
-    head = f"{'per GPU, GiB':34}" + "".join(f"{p:>11}" for p in PHASES)
+    head = f"{'per GPU, GiB':34}" + "".join(f"{p:>11}" for p in phases)
     lines = [head, "-" * len(head)]
     for term in rows:
-        cells = "".join(f"{_gib(plan.phases[p].terms.get(term, 0)):>11}" for p in PHASES)
+        cells = "".join(f"{_gib(plan.phases[p].terms.get(term, 0)):>11}" for p in phases)
         lines.append(f"{term:34}{cells}")
     lines.append("-" * len(head))
-    lines.append(f"{'total':34}" + "".join(f"{_gib(plan.phases[p].total):>11}" for p in PHASES))
+    lines.append(f"{'total':34}" + "".join(f"{_gib(plan.phases[p].total):>11}" for p in phases))
     if plan_offloaded is not None:  # (separate engines: the actor has nothing to offload for)
         lines.append(
             f"{'total, everything offloaded':34}"
-            + "".join(f"{_gib(plan_offloaded.phases[p].total):>11}" for p in PHASES)
+            + "".join(f"{_gib(plan_offloaded.phases[p].total):>11}" for p in phases)
         )
     return lines
 
@@ -239,7 +113,8 @@ def plan_command(
         help="Attention without an s x s score tensor (Transformer Engine installed).",
     ),
 ) -> None:
-    """Per-GPU memory of each phase (generate, log-probs, update, sync): does the layout fit?"""
+    """Per-GPU memory of each phase (generate, reward, log-probs, update, sync): does the
+    layout fit?"""
 
     from parallel.memory_plan import plan_memory
     from rlcli.config_loader import load_config
@@ -248,7 +123,7 @@ def plan_command(
         raise UserError("--nodes, --gpus-per-node and --gpu-memory-gb must be positive")
     world = nodes * gpus_per_node
     cfg = load_config(recipe, overrides or [])
-    shape, source = _model_shape(cfg, model_config)
+    shape, source = model_shape(cfg, model_config)
 
     def plan_for(extra: list[str]):
         c = load_config(recipe, [*(overrides or []), *extra]) if extra else cfg
@@ -266,6 +141,7 @@ def plan_command(
         actor=dataclasses.replace(actor, **offloaded),
         critic=dataclasses.replace(critic, **offloaded) if critic is not None else None,
         ref_offload=True,
+        reward_model_offload=True,
     )
     echo = typer.echo
     echo(

@@ -26,7 +26,8 @@ def rm(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES, nproc:
     """Train a reward model (Bradley-Terry loss on pairwise preference rows) and write it as an
     HF *ForSequenceClassification folder (rm.out_dir)."""
     from rlcli.config_loader import load_config
-    from rlcli.config_validation import check_reward_model_training, derive_dp, validate
+    from rlcli.config_validation import derive_dp, validate
+    from rlcli.config_validation_rewards import check_reward_model_training
 
     cfg = load_config(recipe, overrides or [])
     if under_torchrun():
@@ -41,6 +42,7 @@ def rm(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES, nproc:
         relaunch_under_torchrun(nproc, without_nproc(sys.argv[1:]))
 
     from parallel.mesh import destroy_parallel, init_parallel
+    from rlcli.build import model_options
     from rlcli.reward_model_training import train_reward_model
 
     mesh = init_parallel(
@@ -51,7 +53,10 @@ def rm(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES, nproc:
         timeout_s=cfg.parallel.timeout_minutes * 60,
     )
     report = train_reward_model(
-        cfg, mesh, log=lambda message: print(f"[rlcli] {message}", flush=True)
+        cfg,
+        mesh,
+        model_options(cfg, cfg.actor),
+        log=lambda message: print(f"[rlcli] {message}", flush=True),
     )
     if mesh.rank == 0:
         before, after = report.val_accuracy_before, report.val_accuracy_after

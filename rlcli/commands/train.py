@@ -70,10 +70,14 @@ def _load_for_run(
             raise UserError(f"--nproc must be >= 1, got {nproc}")
         _check_process_count(cfg, nproc)
         world_size = nproc
-    from rlcli.config_validation import validate
+    from rlcli.config_validation import derive_dp, validate
+    from rlcli.config_validation_rewards import check_reward_model_dirs, check_reward_model_training
 
     validate(cfg, world_size=world_size)
     check_model_dir(cfg)
+    check_reward_model_dirs(cfg)
+    if cfg.rm.before_rl:
+        check_reward_model_training(cfg, derive_dp(cfg.parallel, world_size))
     if nproc != 1 and not under_torchrun():
         restarts = max_restarts if max_restarts is not None else cfg.trainer.max_restarts or 0
         if restarts < 0:

@@ -1,21 +1,28 @@
 """The reward model from the trainer's side: its folder checked (errors name
-``reward.model.path``), its Megatron chunks loaded in the trainer's layout, and the token ids it
-scores for each policy sample.
+``reward.model.path``), the token ids it scores for each policy sample, and the step's scores
+(the model itself is a ``TrainedModel(head="score")``, built by ``rlcli.model_rewards``).
 
     check_reward_model_path(path)                          UserError unless an HF reward model
-    load_reward_model_chunks(path, mesh, dtype, model_options) -> list[torch.nn.Module]
     inputs = RewardModelInputs(policy_tokenizer, reward_tokenizer)
     ids = inputs(prompt_ids, response_ids, prompt_messages, finished)   # list[int]
+    scores = reward_model_scores(model, inputs, samples)   # [N], every sample, on every rank
 
-Scoring itself is ``parallel.reward_model.score_sequences`` on the right-padded ids.
+Scoring itself is ``parallel.reward_model.score_sequences`` on the right-padded ids
+(``TrainedModel.score``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from rlcli.data.chat import encode_prompt_and_response, uses_chat_template
 from rlcli.errors import UserError
+
+if TYPE_CHECKING:
+    from rlcli.batch import Sample
+    from rlcli.trained_model import TrainedModel
 
 REWARD_MODEL_PATH_KEY = "reward.model.path"
 
@@ -30,34 +37,6 @@ def check_reward_model_path(path: str, key: str = REWARD_MODEL_PATH_KEY) -> None
     problem = reward_model_problem(path)
     if problem is not None:
         raise UserError(f"{key}={path}: {problem}")
-
-
-def load_reward_model_chunks(
-    path: str,
-    mesh: Any,
-    dtype: str = "float32",
-    model_options: dict[str, Any] | None = None,
-    key: str = REWARD_MODEL_PATH_KEY,
-) -> list[Any]:
-    """This rank's reward-model chunks (frozen, eval mode) at the trainer's TP / PP layout;
-    `model_options` are ``parallel.model.build_model``'s (as the actor's). Every mistake a user
-    can fix is a UserError naming `key` or the model setting."""
-    from parallel.dtypes import DTYPES
-    from parallel.mesh import ParallelLayoutError
-    from parallel.model import ModelConfigError
-    from parallel.reward_model import load_reward_model
-
-    check_reward_model_path(path, key)
-    try:
-        models = load_reward_model(path, mesh, dtype=DTYPES[dtype], **(model_options or {}))
-    except ModelConfigError as error:
-        raise UserError(str(error)) from None
-    except (ParallelLayoutError, ValueError) as error:  # layout or family the model cannot take
-        raise UserError(f"{key}={path}: {error}") from None
-    for model in models:
-        model.eval()
-        model.requires_grad_(False)
-    return models
 
 
 def same_tokenizer(first: Any, second: Any) -> bool:
@@ -112,3 +91,33 @@ class RewardModelInputs:
             use_template=self.use_template,
             finished=finished,
         )
+
+
+def reward_model_scores(
+    model: TrainedModel, inputs: RewardModelInputs, samples: list[Sample]
+) -> torch.Tensor:
+    """The reward model's score ``[N]`` (float32, CPU) of each of the step's samples (prompt +
+    response as ``inputs`` renders them), on every rank. Collective over the trainer's ranks:
+    every rank holds all samples; each data-parallel replica of the model scores a contiguous
+    share (its model-parallel ranks together, micro-batched as the model is configured) and
+    the shares are summed into place over DP (exact: the other ranks add zeros)."""
+    from parallel.preference_pairs import pad_sequences
+    from rlcli.batch import split_evenly
+    from rlcli.dp_stats import DataParallelStats
+
+    mesh = model.mesh
+    mine = split_evenly(list(range(len(samples))), mesh.dp)[mesh.dp_rank]
+    scores = torch.zeros(len(samples), dtype=torch.float32)
+    if mine:  # (all ranks of one model replica share a DP rank, so they skip together)
+        ids = [
+            inputs(
+                samples[i].prompt_ids,
+                samples[i].response_ids,
+                samples[i].item.prompt_messages if samples[i].item is not None else [],
+                samples[i].finish_reason == "stop",
+            )
+            for i in mine
+        ]
+        input_ids, attention_mask = pad_sequences(ids, model.hf_config.pad_token_id)
+        scores[torch.tensor(mine)] = model.score(input_ids, attention_mask).cpu()
+    return DataParallelStats(mesh).sum(scores)

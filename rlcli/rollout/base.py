@@ -120,13 +120,21 @@ class RolloutEngine(ABC):
         return False
 
 
-def read_hf_config(model_dir: str) -> dict:
-    """config.json of an HF model directory; a UserError naming `model.path` when missing."""
+def model_path_key(key: str) -> str:
+    """The config key of the model an engine section's engine serves: ``model.path`` for the
+    policy's (``rollout``), ``<key>.path`` for another engine's (``reward.judge.path``)."""
+    return "model.path" if key == "rollout" else f"{key}.path"
+
+
+def read_hf_config(model_dir: str, key: str = "rollout") -> dict:
+    """config.json of an HF model directory; a UserError naming the model's path key (see
+    ``model_path_key``) when missing."""
     config_file = Path(model_dir) / "config.json"
     if not config_file.is_file():
+        path_key = model_path_key(key)
         raise UserError(
-            f"model.path={model_dir!r} is not a HuggingFace model directory (no config.json); "
-            "point model.path at a folder with config.json and *.safetensors"
+            f"{path_key}={model_dir!r} is not a HuggingFace model directory (no config.json); "
+            f"point {path_key} at a folder with config.json and *.safetensors"
         )
     return json.loads(config_file.read_text())
 

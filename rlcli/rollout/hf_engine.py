@@ -18,6 +18,7 @@ from rlcli.rollout.base import (
     copies,
     current_replica,
     model_eos_token_ids,
+    model_path_key,
 )
 
 MAX_SEQUENCES_PER_CALL = 64  # bounds the padded [batch, len, vocab] scores kept by generate
@@ -31,7 +32,9 @@ class HFEngine(RolloutEngine):
         dtype: str = "float32",
         seed: int = 0,
         max_model_len: int | None = None,
+        key: str = "rollout",
     ) -> None:
+        """``key``: the config section the engine is built from (errors name its model path)."""
         from transformers import AutoModelForCausalLM
 
         super().__init__(seed, current_replica(1)[0])
@@ -39,7 +42,7 @@ class HFEngine(RolloutEngine):
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
         except OSError as error:
             raise UserError(
-                f"cannot load the model at model.path={model_dir!r}: {error}"
+                f"cannot load the model at {model_path_key(key)}={model_dir!r}: {error}"
             ) from error
         device = (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None

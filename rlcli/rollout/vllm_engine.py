@@ -53,79 +53,85 @@ from rlcli.rollout.base import (
     copies,
     current_replica,
     model_eos_token_ids,
+    model_path_key,
 )
 
 if TYPE_CHECKING:
-    from rlcli.config import RolloutConfig
+    from rlcli.config import JudgeConfig, RolloutConfig
 
 # The engine must run inside the calling process to share it with Megatron (colocation).
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-# vLLM keeps its parallel state in module globals, and an engine's shutdown destroys it: two
-# engines alive in one process would break each other.
-_engine_alive = False
+# Several engines can live in one process (the policy's and a judge's: measured on vLLM-CPU,
+# in-process TP1 engines under torchrun, each matching HF greedy output, collectives working);
+# they share vLLM's process-wide parallel state (module globals), and an engine's shutdown
+# (EngineCore.shutdown -> cleanup_dist_env_and_memory) destroys it for all of them, and the
+# default torch process group too. So a closed engine's LLM is kept until the last engine of
+# the process closes; then all of them shut down together.
+_open_engines: list[VLLMEngine] = []
+_closed_llms: list[object] = []
 
 
 class VLLMEngine(RolloutEngine):
     def __init__(
         self,
         model_dir: str,
-        rollout: RolloutConfig,
+        section: RolloutConfig | JudgeConfig,
         *,
         dtype: str = "float32",
         seed: int = 0,
         max_model_len: int | None = None,
+        key: str = "rollout",
         max_lora_rank: int = 0,
     ) -> None:
-        """An engine for the HF model in `model_dir` as the `rollout` section says (tp,
-        gpu_memory_utilization / kv_cache_gb, enforce_eager, sleep_level, load_format);
-        `max_lora_rank` > 0 makes room for LoRA adapters of that rank (`load_lora_adapter`)."""
+        """An engine for the HF model in `model_dir` as its config `section` says (tp,
+        gpu_memory_utilization / kv_cache_gb, enforce_eager, sleep_level, load_format); errors
+        name the section's keys under `key` (``rollout`` or ``reward.judge``). `max_lora_rank`
+        > 0 makes room for LoRA adapters of that rank (`load_lora_adapter`)."""
         from vllm import LLM
 
         self._on_gpu = torch.cuda.is_available()
-        self.sleep_level = rollout.sleep_level
-        self._sleeps = rollout.placement == "colocated"  # else nothing else needs the memory
-        self.load_format = rollout.load_format
-        replica_index, self.num_replicas = current_replica(rollout.tp)
+        self.sleep_level = section.sleep_level
+        # Only a colocated engine sleeps: on ranks of its own nothing else needs the memory.
+        self._sleeps = getattr(section, "placement", "colocated") == "colocated"
+        self.load_format = section.load_format
+        replica_index, self.num_replicas = current_replica(section.tp)
         super().__init__(seed, replica_index)
         self._stop_ids = model_eos_token_ids(model_dir)
         self._asleep = False
         self._weights_awake = True
         # Dummy weights, or weights discarded by a level-2 sleep: garbage until load_weights.
-        self._weights_stale = rollout.load_format == "dummy"
+        self._weights_stale = section.load_format == "dummy"
         # The last calls of sleep / wake_up / load_weights / generate, in order (tests, logs).
         self.calls: deque[str] = deque(maxlen=64)
 
-        options = replica_options(rollout.tp, self.num_replicas, self._on_gpu)
+        options = replica_options(section.tp, self.num_replicas, self._on_gpu)
         self._joins_world = "distributed_executor_backend" in options
         options.update(
             model=model_dir,
             dtype=dtype,
             seed=seed,
-            enforce_eager=rollout.enforce_eager,
+            enforce_eager=section.enforce_eager,
             max_model_len=max_model_len,
             skip_tokenizer_init=True,  # token ids in and out; no tokenizer files needed
             logprobs_mode="processed_logprobs",  # log_softmax(logits / T), not raw logits
-            load_format=rollout.load_format,
+            load_format=section.load_format,
         )
         self._lora_request = None  # the adapter generate samples with (load_lora_adapter)
         if max_lora_rank > 0:
             options.update(enable_lora=True, max_loras=1, max_lora_rank=_lora_slots(max_lora_rank))
         if self._on_gpu:
             options.update(
-                gpu_memory_utilization=rollout.gpu_memory_utilization, enable_sleep_mode=True
+                gpu_memory_utilization=section.gpu_memory_utilization, enable_sleep_mode=True
             )
         else:
-            options.update(kv_cache_memory_bytes=int(rollout.kv_cache_gb * 2**30))
-        global _engine_alive
-        if _engine_alive:
-            raise RuntimeError("one vLLM engine per process: close() the other engine first")
+            options.update(kv_cache_memory_bytes=int(section.kv_cache_gb * 2**30))
         try:
             with _preserved_global_rng():  # vLLM reseeds the process-wide RNGs it shares
                 self._llm = LLM(**options)
         except Exception as error:
-            raise _start_error(error, model_dir, self._on_gpu) from error
-        _engine_alive = True
+            raise _start_error(error, model_dir, self._on_gpu, key) from error
+        _open_engines.append(self)
         # A sync bucket is a partial load by design, and vLLM's reload warns about every layer a
         # bucket did not carry: errors only, set once (setLevel clears every logger's level
         # cache, ~2 ms a call, too slow to toggle around each load).
@@ -233,13 +239,17 @@ class VLLMEngine(RolloutEngine):
         self._llm.reset_prefix_cache()  # blocks computed under the previous adapter
 
     def close(self) -> None:
-        """Shut vLLM down. Its shutdown tears down vLLM's process-wide distributed state and
-        calls torch.distributed.destroy_process_group(): under torchrun that is the trainer's
-        default group too, so close the engine only after the job's last collective."""
-        global _engine_alive
-        if self._llm is not None:
-            self._llm = None  # the LLMEngine finalizer shuts the engine core down
-            _engine_alive = False
+        """Shut vLLM down once every engine of this process is closed (see ``_open_engines``).
+        The shutdown tears down vLLM's process-wide distributed state and calls
+        torch.distributed.destroy_process_group(): under torchrun that is the trainer's default
+        group too, so close the engines only after the job's last collective."""
+        if self._llm is None:
+            return
+        _open_engines.remove(self)
+        _closed_llms.append(self._llm)
+        self._llm = None
+        if not _open_engines:
+            _closed_llms.clear()  # the LLMEngine finalizers shut the engine cores down
 
 
 def _lora_slots(rank: int) -> int:
@@ -332,32 +342,35 @@ def _completion(sample) -> Completion:
     return Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=finish_reason)
 
 
-def _start_error(error: Exception, model_dir: str, on_gpu: bool) -> Exception:
-    """A UserError naming the setting to change, or `error` itself when it is not a known one."""
+def _start_error(error: Exception, model_dir: str, on_gpu: bool, key: str) -> Exception:
+    """A UserError naming the setting to change (under `key`), or `error` itself when it is not a
+    known one."""
     message = str(error)
-    memory_key = "rollout.gpu_memory_utilization" if on_gpu else "rollout.kv_cache_gb"
+    memory_key = f"{key}.gpu_memory_utilization" if on_gpu else f"{key}.kv_cache_gb"
     if "create shm" in message and "errno: 17" in message:
         # vLLM-CPU names its TP shared memory after the group only: a killed run leaves it.
         return UserError(
             "vLLM could not create its tensor-parallel shared memory: a file of that name "
-            "exists, most likely left by a killed run (or another rollout.tp > 1 job runs on "
+            f"exists, most likely left by a killed run (or another {key}.tp > 1 job runs on "
             "this machine). Remove /dev/shm/*cpushm* when no such job runs."
         )
     if "max_model_len" in message and "derived max_model_len" in message:
         return UserError(
-            f"rollout.max_model_len is longer than the model supports ({model_dir}): "
-            f"lower rollout.max_model_len.\nvLLM: {message[:400]}"
+            f"{key}.max_model_len is longer than the model supports ({model_dir}): "
+            f"lower {key}.max_model_len.\nvLLM: {message[:400]}"
         )
     if "cache blocks" in message or "KV cache is needed" in message:
         return UserError(
-            f"the vLLM KV cache does not fit one sequence of rollout.max_model_len tokens: "
-            f"raise {memory_key} or lower rollout.max_model_len.\nvLLM: {message[:400]}"
+            f"the vLLM KV cache does not fit one sequence of {key}.max_model_len tokens: "
+            f"raise {memory_key} or lower {key}.max_model_len.\nvLLM: {message[:400]}"
         )
     if isinstance(error, torch.OutOfMemoryError) or "out of memory" in message.lower():
         return UserError(
             f"vLLM ran out of memory starting the engine: lower {memory_key} (and "
-            f"rollout.max_model_len), or use fewer rollout.tp replicas.\n{message[:400]}"
+            f"{key}.max_model_len), or use fewer {key}.tp replicas.\n{message[:400]}"
         )
     if isinstance(error, OSError) or "safetensors" in message or "weights" in message.lower():
-        return UserError(f"vLLM cannot load the model at model.path={model_dir!r}: {message[:400]}")
+        return UserError(
+            f"vLLM cannot load the model at {model_path_key(key)}={model_dir!r}: {message[:400]}"
+        )
     return error

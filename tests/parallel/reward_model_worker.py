@@ -2,6 +2,9 @@
 
     reward_model_worker.py QWEN2_RM_DIR LLAMA_RM_DIR QWEN2_LM_DIR OUT_DIR
 
+QWEN2_RM_DIR holds a tokenizer with a chat template; LLAMA_RM_DIR holds the policy's tokenizer
+(no template), which the policy samples below are written with.
+
 For each layout (megatron's model-parallel state is rebuilt in between):
   * scores: a Qwen2 and a Llama reward model (HF *ForSequenceClassification, num_labels 1) score
     right-padded rows of several lengths, one of which ends in tokens equal to the pad id,
@@ -12,13 +15,21 @@ For each layout (megatron's model-parallel state is rebuilt in between):
     autograd's on the same weights (exported before the step), and the loss falls;
   * export: the trained model written by save_hf_checkpoint loads with
     AutoModelForSequenceClassification without missing or unexpected keys and gives the same
-    scores and pairwise accuracy as Megatron.
+    scores and pairwise accuracy as Megatron;
+  * the RL step's path: policy samples (some cut at the length limit) scored by
+    rlcli.rewards.reward_model.reward_model_scores with the trainer's reward model
+    (TrainedModel(head="score"), micro-batched by rows under PP, by a token budget otherwise),
+    through the policy's own tokenizer (the Llama RM) and through the reward model's tokenizer
+    and chat template (the Qwen2 RM), equal HF transformers' scores of the same inputs (1e-5) on
+    every rank; and the rank's parameter count is what parallel.model_shapes plans for a score
+    head (no bias).
 Prints numbers from rank 0; exits non-zero on a failed check.
 """
 
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -29,7 +40,7 @@ from transformers import AutoModelForSequenceClassification
 
 from parallel.convert import save_hf_checkpoint
 from parallel.mesh import Mesh, init_parallel
-from parallel.optim import build_optimizer, wrap_for_training
+from parallel.optim import build_optimizer, train_step, wrap_for_training
 from parallel.preference_pairs import TokenizedPairs, pad_sequences
 from parallel.reward_model import load_reward_model, score_sequences
 from parallel.reward_training import bradley_terry_step, pairwise_accuracy
@@ -98,12 +109,13 @@ def check_training(mesh: Mesh, lm_dir: str, out_dir: Path, pairs: TokenizedPairs
     ref_loss, ref_norm, _ = hf_bradley_terry(initial, pairs)
 
     mine = pairs.share(mesh)
-    options = {"num_pairs": len(pairs), "micro_batch_size": 2}
+    options = {"num_pairs": len(pairs), "pad_token_id": PAD, "micro_batch_size": 2}
     if mesh.pp == 1:
         options["max_tokens"] = 30  # token budget: pairs regrouped by length
-    steps = [bradley_terry_step(models, mesh, optimizer, scheduler, mine, **options)]
+    train = partial(train_step, models, mesh, optimizer, scheduler)
+    steps = [bradley_terry_step(train, mesh, mine, **options)]
     for _ in range(3):
-        steps.append(bradley_terry_step(models, mesh, optimizer, scheduler, mine, **options))
+        steps.append(bradley_terry_step(train, mesh, mine, **options))
     losses = [step["loss"] for step in steps]
     numbers = {
         "loss_vs_hf": abs(losses[0] - ref_loss),
@@ -126,16 +138,86 @@ def check_training(mesh: Mesh, lm_dir: str, out_dir: Path, pairs: TokenizedPairs
         expected = hf_scores(hf_model.eval(), ids, mask)
     numbers["export_score_diff"] = (megatron - expected).abs().max().item()
     assert numbers["export_score_diff"] < TOLERANCE, numbers
-    accuracy = pairwise_accuracy(models, mesh, pairs, micro_batch_size=4)
+    score = partial(score_sequences, models, mesh, micro_batch_size=4)
+    accuracy = pairwise_accuracy(score, mesh, pairs, pad_token_id=PAD)
     _, _, hf_accuracy = hf_bradley_terry(exported, pairs)
     assert accuracy["accuracy"] == hf_accuracy and accuracy["pairs"] == len(pairs), accuracy
     numbers["trained_accuracy"] = accuracy["accuracy"]
     return numbers
 
 
+def policy_samples(tokenizer) -> list:
+    """Seven samples of the quickstart's task (DP2 splits them 4 + 3), the last two unfinished."""
+    from rlcli.batch import Sample
+    from rlcli.data.dataset import PromptItem
+
+    samples = []
+    for i in range(7):
+        question = f"Question: {i} + {2 * i} = ? Answer:"
+        prompt_ids = tokenizer(question)["input_ids"]
+        response_ids = tokenizer(f" #### {3 * i + i % 2}", add_special_tokens=False)["input_ids"]
+        finished = i < 5
+        if finished:
+            response_ids.append(tokenizer.eos_token_id)
+        item = PromptItem(
+            index=i,
+            prompt_token_ids=prompt_ids,
+            data_source="arith",
+            ground_truth=str(3 * i),
+            prompt_messages=[{"role": "user", "content": question}],
+        )
+        samples.append(
+            Sample(
+                group=i // 2,
+                prompt_ids=prompt_ids,
+                response_ids=response_ids,
+                engine_log_probs=[0.0] * len(response_ids),
+                finish_reason="stop" if finished else "length",
+                item=item,
+            )
+        )
+    return samples
+
+
+def check_step_scores(mesh: Mesh, rm_dir: str, policy_tokenizer, shares_tokenizer: bool) -> float:
+    from transformers import AutoTokenizer
+
+    from parallel.model_shapes import ModelShape, stage_params
+    from rlcli.rewards.reward_model import RewardModelInputs, reward_model_scores
+    from rlcli.trained_model import MicroBatching, TrainedModel
+
+    budget = MicroBatching(2) if mesh.pp > 1 else MicroBatching(1, 0, 40)
+    model = TrainedModel(mesh, rm_dir, micro_batching=budget, head="score")
+    shape = ModelShape.from_hf_config(model.hf_config.to_dict())
+    held = sum(p.numel() for chunk in model.models for p in chunk.parameters())
+    planned = stage_params(
+        shape, tp=mesh.tp, pp=mesh.pp, pp_rank=mesh.pp_rank, critic=True, head_bias=False
+    )
+    assert held == planned, (held, planned)
+    inputs = RewardModelInputs(policy_tokenizer, AutoTokenizer.from_pretrained(rm_dir))
+    assert inputs.shares_tokenizer == shares_tokenizer
+    samples = policy_samples(policy_tokenizer)
+    scores = reward_model_scores(model, inputs, samples)
+    ids = [
+        inputs(s.prompt_ids, s.response_ids, s.item.prompt_messages, s.finish_reason == "stop")
+        for s in samples
+    ]
+    if not shares_tokenizer:
+        assert ids[0] != samples[0].prompt_ids + samples[0].response_ids  # rendered anew
+    reference = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
+    input_ids, attention_mask = pad_sequences(ids, reference.config.pad_token_id)
+    with torch.no_grad():
+        expected = hf_scores(reference, input_ids, attention_mask)
+    diff = (scores - expected).abs().max().item()
+    assert diff < TOLERANCE, (rm_dir, diff, scores, expected)
+    return diff
+
+
 def main() -> None:
     qwen2_rm, llama_rm, qwen2_lm, out_dir = sys.argv[1:5]
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
+
+    policy_tokenizer = AutoTokenizer.from_pretrained(llama_rm)
 
     vocab = AutoConfig.from_pretrained(qwen2_rm).vocab_size
     input_ids, attention_mask = score_rows(vocab)
@@ -146,6 +228,8 @@ def main() -> None:
             "qwen2_score_diff": check_scores(mesh, qwen2_rm, input_ids, attention_mask),
             "llama_score_diff": check_scores(mesh, llama_rm, input_ids, attention_mask),
             **check_training(mesh, qwen2_lm, Path(out_dir), pairs),
+            "step_own_template_diff": check_step_scores(mesh, qwen2_rm, policy_tokenizer, False),
+            "step_policy_tokens_diff": check_step_scores(mesh, llama_rm, policy_tokenizer, True),
         }
         if dist.get_rank() == 0:
             print(f"REWARD_MODEL tp={tp} pp={pp} dp={mesh.dp}: {numbers}", flush=True)

@@ -1,6 +1,7 @@
 """parallel.reward_model / parallel.reward_training: a sequence-classification reward model on
-Megatron against HF transformers, Bradley-Terry training and export (one torchrun launch for
-TP2, PP2 and DP2; see reward_model_worker.py), and the folder checks (single process)."""
+Megatron against HF transformers, Bradley-Terry training and export, and the RL step's scoring of
+policy samples (rlcli.rewards.reward_model_scores, both tokenizer paths), in one torchrun launch
+for TP2, PP2 and DP2 (see reward_model_worker.py); and the folder checks (single process)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,19 @@ from tests.parallel.dist_utils import REPO_ROOT, make_tiny_hf_model, run_torchru
 
 @pytest.fixture(scope="module")
 def tiny_reward_models(tmp_path_factory) -> dict[str, Path]:
+    """A Qwen2 reward model with its own tokenizer and chat template, and a Llama one with the
+    policy's tokenizer (no template; the worker's policy samples use it)."""
+    from tests.rlcli.chat_tokenizers import CHAT_TEMPLATE, make_tokenizer
+
     root = tmp_path_factory.mktemp("reward_models")
     head = "sequence_classification"
-    return {
+    models = {
         "qwen2": make_tiny_hf_model(root / "qwen2", "qwen2", seed=3, head=head, pad_token_id=0),
         "llama": make_tiny_hf_model(root / "llama", "llama", seed=4, head=head, pad_token_id=0),
     }
+    make_tokenizer(CHAT_TEMPLATE, vocab_size=240).save_pretrained(models["qwen2"])
+    make_tokenizer(vocab_size=200).save_pretrained(models["llama"])
+    return models
 
 
 @pytest.mark.dist

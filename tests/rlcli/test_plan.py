@@ -278,3 +278,78 @@ def test_bad_expert_layout_is_a_user_error(capsys, nodes, extra, needle):
     moe = ["plan", "recipes/grpo_qwen3_30b_a3b.yaml", "--nodes", nodes, "--gpus-per-node", "8"]
     code, _, err = run_cli(capsys, *moe, *extra)
     assert code == 2 and needle in err, err
+
+
+def test_a_score_head_counts_what_transformers_builds():
+    """A reward model's score head is one weight vector, no bias (Qwen2ForSequenceClassification
+    with one label), unlike PPO's value head."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    shape = KNOWN_SHAPES["qwen2.5-0.5b"]
+    config = Qwen2Config(
+        hidden_size=shape.hidden,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        intermediate_size=shape.ffn,
+        vocab_size=shape.vocab,
+        tie_word_embeddings=shape.tied,
+        num_labels=1,
+    )
+    with torch.device("meta"):
+        model = Qwen2ForSequenceClassification(config)
+    hf_count = sum(p.numel() for p in model.parameters())
+    assert max_stage_params(shape, tp=1, pp=1, critic=True, head_bias=False) == hf_count
+    assert max_stage_params(shape, tp=1, pp=1, critic=True) == hf_count + 1  # the value head's
+
+
+def test_the_reward_model_and_the_judge_are_counted_where_resident():
+    from parallel.memory_plan import JudgeEngine
+    from parallel.memory_terms import forward_only_bytes
+
+    actor = TrainedModel(KNOWN_SHAPES["qwen2.5-7b"], tp=4, dp=4)
+    reward_model = dataclasses.replace(
+        actor, shape=KNOWN_SHAPES["qwen2.5-1.5b"], critic=True, head_bias=False
+    )
+    judge_shape = KNOWN_SHAPES["qwen2.5-0.5b"]
+    inputs = PlanInputs(actor, RolloutEngine(tp=2), 80 * GB, reward_model=reward_model)
+    assert "reward" not in plan_memory(dataclasses.replace(inputs, reward_model=None)).phases
+
+    plan = plan_memory(inputs)
+    weights = weight_bytes(reward_model)  # held in every phase unless offloaded
+    assert all(p.terms["reward model weights"] == weights for p in plan.phases.values())
+    assert plan.phases["reward"].terms["reward model forward"] == forward_only_bytes(
+        reward_model, reward_model.micro_batch_size
+    )
+    offloaded = plan_memory(dataclasses.replace(inputs, reward_model_offload=True))
+    assert [n for n, p in offloaded.phases.items() if "reward model weights" in p.terms] == [
+        "reward"
+    ]
+
+    # A vLLM judge next to a vLLM rollout engine shares its sleep allocator: awake with it.
+    judge = JudgeEngine(judge_shape, tp=2, gpu_memory_utilization=0.2)
+    plan = plan_memory(dataclasses.replace(inputs, judge=judge))
+    budget = int(0.2 * 80 * GB)
+    key = "judge vLLM (gpu_memory_utilization)"
+    assert {n for n, p in plan.phases.items() if key in p.terms} == {"generate", "reward"}
+    assert plan.phases["reward"].terms[key] == budget
+    assert "vLLM (gpu_memory_utilization)" in plan.phases["reward"].terms  # woken with it
+    weights = max_stage_params(judge_shape, tp=2, pp=1) * 2
+    assert plan.phases["sync"].terms["judge vLLM weights"] == weights
+    # Next to an HF rollout engine only the judge wakes for its phase; an HF judge never sleeps.
+    alone = plan_memory(dataclasses.replace(inputs, judge=judge, rollout_vllm=False))
+    assert {n for n, p in alone.phases.items() if key in p.terms} == {"reward"}
+    hf_judge = dataclasses.replace(judge, vllm=False)
+    hf = plan_memory(dataclasses.replace(inputs, judge=hf_judge))
+    assert all(p.terms["judge weights (HF)"] == weights for p in hf.phases.values())
+
+
+def test_plan_shows_the_reward_phase_of_an_rlhf_recipe(capsys, tmp_path):
+    output = f"trainer.output_dir={tmp_path}"  # the reward model is not trained yet
+    code, out, _ = run_cli(
+        capsys, "plan", "recipes/rlhf_quickstart.yaml", output, "--gpus-per-node", "1"
+    )
+    assert code == 0, out
+    head = next(line for line in out.splitlines() if line.startswith("per GPU"))
+    assert head.split()[3:] == ["generate", "reward", "log_probs", "update", "sync"], head
+    assert "reward model weights" in out and "reward model forward" in out

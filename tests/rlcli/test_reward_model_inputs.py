@@ -10,7 +10,6 @@ from rlcli.errors import UserError
 from rlcli.rewards.reward_model import (
     RewardModelInputs,
     check_reward_model_path,
-    load_reward_model_chunks,
     same_tokenizer,
 )
 from tests.parallel.dist_utils import make_tiny_hf_model
@@ -63,6 +62,6 @@ def test_reward_model_folder_errors_name_the_key(tmp_path):
     check_reward_model_path(str(good))
     for path, needle in ((causal, "not a sequence-classification model"), (two, "2 labels")):
         with pytest.raises(UserError, match=f"reward.model.path={path}: .*{needle}"):
-            load_reward_model_chunks(str(path), mesh=None)
+            check_reward_model_path(str(path))
     with pytest.raises(UserError, match="reward.model.path is empty"):
         check_reward_model_path("")

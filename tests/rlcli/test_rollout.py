@@ -294,6 +294,28 @@ def test_vllm_requests_are_answered_alike_alone_or_together(vllm_engine):
 
 @needs_vllm
 @pytest.mark.vllm
-def test_second_vllm_engine_in_one_process_is_refused(vllm_engine, model_dir):
-    with pytest.raises(RuntimeError, match="one vLLM engine per process"):
-        engine_for("vllm", model_dir, kv_cache_gb=0.05, max_model_len=256)
+def test_two_vllm_engines_in_one_process(model_dir, tmp_path):
+    """The policy's engine and a judge's (another model, built from a reward.judge section) live
+    in one process: each answers as HF greedy does for its own model, and closing the policy's
+    leaves the judge's working (vLLM's shared state is torn down when the last one closes)."""
+    from rlcli.config import JudgeConfig
+
+    judge_dir = make_tiny_hf_model(tmp_path / "judge", "llama", seed=5, **VLLM_SHAPE)
+    policy = engine_for("vllm", model_dir, kv_cache_gb=0.05, max_model_len=64)
+    section = JudgeConfig(engine="vllm", kv_cache_gb=0.05, path=str(judge_dir))
+    judge = make_engine(section, str(judge_dir), max_model_len=64, key="reward.judge")
+    greedy = SamplingConfig(temperature=0, max_tokens=8)
+    try:
+        for engine, folder in ((policy, model_dir), (judge, judge_dir)):
+            expected = engine_for("hf", folder).generate(PROMPTS, 1, greedy)
+            actual = engine.generate(PROMPTS, 1, greedy)
+            assert [r[0].token_ids for r in actual] == [r[0].token_ids for r in expected], folder
+        assert [r[0].token_ids for r in policy.generate(PROMPTS, 1, greedy)] != [
+            r[0].token_ids for r in judge.generate(PROMPTS, 1, greedy)
+        ]
+        policy.close()
+        again = judge.generate(PROMPTS, 1, greedy)
+        assert [r[0].token_ids for r in again] == [r[0].token_ids for r in actual]
+    finally:
+        policy.close()
+        judge.close()

@@ -1,0 +1,187 @@
+"""What ``rlcli plan`` computes its memory plan from: the models' shapes (the policy's, the
+reward model's, the judge's) and ``parallel.memory_plan``'s inputs for a recipe's layout."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Optional
+
+from rlcli.errors import UserError
+
+GB = 1024**3
+
+
+def model_shape(cfg, model_config: Optional[Path]):
+    """(shape, where it came from): --model-config, the recipe's config.json, model.build's spec,
+    or the table of known shapes keyed by model.path's basename."""
+    from parallel.model_shapes import KNOWN_SHAPES, ModelShape, known_shape
+
+    candidates = [model_config] if model_config else []
+    if cfg.model.path:
+        candidates.append(Path(cfg.model.path))
+    for path in candidates:
+        file = path / "config.json" if path.is_dir() else path
+        if file.is_file():
+            try:
+                return ModelShape.from_hf_config(json.loads(file.read_text())), str(file)
+            except (KeyError, ValueError) as err:
+                raise UserError(f"{file}: not an HF model config ({err})") from None
+        if path is model_config:
+            raise UserError(f"--model-config {path}: no such config.json")
+    if cfg.model.build:
+        spec = cfg.model.spec
+        shape = ModelShape(
+            spec.hidden_size,
+            spec.num_layers,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.hidden_size // spec.num_heads,
+            spec.intermediate_size,
+            spec.vocab_size,
+            spec.tie_word_embeddings,
+            spec.architecture == "qwen2",
+        )
+        return shape, "model.spec (built locally)"
+    shape = known_shape(cfg.model.path)
+    if shape is None:
+        raise UserError(
+            f"model shape unknown: {cfg.model.path}/config.json does not exist and "
+            f"'{Path(cfg.model.path).name}' is not a known shape ({', '.join(KNOWN_SHAPES)}); "
+            "pass --model-config path/to/config.json"
+        )
+    return shape, f"known shape for '{Path(cfg.model.path).name}'"
+
+
+def _other_model_shape(key: str, path: str, fallback=None):
+    """The shape of another model of the run (``reward.model.path``, ``reward.judge.path``): its
+    config.json, the table of known shapes, or `fallback` (a reward model still to be trained
+    from the policy has the policy's shape)."""
+    from parallel.model_shapes import KNOWN_SHAPES, ModelShape, known_shape
+
+    file = Path(path) / "config.json"
+    if file.is_file():
+        try:
+            return ModelShape.from_hf_config(json.loads(file.read_text()))
+        except (KeyError, ValueError) as err:
+            raise UserError(f"{key}={path}: {file} is not an HF model config ({err})") from None
+    shape = known_shape(path) or fallback
+    if shape is None:
+        raise UserError(
+            f"{key}={path}: model shape unknown ({file} does not exist and "
+            f"'{Path(path).name}' is not a known shape: {', '.join(KNOWN_SHAPES)})"
+        )
+    return shape
+
+
+def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flash_attention: bool):
+    """parallel.memory_plan's inputs for a validated RLConfig on `world_size` GPUs."""
+    from parallel.memory_plan import JudgeEngine, PlanInputs, RolloutEngine
+    from parallel.memory_terms import TrainedModel
+    from parallel.reshard import AUTO_BUCKET_MB
+    from rlcli.batch import mini_batch_count
+    from rlcli.config_validation import derive_dp, uses_critic, validate, validate_against_model
+    from rlcli.lora import lora_spec
+    from rlcli.placement_validation import is_separate, trainer_ranks
+
+    validate(cfg, world_size=world_size)
+    par = cfg.parallel
+    dp = derive_dp(par, trainer_ranks(cfg, world_size))
+    experts = {"num_experts": shape.experts, "moe_intermediate_size": shape.moe_ffn}
+    validate_against_model(cfg, {"model_type": Path(cfg.model.path).name, **experts})
+    if shape.kv_heads % par.tp:
+        raise UserError(
+            f"parallel.tp={par.tp} must divide the model's {shape.kv_heads} key/value heads"
+        )
+    if shape.layers % (par.pp * (par.vpp or 1)):
+        raise UserError(
+            f"{shape.layers} layers cannot be split over parallel.pp * parallel.vpp = "
+            f"{par.pp * (par.vpp or 1)} stages"
+        )
+    seq_len = cfg.data.max_prompt_length + cfg.rollout.max_tokens
+    sequences = cfg.data.train_batch_size * cfg.rollout.n
+
+    lora = lora_spec(cfg.actor.lora, cfg.trainer.seed)
+
+    def trained(section, critic: bool = False) -> TrainedModel:
+        """The memory terms of the model an ``actor`` / ``critic`` section trains: the run's
+        layout, the section's micro-batches per optimizer step, recomputation and offloading
+        (the actor's LoRA adapters: only they have gradients and optimizer state)."""
+        adapters = lora if not critic else None
+        prompts = cfg.data.train_batch_size
+        mini = prompts // mini_batch_count(prompts, section.ppo_mini_batch_size) * cfg.rollout.n
+        return TrainedModel(
+            shape,
+            dtype=cfg.model.dtype,
+            tp=par.tp,
+            pp=par.pp,
+            vpp=par.vpp,
+            dp=dp,
+            distributed_optimizer=par.use_distributed_optimizer,
+            micro_batch_size=section.micro_batch_size,
+            seq_len=seq_len,
+            num_micro_batches=max(1, mini // dp // section.micro_batch_size),
+            recompute=section.recompute,
+            recompute_method=section.recompute_method,
+            recompute_num_layers=section.recompute_num_layers,
+            sequence_parallel=par.sequence_parallel,
+            flash_attention=flash_attention,
+            offload_params=section.offload_params,
+            offload_grads=section.offload_grads,
+            offload_optimizer=section.offload_optimizer,
+            critic=critic,
+            ep=par.ep,
+            etp=par.expert_tp,
+            lora_rank=adapters.rank if adapters is not None else 0,
+            lora_target_modules=adapters.targets() if adapters is not None else (),
+        )
+
+    actor = trained(cfg.actor)
+    engines = (cfg.rollout.num_ranks if is_separate(cfg) else world_size) // cfg.rollout.tp
+    rollout = RolloutEngine(
+        tp=cfg.rollout.tp,
+        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        max_model_len=cfg.rollout.max_model_len or seq_len,
+        sequences=-(-sequences // engines),
+        dtype=cfg.model.dtype,
+        sync_bucket_bytes=(cfg.rollout.sync_bucket_mb or AUTO_BUCKET_MB) * 1024**2,
+    )
+    critic = trained(cfg.critic, critic=True) if uses_critic(cfg) else None
+    reward_model = judge = None
+    if cfg.reward.model.path:  # frozen, in the actor's layout, scoring whole sequences
+        rm_shape = _other_model_shape(
+            "reward.model.path", cfg.reward.model.path, shape if cfg.rm.before_rl else None
+        )
+        reward_model = dataclasses.replace(
+            actor,
+            shape=rm_shape,
+            micro_batch_size=cfg.reward.model.micro_batch_size,
+            critic=True,
+            head_bias=False,
+            lora_rank=0,  # frozen: no adapters, gradients or optimizer state of its own
+            lora_target_modules=(),
+        )
+    j = cfg.reward.judge
+    if j.path:
+        judge = JudgeEngine(
+            _other_model_shape("reward.judge.path", j.path),
+            vllm=j.engine == "vllm",
+            tp=j.tp,
+            gpu_memory_utilization=j.gpu_memory_utilization,
+            dtype=cfg.model.dtype,
+        )
+    return PlanInputs(
+        actor=actor,
+        rollout=rollout,
+        gpu_memory_bytes=int(gpu_memory_gb * GB),
+        # a LoRA actor's reference is the actor itself, adapters off: no weights of its own
+        ref=(cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and lora is None,
+        ref_offload=cfg.ref.offload,
+        critic=critic,
+        separate=is_separate(cfg),
+        reward_model=reward_model,
+        reward_model_offload=cfg.reward.model.offload,
+        judge=judge,
+        rollout_vllm=cfg.rollout.engine == "vllm",
+    )
