@@ -62,6 +62,15 @@ def check_placement(cfg: RLConfig) -> None:
             "rollout.placement=colocated (and rollout.num_ranks=0), or actor.lora.enable=false"
         )
 
+    if cfg.reward.model.path or cfg.reward.judge.path:
+        # Model rewards score on the trainer's ranks after the rollout; with engines on their
+        # own ranks the samples (and DAPO's filter) are made there, ahead, without them.
+        raise UserError(
+            "reward.model.path / reward.judge.path with rollout.placement=separate is not "
+            "supported: set rollout.placement=colocated (and rollout.num_ranks=0), or score "
+            "with a rule reward (reward.fn)"
+        )
+
 
 def check_off_policy(cfg: RLConfig) -> None:
     """Staleness and the off-policy correction: only settings whose samples can be corrected

@@ -63,6 +63,11 @@ ASYNC = [*SEPARATE, "trainer.max_staleness=1"]
             2,
             ["actor.lora.enable=true", "rollout.placement=colocated", "here adapter"],
         ),
+        (
+            [*SEPARATE, "reward.model.path=/nonexistent/rm"],
+            2,
+            ["reward.model.path / reward.judge.path", "rollout.placement=separate"],
+        ),
     ],
 )
 def test_bad_placement_and_staleness_settings_name_the_key(overrides, world_size, needles):
