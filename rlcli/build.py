@@ -213,6 +213,8 @@ def model_options(cfg: RLConfig, recompute: bool = False) -> dict[str, Any]:
     options: dict[str, Any] = {
         "sequence_parallel": cfg.parallel.sequence_parallel,
         "transformer_impl": cfg.model.transformer_impl,
+        "attention_backend": cfg.model.attention_backend,
+        "pack_sequences": cfg.actor.pack_sequences,
     }
     if recompute:
         from parallel.memory_terms import recompute_options

@@ -9,7 +9,7 @@ recipe <- overrides, validates (``rlcli.config_validation``) and turns every mis
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from omegaconf import OmegaConf
 
@@ -48,9 +48,14 @@ class ModelConfig:
     tokenizer_path: Optional[str] = None  # defaults to model.path
     dtype: str = "float32"  # float32 | bfloat16 | float16
     build: bool = False  # build model.spec locally into model.path when it does not exist yet
-    # auto | transformer_engine | local. auto: TE where it imports; on CUDA without a working TE
-    # startup fails unless local (memory-hungry attention) is chosen explicitly.
+    # The layers: auto | transformer_engine | local (megatron-core's own torch layers). auto: TE's
+    # where TE imports, else the local ones (also when model.attention_backend is sdpa or local).
     transformer_impl: str = "auto"
+    # The core attention: auto (te with TE's layers, else sdpa) | te (TE's fused attention; needs
+    # TE's layers) | sdpa (torch scaled_dot_product_attention in the local layers: flash /
+    # memory-efficient kernels on GPUs) | local (megatron's unfused attention: it holds the
+    # [b, heads, s, s] score matrix; kept for comparison).
+    attention_backend: Literal["auto", "te", "sdpa", "local"] = "auto"
     spec: ModelBuildConfig = field(default_factory=ModelBuildConfig)
 
 
@@ -113,6 +118,11 @@ class ActorConfig:
     # use max_tokens_per_forward (0: the training setting).
     max_tokens_per_micro_batch: int = 0
     max_tokens_per_forward: int = 0
+    # Packed sequences: every micro-batch is ONE row of whole sequences end to end, filled up to
+    # the token budget above (0: micro_batch_size x the batch's longest sequence), so no padding
+    # is computed; the same for the reference and the critic (critic.micro_batch_size). Needs
+    # model.attention_backend sdpa or te.
+    pack_sequences: bool = False
     # old log-probs of the PPO ratio: "actor" recomputes them (skipped when the update is
     # on-policy: one epoch, one mini-batch, no KL in the reward); "engine" takes the rollout
     # engine's sampled-token log-probs (rollout/logprob_diff_* still logged)

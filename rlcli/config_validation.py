@@ -82,12 +82,7 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
         raise UserError(
             f"rollout.sync_bucket_mb must be >= 0 (0: automatic), got {cfg.rollout.sync_bucket_mb}"
         )
-    for key in ("max_tokens_per_micro_batch", "max_tokens_per_forward"):
-        if getattr(cfg.actor, key) < 0:
-            raise UserError(
-                f"actor.{key} must be >= 0 (0: micro_batch_size rows), got "
-                f"{getattr(cfg.actor, key)}"
-            )
+    _check_token_budgets(cfg)
     _choice("actor.old_log_prob_source", cfg.actor.old_log_prob_source, ["actor", "engine"])
     _check_schedules(cfg)
     if cfg.rollout.temperature < 0:
@@ -120,6 +115,22 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
         if world_size % cfg.rollout.tp:
             raise UserError(
                 f"world size {world_size} is not divisible by rollout.tp={cfg.rollout.tp}"
+            )
+
+
+def _check_token_budgets(cfg: RLConfig) -> None:
+    """A budget must hold the longest sequence a step can produce, or that sequence would be cut
+    into a micro-batch above the budget (or, packed, not fit at all)."""
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_tokens
+    for key in ("max_tokens_per_micro_batch", "max_tokens_per_forward"):
+        budget = getattr(cfg.actor, key)
+        if budget < 0:
+            raise UserError(f"actor.{key} must be >= 0 (0: micro_batch_size rows), got {budget}")
+        if 0 < budget < longest:
+            raise UserError(
+                f"actor.{key}={budget} is smaller than the longest sequence it must hold: "
+                f"data.max_prompt_length + rollout.max_tokens = {longest}; set it to at least "
+                f"{longest} (or 0: micro_batch_size rows)"
             )
 
 

@@ -62,8 +62,16 @@ class MegatronCritic(MegatronPolicy):
             },
             micro_batch_size,
             equal_sizes=self.mesh.pp > 1,
+            pack=self.pack_sequences,
         )
-        results = forward_backward(self.models, self.mesh, chunks, None, forward_only=True)
+        results = forward_backward(
+            self.models,
+            self.mesh,
+            chunks,
+            None,
+            forward_only=True,
+            pack_sequences=self.pack_sequences,
+        )
         # Micro-batches are trimmed to their own longest row: put each back at its rows.
         per_position = torch.zeros((size, seq_len), dtype=torch.float32)
         for chunk, result in zip(chunks, results, strict=True):

@@ -50,12 +50,15 @@ class MegatronPolicy:
         critic: bool = False,
     ) -> None:
         """``model_options``: ``parallel.model.build_model``'s layout options (sequence_parallel,
-        transformer_impl, recompute); a setting this machine cannot build is a UserError.
-        ``critic``: a value-head model (``rlcli.critic.MegatronCritic``) instead of an LM."""
+        transformer_impl, attention_backend, recompute, pack_sequences: every forward of this
+        model then runs packed micro-batches); a setting this machine cannot build is a
+        UserError. ``critic``: a value-head model (``rlcli.critic.MegatronCritic``) instead of
+        an LM."""
         from parallel.hf_model import load_hf_model
-        from parallel.model import ModelConfigError
+        from parallel.model_backends import ModelConfigError
 
         self.mesh = mesh
+        self.pack_sequences = bool((model_options or {}).get("pack_sequences", False))
         try:
             models = load_hf_model(
                 hf_dir, mesh, dtype=DTYPES[dtype], critic=critic, **(model_options or {})
@@ -113,6 +116,7 @@ class MegatronPolicy:
             micro_batch_size,
             temperature,
             max_tokens=max_tokens,
+            pack_sequences=self.pack_sequences,
         )
         return response_values(per_position.cpu(), batch["response_index"])
 
@@ -136,12 +140,17 @@ class MegatronPolicy:
             self.optimizer,
             self.scheduler,
             micro_batches(
-                batch, micro_batch_size, equal_sizes=self.mesh.pp > 1, max_tokens=max_tokens
+                batch,
+                micro_batch_size,
+                equal_sizes=self.mesh.pp > 1,
+                max_tokens=max_tokens,
+                pack=self.pack_sequences,
             ),
             loss_fn,
             temperature=temperature,
             compute_entropy=compute_entropy,
             step_scheduler=self.schedule_per_update,
+            pack_sequences=self.pack_sequences,
         )
         self.nonfinite_updates += bool(result.get("nonfinite"))
         return result

@@ -58,7 +58,7 @@ def _run_cli(ctx: Context, steps: int, output_dir: str, timeout_s: int) -> tuple
         "rollout.n=4",
         "logging.backends=[console,jsonl]",
     ]
-    from parallel.model import transformer_engine_status
+    from parallel.model_backends import transformer_engine_status
 
     if not transformer_engine_status()[0]:
         overrides.append("model.transformer_impl=local")  # no TE here: say so explicitly
@@ -161,7 +161,7 @@ def check_throughput(ctx: Context) -> tuple[bool, str]:
     against one device copy of the same bytes."""
     from transformers import Qwen2Config
 
-    from parallel.model import transformer_engine_status
+    from parallel.model_backends import transformer_engine_status
 
     impl = "transformer_engine" if transformer_engine_status()[0] else "local"
     shapes = {"tiny (dry run)": TINY_SHAPE} if ctx.cpu else QWEN2_SHAPES

@@ -87,7 +87,7 @@ class Context:
         return device()
 
     def describe(self) -> str:
-        from parallel.model import transformer_engine_status
+        from parallel.model_backends import transformer_engine_status
 
         te_ok, te_why = transformer_engine_status()
         name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (dry run)"

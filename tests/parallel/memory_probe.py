@@ -28,7 +28,8 @@ from parallel.memory_terms import (
     weight_bytes,
 )
 from parallel.mesh import init_parallel
-from parallel.model import build_model, transformer_engine_status
+from parallel.model import build_model
+from parallel.model_backends import transformer_engine_status
 from parallel.model_shapes import KNOWN_SHAPES, ModelShape
 from parallel.offload import Offloader
 from parallel.optim import build_optimizer, train_step, wrap_for_training

@@ -26,7 +26,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from parallel.convert import iter_hf_weights, load_hf_weights, save_hf_checkpoint
 from parallel.mesh import Mesh, destroy_parallel, init_parallel
-from parallel.model import build_model, transformer_engine_status
+from parallel.model import build_model
+from parallel.model_backends import transformer_engine_status
 
 BATCH, SEQ = 2, 12
 
