@@ -113,9 +113,10 @@ class ActorConfig:
     ppo_epochs: int = 1  # passes over each batch
     ppo_mini_batch_size: Optional[int] = None  # prompts per optimizer step; None: the whole batch
     micro_batch_size: int = 8  # sequences per forward/backward
-    # Token budgets (0: fixed micro_batch_size): micro-batches of similar lengths whose padded size
-    # (rows x longest row) stays within the budget; the no-grad passes (old log-probs, reference)
-    # use max_tokens_per_forward (0: the training setting).
+    # Token budgets (0: fixed micro_batch_size; else at least data.max_prompt_length +
+    # rollout.max_tokens): micro-batches of similar lengths whose padded size (rows x longest
+    # row) stays within the budget; the no-grad passes (old log-probs, reference) use
+    # max_tokens_per_forward (0: the training setting).
     max_tokens_per_micro_batch: int = 0
     max_tokens_per_forward: int = 0
     # Packed sequences: every micro-batch is ONE row of whole sequences end to end, filled up to
