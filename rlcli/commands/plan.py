@@ -62,7 +62,31 @@ def _model_shape(cfg, model_config: Optional[Path]):
     return shape, f"known shape for '{Path(cfg.model.path).name}'"
 
 
-def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flash_attention: bool):
+def planned_attention(cfg) -> str:
+    """The core attention whose activations the plan counts (parallel.model_backends):
+    model.attention_backend, an auto one resolved as a run on this machine resolves it (TE's
+    where TE imports, else sdpa) unless model.transformer_impl pins the layers."""
+    from parallel.model_backends import transformer_engine_status
+
+    if cfg.model.attention_backend != "auto":
+        return cfg.model.attention_backend
+    if cfg.model.transformer_impl != "auto":
+        return "te" if cfg.model.transformer_impl == "transformer_engine" else "sdpa"
+    return "te" if transformer_engine_status()[0] else "sdpa"
+
+
+def micro_batch_shape(rows: int, budget: int, packed: bool, seq_len: int) -> tuple[int, int]:
+    """(rows, tokens per row) of the largest training micro-batch: `rows` of the longest
+    sequence; with a token budget as many longest rows as it holds, or, packed, one row of the
+    whole budget (0: `rows` x `seq_len`)."""
+    if packed:
+        return 1, budget or rows * seq_len
+    if budget:
+        return max(1, budget // seq_len), seq_len
+    return rows, seq_len
+
+
+def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float):
     """parallel.memory_plan's inputs for a validated RLConfig on `world_size` GPUs."""
     from parallel.memory_plan import PlanInputs, RolloutEngine
     from parallel.memory_terms import TrainedModel
@@ -89,6 +113,10 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
         mini = (section.ppo_mini_batch_size or cfg.data.train_batch_size) * cfg.rollout.n
         return max(1, mini // dp // section.micro_batch_size)
 
+    a = cfg.actor
+    rows, tokens = micro_batch_shape(
+        a.micro_batch_size, a.max_tokens_per_micro_batch, a.pack_sequences, seq_len
+    )
     actor = TrainedModel(
         shape,
         dtype=cfg.model.dtype,
@@ -97,14 +125,14 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
         vpp=par.vpp,
         dp=dp,
         distributed_optimizer=par.use_distributed_optimizer,
-        micro_batch_size=cfg.actor.micro_batch_size,
-        seq_len=seq_len,
+        micro_batch_size=rows,
+        seq_len=tokens,
         num_micro_batches=micro_batches_per_step(cfg.actor),
         recompute=cfg.actor.recompute,
         recompute_method=cfg.actor.recompute_method,
         recompute_num_layers=cfg.actor.recompute_num_layers,
         sequence_parallel=par.sequence_parallel,
-        flash_attention=flash_attention,
+        attention=planned_attention(cfg),
         offload_params=cfg.actor.offload_params,
         offload_grads=cfg.actor.offload_grads,
         offload_optimizer=cfg.actor.offload_optimizer,
@@ -120,11 +148,16 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
     )
     critic = None
     if cfg.algorithm.adv_estimator == "gae":  # PPO: a critic with the actor's layout
-        # The actor's layout, recomputation and offloading; its own micro- and mini-batches.
+        # The actor's layout, recomputation, offloading and packing; its own micro- and
+        # mini-batches (no token budget of its own).
+        rows, tokens = micro_batch_shape(
+            cfg.critic.micro_batch_size, 0, cfg.actor.pack_sequences, seq_len
+        )
         critic = dataclasses.replace(
             actor,
             critic=True,
-            micro_batch_size=cfg.critic.micro_batch_size,
+            micro_batch_size=rows,
+            seq_len=tokens,
             num_micro_batches=micro_batches_per_step(cfg.critic),
         )
     return PlanInputs(
@@ -209,11 +242,6 @@ def plan_command(
         "--model-config",
         help="HF config.json giving the model shape (default: the recipe's).",
     ),
-    flash_attention: bool = typer.Option(
-        True,
-        "--flash-attention/--no-flash-attention",
-        help="Attention without an s x s score tensor (Transformer Engine installed).",
-    ),
 ) -> None:
     """Per-GPU memory of each phase (generate, log-probs, update, sync): does the layout fit?"""
     import dataclasses
@@ -229,9 +257,7 @@ def plan_command(
 
     def plan_for(extra: list[str]):
         c = load_config(recipe, [*(overrides or []), *extra]) if extra else cfg
-        inputs = build_plan_inputs(
-            c, shape, world_size=world, gpu_memory_gb=gpu_memory_gb, flash_attention=flash_attention
-        )
+        inputs = build_plan_inputs(c, shape, world_size=world, gpu_memory_gb=gpu_memory_gb)
         return plan_memory(inputs)
 
     plan = plan_for([])
@@ -254,7 +280,9 @@ def plan_command(
     echo(
         f"layout: tp={actor.tp} pp={actor.pp} dp={actor.dp} {actor.dtype}, distributed optimizer "
         f"{'on' if actor.distributed_optimizer else 'off'}, recompute {actor.recompute}, "
-        f"micro-batch {actor.micro_batch_size} x {actor.seq_len} tokens; vLLM tp={cfg.rollout.tp}"
+        f"micro-batch {actor.micro_batch_size} x {actor.seq_len} tokens"
+        f"{' (packed)' if cfg.actor.pack_sequences else ''}, attention {actor.attention}; "
+        f"vLLM tp={cfg.rollout.tp}"
     )
     echo("")
     c = plan.components

@@ -211,27 +211,37 @@ def measured_layer_activations(models, input_ids: torch.Tensor) -> int:
 
 
 def check_activation_estimate(mesh, hf_config, hf_dir) -> dict:
-    """memory_terms' per-layer activation bytes (local spec) against the saved tensors."""
+    """memory_terms' per-layer activation bytes (local layers, both core attentions, fp32 and
+    bf16, with and without selective recomputation) against the saved tensors."""
     shape = ModelShape.from_hf_config(json.loads((Path(hf_dir) / "config.json").read_text()))
     input_ids = torch.randint(0, hf_config.vocab_size, (2, 48), generator=torch.Generator())
     numbers = {}
-    for mode in ("none", "selective"):
-        torch.manual_seed(5)
-        models = build_model(hf_config, mesh, recompute=recompute_options(mode))
-        measured = measured_layer_activations(models, input_ids)
-        planned = TrainedModel(
-            shape,
-            dtype="float32",
-            tp=mesh.tp,
-            micro_batch_size=2,
-            seq_len=48,
-            flash_attention=False,
-        )
-        estimate = shape.layers * layer_activation_bytes(
-            planned, recompute_attention=mode != "none"
-        )
-        numbers[f"{mode}_measured_over_plan"] = measured / estimate
-        assert abs(measured / estimate - 1) < 0.10, numbers
+    for attention in ("local", "sdpa"):
+        for dtype in ("float32", "bfloat16"):
+            for mode in ("none", "selective"):
+                torch.manual_seed(5)
+                models = build_model(
+                    hf_config,
+                    mesh,
+                    dtype=getattr(torch, dtype),
+                    attention_backend=attention,
+                    recompute=recompute_options(mode),
+                )
+                measured = measured_layer_activations(models, input_ids)
+                planned = TrainedModel(
+                    shape,
+                    dtype=dtype,
+                    tp=mesh.tp,
+                    micro_batch_size=2,
+                    seq_len=48,
+                    attention=attention,
+                )
+                estimate = shape.layers * layer_activation_bytes(
+                    planned, recompute_attention=mode != "none"
+                )
+                key = f"{attention}_{dtype}_{mode}_measured_over_plan"
+                numbers[key] = round(measured / estimate, 3)
+                assert abs(measured / estimate - 1) < 0.10, numbers
     return numbers
 
 

@@ -85,7 +85,11 @@ def _with_config(tmp_path: Path, model: Path, **changes) -> Path:
             ["actor.pack_sequences=true", "model.attention_backend=sdpa"],
         ),
         (
-            {"use_sliding_window": True, "sliding_window": 16, "layer_types": ["sliding_attention"]},
+            {
+                "use_sliding_window": True,
+                "sliding_window": 16,
+                "layer_types": ["sliding_attention"],
+            },
             ["actor.pack_sequences=true"],
             ["actor.pack_sequences=true", "sliding_window=16", "actor.pack_sequences=false"],
         ),
