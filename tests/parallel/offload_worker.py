@@ -118,6 +118,25 @@ def check_round_trip(mesh, hf_config, hf_dir, dtype, distributed) -> dict:
     return {"offload_bytes": stats.bytes, **{f"{k}_bytes": v for k, v in on_device.items()}}
 
 
+def check_reserve(mesh, hf_config, hf_dir, dtype, distributed) -> dict:
+    """Host buffers reserved before the first step (no Adam state yet) are large enough for the
+    offloads after it: those allocate nothing."""
+    micro, loss_fn = batch_for(mesh, hf_config.vocab_size)
+    models, optimizer, scheduler = fresh(mesh, hf_config, hf_dir, dtype, distributed)
+    offloader = Offloader(models, optimizer)
+    reserved = offloader.reserve(params=True, grads=True, optimizer=True)
+    assert reserved.allocated_bytes > 0 and reserved.bytes == 0, reserved
+    assert offloader.reserve(params=True, grads=True).allocated_bytes == 0  # already there
+    train_step(models, mesh, optimizer, scheduler, micro, loss_fn)  # Adam's moments appear
+    first = offloader.offload(params=True, grads=True, optimizer=True)
+    assert first.allocated_bytes == 0 and 0 < first.bytes <= reserved.allocated_bytes, first
+    offloader.onload_all()
+    again = offloader.offload(params=True, grads=True, optimizer=True)
+    assert again.allocated_bytes == 0 and again.bytes == first.bytes, again
+    offloader.onload_all()
+    return {"reserved_bytes": reserved.allocated_bytes, "first_offload_bytes": first.bytes}
+
+
 def check_plan_counts(mesh, hf_config, hf_dir, dtype, distributed) -> dict:
     """memory_terms' counts for this rank's stage equal the real model's."""
     micro, loss_fn = batch_for(mesh, hf_config.vocab_size)
@@ -256,6 +275,7 @@ def main() -> None:
         for dtype in ("float32", "bfloat16"):
             for distributed in distributed_options:
                 numbers = check_round_trip(mesh, hf_config, hf_dir, dtype, distributed)
+                numbers.update(check_reserve(mesh, hf_config, hf_dir, dtype, distributed))
                 numbers.update(check_plan_counts(mesh, hf_config, hf_dir, dtype, distributed))
                 if dist.get_rank() == 0:
                     print(
