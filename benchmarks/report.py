@@ -1,9 +1,11 @@
-"""The benchmark's result JSON as a Markdown table and a matplotlib chart (Agg backend).
+"""The benchmark's result JSON as a Markdown table, and the files of a run (the chart is
+benchmarks/chart.py).
 
 Public API:
 
     write_report(results, output_dir, stem, update_latest=True) -> {"json", "md", "png", ...}
     markdown_table(results) -> str
+    memory_rows(results); fmt_num, fmt_flops, fmt_pct, fmt_threads (shared with the chart)
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def write_report(
     }
     files["json"].write_text(json.dumps(results, indent=2) + "\n")
     files["md"].write_text(markdown_table(results))
+    from benchmarks.chart import draw_chart  # the chart reads this module's formatting
+
     draw_chart(results, files["png"])
     if update_latest:
         for kind in ("md", "png"):
@@ -50,7 +54,7 @@ def write_report(
 # Markdown
 
 
-def _num(value: float | None, digits: int = 3) -> str:
+def fmt_num(value: float | None, digits: int = 3) -> str:
     """A figure with `digits` significant digits and thousands separators; n/a for None."""
     if value is None:
         return "n/a"
@@ -59,13 +63,15 @@ def _num(value: float | None, digits: int = 3) -> str:
     return f"{value:.{digits}g}"
 
 
-def _flops(value: float | None) -> str:
+def fmt_flops(value: float | None) -> str:
     if value is None:
         return "n/a"
-    return f"{_num(value / 1e12)} TFLOP/s" if value >= 1e12 else f"{_num(value / 1e9)} GFLOP/s"
+    return (
+        f"{fmt_num(value / 1e12)} TFLOP/s" if value >= 1e12 else f"{fmt_num(value / 1e9)} GFLOP/s"
+    )
 
 
-def _pct(value: float | None) -> str:
+def fmt_pct(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
@@ -85,7 +91,7 @@ def markdown_table(results: dict) -> str:
         f"### rlcli benchmark: {results['host']}, {results['date']} ({results['mode']} mode)",
         "",
         f"{hardware.get('device_name', 'unknown device')} x{hardware.get('num_devices', 1)}, "
-        f"{hardware.get('cpu_cores', '?')} CPU cores ({_threads(results)}), "
+        f"{hardware.get('cpu_cores', '?')} CPU cores ({fmt_threads(results)}), "
         f"torch {hardware.get('torch_version', '?')}; "
         f"load average {load.get('start', ['?'])[0]} at start, {load.get('end', ['?'])[0]} at "
         f"end; whole run {results.get('wall_seconds', 0):.0f} s.",
@@ -104,7 +110,7 @@ def markdown_table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _threads(results: dict) -> str:
+def fmt_threads(results: dict) -> str:
     threads = results.get("cpu_threads")
     return "torch threads: default" if threads is None else f"torch threads: {threads}"
 
@@ -119,8 +125,8 @@ def _rollout_rows(rollout: dict | None) -> list[str]:
     )
     ceiling = rollout.get("compute_ceiling_tokens_per_s")
     return [
-        f"| {what} | vLLM {_num(rollout['vllm']['tokens_per_s'])} | HF generate "
-        f"{_num(rollout['hf']['tokens_per_s'])} | compute ceiling {_num(ceiling)} | "
+        f"| {what} | vLLM {fmt_num(rollout['vllm']['tokens_per_s'])} | HF generate "
+        f"{fmt_num(rollout['hf']['tokens_per_s'])} | compute ceiling {fmt_num(ceiling)} | "
         f"{rollout['vllm_over_hf']:.2f}x |"
     ]
 
@@ -160,34 +166,72 @@ def _train_rows(train: dict | None, device: dict) -> list[str]:
     peak = device.get("hardware", {}).get("peak_bf16_flops")
     what = (
         f"actor update tokens/s ({train['model']}, {_params(train['params'])} params, "
-        f"{train['tokens_per_step']} tokens/step, {train['dtype']})"
+        f"{train['tokens_per_step']} tokens/step, {train['dtype']}, attention "
+        f"{train.get('attention', 'local')})"
     )
-    floor = f"measured matmul {_flops(matmul)}"
+    floor = f"measured matmul {fmt_flops(matmul)}"
     if peak:
-        floor += f", data-sheet peak {_flops(peak)}"
+        floor += f", data-sheet peak {fmt_flops(peak)}"
+    return (
+        [
+            f"| {what} | Megatron {fmt_num(megatron['tokens_per_s'])} "
+            f"({fmt_flops(megatron['flops_per_s'])}, MFU {fmt_pct(megatron.get('mfu'))}, "
+            f"{fmt_pct(megatron.get('matmul_fraction'))} of matmul) | HF + torch AdamW "
+            f"{fmt_num(hf['tokens_per_s'])} ({fmt_pct(hf.get('matmul_fraction'))} of matmul) | "
+            f"{floor} | {train['megatron_over_hf']:.2f}x |"
+        ]
+        + _attention_rows(train)
+        + _mixed_rows(train.get("mixed_lengths"), train)
+    )
+
+
+def _attention_rows(train: dict) -> list[str]:
+    """The core attentions on the same batch: rlcli's default against megatron's unfused one."""
+    backends = train.get("attention_backends") or {}
+    if "local" not in backends or len(backends) < 2:
+        return []
+
+    def cell(name: str) -> str:
+        run = backends[name]
+        return f"{name} {fmt_num(run['tokens_per_s'])} (peak {run['memory']['peak_gb']:.2f} GiB)"
+
+    others = [name for name in backends if name != "local"]
+    best = max(others, key=lambda name: backends[name]["tokens_per_s"])
     return [
-        f"| {what} | Megatron {_num(megatron['tokens_per_s'])} "
-        f"({_flops(megatron['flops_per_s'])}, MFU {_pct(megatron.get('mfu'))}, "
-        f"{_pct(megatron.get('matmul_fraction'))} of matmul) | HF + torch AdamW "
-        f"{_num(hf['tokens_per_s'])} ({_pct(hf.get('matmul_fraction'))} of matmul) | "
-        f"{floor} | {train['megatron_over_hf']:.2f}x |"
-    ] + _mixed_rows(train.get("mixed_lengths"), train)
+        f"| core attention, same batch (model.attention_backend) | "
+        f"{'; '.join(cell(name) for name in others)} | megatron's unfused {cell('local')} | "
+        f"HF + AdamW {fmt_num(train['hf_baseline']['tokens_per_s'])} | "
+        f"{best} {backends[best]['tokens_per_s'] / backends['local']['tokens_per_s']:.2f}x |"
+    ]
 
 
 def _mixed_rows(mixed: dict | None, train: dict) -> list[str]:
     if not mixed:
         return []
     fixed, budget = mixed["fixed"], mixed["token_budget"]
+    packed = mixed.get("packed")
     what = (
         f"actor update on mixed lengths ({train['model']}, {mixed['rows']} rows of "
         f"{mixed['seq_len'] // 8}-{mixed['seq_len']} tokens): real tokens/s, padded share"
     )
+
+    def cell(name: str, run: dict) -> str:
+        return (
+            f"{name} {fmt_num(run['tokens_per_s'])}, {fmt_pct(run['padded_fraction'])} padded "
+            f"({run['micro_batches']} micro-batches)"
+        )
+
+    ours = cell("token budget", budget)
+    ratio = f"{mixed['budget_over_fixed']:.2f}x"
+    if packed:
+        ours = f"{cell('packed', packed)}; {ours}"
+        ratio = (
+            f"packed {packed['tokens_per_s'] / fixed['tokens_per_s']:.2f}x, budget {ratio} "
+            f"(packed / budget {mixed['packed_over_budget']:.2f}x)"
+        )
     return [
-        f"| {what} | token budget {_num(budget['tokens_per_s'])}, {_pct(budget['padded_fraction'])}"
-        f" padded ({budget['micro_batches']} micro-batches) | fixed micro-batches "
-        f"{_num(fixed['tokens_per_s'])}, {_pct(fixed['padded_fraction'])} padded (batch-wide S: "
-        f"{_pct(mixed['batch_wide_padded_fraction'])}) | 0% padded | "
-        f"{mixed['budget_over_fixed']:.2f}x |"
+        f"| {what} | {ours} | {cell('fixed micro-batches', fixed)} (batch-wide S: "
+        f"{fmt_pct(mixed['batch_wide_padded_fraction'])}) | 0% padded | {ratio} |"
     ]
 
 
@@ -217,7 +261,7 @@ def _grpo_table(grpo: dict | None) -> list[str]:
     ]
     for phase, value in grpo["phases"].items():
         label = PHASE_LABELS.get(phase, phase)
-        lines.append(f"| {label} | {value['seconds']:.3f} | {_pct(value['share'])} |")
+        lines.append(f"| {label} | {value['seconds']:.3f} | {fmt_pct(value['share'])} |")
     return lines
 
 
@@ -254,134 +298,3 @@ def _memory_table(results: dict) -> list[str]:
         f"| {name} | {m['peak_gb']:.2f} | {m['start_gb']:.2f} | {m['source']} |" for name, m in rows
     ]
     return lines
-
-
-# ---------------------------------------------------------------------------------------------
-# Chart
-
-
-def draw_chart(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(2, 3, figsize=(16, 9))
-    figure.suptitle(
-        f"rlcli benchmark: {results['host']} {results['date']} ({results['mode']}, "
-        f"{results.get('device', {}).get('hardware', {}).get('device_name', '?')})"
-    )
-    _bars(axes[0][0], results.get("rollout"), "rollout new tokens/s",
-          [("HF generate", ("hf", "tokens_per_s")), ("vLLM", ("vllm", "tokens_per_s"))])  # fmt: skip
-    _sync_plot(axes[0][1], results.get("sync"))
-    _bars(axes[0][2], results.get("train"), "actor update tokens/s",
-          [("HF + AdamW", ("hf_baseline", "tokens_per_s")),
-           ("Megatron", ("megatron", "tokens_per_s"))])  # fmt: skip
-    _phase_plot(axes[1][0], results.get("grpo"))
-    _memory_plot(axes[1][1], results)
-    _notes(axes[1][2], results)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-
-
-def _missing(ax, title: str) -> None:
-    ax.set_title(title)
-    ax.text(0.5, 0.5, "not run / failed", ha="center", va="center", transform=ax.transAxes)
-    ax.set_axis_off()
-
-
-def _bars(ax, section: dict | None, title: str, bars: list[tuple[str, tuple[str, str]]]) -> None:
-    if not section:
-        return _missing(ax, title)
-    values = [section[outer][inner] for _, (outer, inner) in bars]
-    ax.bar([label for label, _ in bars], values, color=["#999999", "#2a7ab0"])
-    for x, value in enumerate(values):
-        ax.annotate(_num(value), (x, value), ha="center", va="bottom")
-    ax.set_title(f"{title} ({section['model']})")
-
-
-def _sync_plot(ax, sync: dict | None) -> None:
-    title = "weight sync seconds vs model size"
-    if not sync:
-        return _missing(ax, title)
-    sizes = _single_process_sizes(sync)
-    params = [size["params"] / 1e6 for size in sizes]
-    for key, label, style in (("naive", "naive per-tensor", "o--"), ("reshard", "rlcli reshard",
-                              "o-"), ("memcpy", "memcpy floor", "o:")):  # fmt: skip
-        ax.plot(params, [size[key]["seconds"] for size in sizes], style, label=label)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.minorticks_off()
-    ax.set_xticks(params, [f"{count:.3g}M" for count in params])
-    ax.set_xlabel("parameters")
-    ax.set_ylabel("seconds")
-    ax.legend()
-    ax.set_title(title)
-
-
-def _single_process_sizes(sync: dict) -> list[dict]:
-    """The rows of the size sweep (not the 2-process layout variants)."""
-    return [size for size in sync["sizes"] if size.get("processes", 1) == 1]
-
-
-def _phase_plot(ax, grpo: dict | None) -> None:
-    title = "share of one GRPO step"
-    if not grpo:
-        return _missing(ax, title)
-    phases = list(grpo["phases"].items())
-    ax.barh([PHASE_LABELS.get(name, name) for name, _ in phases],
-            [100 * value["share"] for _, value in phases], color="#2a7ab0")  # fmt: skip
-    ax.invert_yaxis()
-    ax.set_xlabel("% of step time")
-    ax.set_title(f"{title} ({grpo['step_seconds']:.2f} s)")
-
-
-def _memory_plot(ax, results: dict) -> None:
-    rows = memory_rows(results)
-    title = "peak memory per phase (GiB)"
-    if not rows:
-        return _missing(ax, title)
-    ax.barh([name for name, _ in rows], [m["peak_gb"] for _, m in rows], color="#e08a2c")
-    ax.invert_yaxis()
-    ax.set_title(title)
-
-
-def _notes(ax, results: dict) -> None:
-    """The run's conditions and the ratios against the alternative and the floor."""
-    ax.set_axis_off()
-    device = results.get("device", {})
-    hardware = device.get("hardware", {})
-    load = results.get("load_average", {})
-    text = [
-        f"device: {hardware.get('device_name', '?')} x{hardware.get('num_devices', 1)}",
-        f"CPU cores: {hardware.get('cpu_cores', '?')} ({_threads(results)})",
-        f"load average start/end: {load.get('start', ['?'])[0]} / {load.get('end', ['?'])[0]}",
-        f"whole run: {results.get('wall_seconds', 0):.0f} s",
-        f"measured matmul: {_flops(device.get('matmul_flops'))}",
-        "",
-    ]
-    rollout, train, sync = results.get("rollout"), results.get("train"), results.get("sync")
-    if rollout:
-        text += [
-            f"rollout: vLLM / HF = {rollout['vllm_over_hf']:.2f}x",
-            f"  compute ceiling {_num(rollout.get('compute_ceiling_tokens_per_s'))} tokens/s",
-        ]
-    if sync:
-        largest = _single_process_sizes(sync)[-1]
-        text += [
-            f"sync {largest['model']}: naive / reshard = "
-            f"{largest['naive']['seconds'] / largest['reshard']['seconds']:.2f}x",
-            f"  reshard / memcpy floor = "
-            f"{largest['reshard']['seconds'] / largest['memcpy']['seconds']:.1f}x",
-        ]
-    if train:
-        megatron = train["megatron"]
-        text += [
-            f"train: Megatron / HF+AdamW = {train['megatron_over_hf']:.2f}x",
-            f"  {_flops(megatron['flops_per_s'])}, MFU {_pct(megatron.get('mfu'))}, "
-            f"{_pct(megatron.get('matmul_fraction'))} of matmul",
-        ]
-    if results.get("errors"):
-        text.append("failed: " + ", ".join(sorted(results["errors"])))
-    ax.text(0.0, 1.0, "\n".join(text), va="top", family="monospace", transform=ax.transAxes)

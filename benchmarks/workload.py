@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 MODES = ("smoke", "cpu", "gpu")
+SEED = 1234  # of every random prompt, batch and model in the benchmark
 
 
 @dataclass(frozen=True)
@@ -180,3 +181,11 @@ def ensure_model(shape: ModelShape, root: Path, dtype: str, seed: int = 0) -> Pa
         model.generation_config.save_pretrained(tmp)
     tmp.rename(out)
     return out
+
+
+def random_token_ids(rows: int, length: int, vocab_size: int, seed: int):
+    """[rows, length] int64 ids below vocab_size - 1 (the workload models' EOS is the last id)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size - 1, (rows, length), generator=generator)
