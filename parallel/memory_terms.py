@@ -80,6 +80,8 @@ class TrainedModel:
     # (megatron's local layers with torch SDPA) or "local" (local layers, the unfused attention
     # that holds the s^2 score tensor)
     attention: str = "te"
+    # whose kernels decide what the local layers save: "cuda" (what the plan is for) or "cpu"
+    device: str = "cuda"
     critic: bool = False
     offload_params: bool = False
     offload_grads: bool = False
@@ -133,12 +135,16 @@ def layer_activation_bytes(model: TrainedModel, *, recompute_attention: bool) ->
       Transformer Engine (fused norm+linear, flash attention): norms 2 x (input, normed output)
         = 4h; attention q, k, v (a + 2g) and its output a; MLP 3f; all e bytes each.
       megatron's local layers, counted tensor by tensor with torch.autograd.graph.
-        saved_tensors_hooks on real layers in fp32 and bf16 (tests/parallel/offload_worker.py):
-        each torch RMSNorm keeps its input in fp32, that times rsqrt (fp32) and its output:
-        2 x (8 + e) h bytes; MLP 5f x e (fc1 out 2f, gate, up, silu out, product); and
+        saved_tensors_hooks on real layers in fp32 and bf16 on CPU (tests/parallel/
+        offload_worker.py): MLP 5f x e (fc1 out 2f, gate, up, silu out, product); the torch
+        RMSNorms: on CUDA torch's fused kernel keeps each norm's input (and a per-row rstd),
+        the next linear the normed output, 2 x 2h x e (what the kernel saves, not measured
+        here); on CPU the composite norm keeps the input in fp32, that times rsqrt (fp32) and
+        the output, 2 x (8 + e) h bytes; and
         - sdpa: the fused QKV output (a + 2g, alive through v, a view of it), the roped q (a)
-          and k (g), the output (a, also linear_proj's input): (3a + 3g) x e, and the softmax
-          log-sum-exp, 4 bytes per head;
+          and k (g), the output (a, also linear_proj's input on CPU; on CUDA the flash kernel
+          writes it [b, s, h, d], so the [s, b, h x d] input of linear_proj is a copy: one a
+          more): (3a + 3g) x e, and the softmax log-sum-exp, 4 bytes per head;
         - local (unfused): q, and k and v expanded to a heads for the bmm, and the output:
           4a x e; the fp32 softmax output, 4 x heads x s bytes (the s^2 term), and its cast to
           the model dtype for the bmm when that is not fp32, e x heads x s.
@@ -151,14 +157,15 @@ def layer_activation_bytes(model: TrainedModel, *, recompute_attention: bool) ->
     s, b, e, t = model.seq_len, model.micro_batch_size, DTYPE_BYTES[model.dtype], model.tp
     sh = model.shape
     a, g = sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim
+    cuda = model.device == "cuda"
     if model.attention == "te":
         outside, inside = 4 * sh.hidden * e, (a + 2 * g + a + 3 * sh.ffn) * e
     else:
-        outside = 2 * (8 + e) * sh.hidden
+        outside = 4 * sh.hidden * e if cuda else 2 * (8 + e) * sh.hidden
         if recompute_attention:
             attention = (3 * a + 3 * g) * e
         elif model.attention == "sdpa":
-            attention = (3 * a + 3 * g) * e + 4 * sh.heads
+            attention = (3 * a + 3 * g + (a if cuda else 0)) * e + 4 * sh.heads
         else:
             attention = 4 * a * e + sh.heads * s * (4 + (e if e != 4 else 0))
         inside = attention + 5 * sh.ffn * e

@@ -254,6 +254,7 @@ def check_activation_estimate(mesh, hf_config, hf_dir) -> dict:
                     micro_batch_size=2,
                     seq_len=48,
                     attention=attention,
+                    device="cpu",  # the composite RMSNorm; CUDA's fused kernel keeps less
                 )
                 estimate = shape.layers * layer_activation_bytes(
                     planned, recompute_attention=mode != "none"
