@@ -1,18 +1,13 @@
-"""The benchmark's result JSON as a Markdown table, and the files of a run (the chart is
-benchmarks/chart.py).
+"""The benchmark's result JSON as a Markdown table (the chart is benchmarks/chart.py, the files
+of a run benchmarks/run.py's write_report).
 
 Public API:
 
-    write_report(results, output_dir, stem, update_latest=True) -> {"json", "md", "png", ...}
     markdown_table(results) -> str
     memory_rows(results); fmt_num, fmt_flops, fmt_pct, fmt_threads (shared with the chart)
 """
 
 from __future__ import annotations
-
-import json
-import shutil
-from pathlib import Path
 
 PHASE_LABELS = {
     "offload": "actor offload",
@@ -27,27 +22,6 @@ PHASE_LABELS = {
     "sync": "weight sync",
     "other": "other",
 }
-
-
-def write_report(
-    results: dict, output_dir: Path, stem: str, update_latest: bool = True
-) -> dict[str, Path]:
-    output_dir.mkdir(parents=True, exist_ok=True)
-    files = {
-        "json": output_dir / f"{stem}.json",
-        "md": output_dir / f"{stem}.md",
-        "png": output_dir / f"{stem}.png",
-    }
-    files["json"].write_text(json.dumps(results, indent=2) + "\n")
-    files["md"].write_text(markdown_table(results))
-    from benchmarks.chart import draw_chart  # the chart reads this module's formatting
-
-    draw_chart(results, files["png"])
-    if update_latest:
-        for kind in ("md", "png"):
-            files[f"latest_{kind}"] = output_dir / f"latest.{kind}"
-            shutil.copyfile(files[kind], files[f"latest_{kind}"])
-    return files
 
 
 # ---------------------------------------------------------------------------------------------
