@@ -1,17 +1,17 @@
-"""The benchmark's result JSON as a matplotlib chart (Agg backend): rollout, sync and update
-speed, the GRPO step's phases, peak memory per phase and the run's conditions."""
+"""The benchmark's result JSON as a matplotlib chart (Agg backend): draw_chart(results, path)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.report import (
+from benchmarks.formatting import (
     PHASE_LABELS,
-    fmt_flops,
-    fmt_num,
-    fmt_pct,
-    fmt_threads,
+    flops,
     memory_rows,
+    num,
+    pct,
+    single_process_sizes,
+    threads_note,
 )
 
 
@@ -52,7 +52,7 @@ def _bars(ax, section: dict | None, title: str, bars: list[tuple[str, tuple[str,
     values = [section[outer][inner] for _, (outer, inner) in bars]
     ax.bar([label for label, _ in bars], values, color=["#999999", "#2a7ab0"])
     for x, value in enumerate(values):
-        ax.annotate(fmt_num(value), (x, value), ha="center", va="bottom")
+        ax.annotate(num(value), (x, value), ha="center", va="bottom")
     ax.set_title(f"{title} ({section['model']})")
 
 
@@ -60,7 +60,7 @@ def _sync_plot(ax, sync: dict | None) -> None:
     title = "weight sync seconds vs model size"
     if not sync:
         return _missing(ax, title)
-    sizes = _single_process_sizes(sync)
+    sizes = single_process_sizes(sync)
     params = [size["params"] / 1e6 for size in sizes]
     for key, label, style in (("naive", "naive per-tensor", "o--"), ("reshard", "rlcli reshard",
                               "o-"), ("memcpy", "memcpy floor", "o:")):  # fmt: skip
@@ -73,11 +73,6 @@ def _sync_plot(ax, sync: dict | None) -> None:
     ax.set_ylabel("seconds")
     ax.legend()
     ax.set_title(title)
-
-
-def _single_process_sizes(sync: dict) -> list[dict]:
-    """The rows of the size sweep (not the 2-process layout variants)."""
-    return [size for size in sync["sizes"] if size.get("processes", 1) == 1]
 
 
 def _phase_plot(ax, grpo: dict | None) -> None:
@@ -110,20 +105,20 @@ def _notes(ax, results: dict) -> None:
     load = results.get("load_average", {})
     text = [
         f"device: {hardware.get('device_name', '?')} x{hardware.get('num_devices', 1)}",
-        f"CPU cores: {hardware.get('cpu_cores', '?')} ({fmt_threads(results)})",
+        f"CPU cores: {hardware.get('cpu_cores', '?')} ({threads_note(results)})",
         f"load average start/end: {load.get('start', ['?'])[0]} / {load.get('end', ['?'])[0]}",
         f"whole run: {results.get('wall_seconds', 0):.0f} s",
-        f"measured matmul: {fmt_flops(device.get('matmul_flops'))}",
+        f"measured matmul: {flops(device.get('matmul_flops'))}",
         "",
     ]
     rollout, train, sync = results.get("rollout"), results.get("train"), results.get("sync")
     if rollout:
         text += [
             f"rollout: vLLM / HF = {rollout['vllm_over_hf']:.2f}x",
-            f"  compute ceiling {fmt_num(rollout.get('compute_ceiling_tokens_per_s'))} tokens/s",
+            f"  compute ceiling {num(rollout.get('compute_ceiling_tokens_per_s'))} tokens/s",
         ]
     if sync:
-        largest = _single_process_sizes(sync)[-1]
+        largest = single_process_sizes(sync)[-1]
         text += [
             f"sync {largest['model']}: naive / reshard = "
             f"{largest['naive']['seconds'] / largest['reshard']['seconds']:.2f}x",
@@ -134,8 +129,8 @@ def _notes(ax, results: dict) -> None:
         megatron = train["megatron"]
         text += [
             f"train: Megatron / HF+AdamW = {train['megatron_over_hf']:.2f}x",
-            f"  {fmt_flops(megatron['flops_per_s'])}, MFU {fmt_pct(megatron.get('mfu'))}, "
-            f"{fmt_pct(megatron.get('matmul_fraction'))} of matmul",
+            f"  {flops(megatron['flops_per_s'])}, MFU {pct(megatron.get('mfu'))}, "
+            f"{pct(megatron.get('matmul_fraction'))} of matmul",
         ]
     if results.get("errors"):
         text.append("failed: " + ", ".join(sorted(results["errors"])))

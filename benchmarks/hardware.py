@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import platform
 import socket
@@ -111,20 +110,3 @@ def measure_matmul_flops(
 def _synchronize(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-
-
-def torch_device() -> str:
-    """Where the benchmark's tensors live: "cuda" when CUDA is present, else "cpu"."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def synchronize() -> None:
-    """Wait for the device (a no-op on CPU): timings must include the queued work."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

@@ -1,60 +1,51 @@
-"""The benchmark's result JSON as a Markdown table (the chart is benchmarks/chart.py, the files
-of a run benchmarks/run.py's write_report).
+"""The benchmark's result JSON as a Markdown table and a matplotlib chart (benchmarks/chart.py).
 
 Public API:
 
+    write_report(results, output_dir, stem, update_latest=True) -> {"json", "md", "png", ...}
     markdown_table(results) -> str
-    memory_rows(results); fmt_num, fmt_flops, fmt_pct, fmt_threads (shared with the chart)
 """
 
 from __future__ import annotations
 
-PHASE_LABELS = {
-    "offload": "actor offload",
-    "gen": "generation",
-    "reward": "reward",
-    "distribute": "distribute (DP share + collate)",
-    "onload": "actor onload",
-    "old_log_prob": "old log-probs",
-    "ref": "reference log-probs",
-    "adv": "advantages",
-    "update": "actor update",
-    "sync": "weight sync",
-    "other": "other",
-}
+import json
+import shutil
+from pathlib import Path
+
+from benchmarks.chart import draw_chart
+from benchmarks.formatting import (
+    PHASE_LABELS,
+    flops,
+    gb,
+    memory_rows,
+    num,
+    params,
+    pct,
+    threads_note,
+)
+
+
+def write_report(
+    results: dict, output_dir: Path, stem: str, update_latest: bool = True
+) -> dict[str, Path]:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    files = {
+        "json": output_dir / f"{stem}.json",
+        "md": output_dir / f"{stem}.md",
+        "png": output_dir / f"{stem}.png",
+    }
+    files["json"].write_text(json.dumps(results, indent=2) + "\n")
+    files["md"].write_text(markdown_table(results))
+    draw_chart(results, files["png"])
+    if update_latest:
+        for kind in ("md", "png"):
+            files[f"latest_{kind}"] = output_dir / f"latest.{kind}"
+            shutil.copyfile(files[kind], files[f"latest_{kind}"])
+    return files
 
 
 # ---------------------------------------------------------------------------------------------
 # Markdown
-
-
-def fmt_num(value: float | None, digits: int = 3) -> str:
-    """A figure with `digits` significant digits and thousands separators; n/a for None."""
-    if value is None:
-        return "n/a"
-    if abs(value) >= 10 ** (digits - 1):
-        return f"{value:,.0f}"
-    return f"{value:.{digits}g}"
-
-
-def fmt_flops(value: float | None) -> str:
-    if value is None:
-        return "n/a"
-    return (
-        f"{fmt_num(value / 1e12)} TFLOP/s" if value >= 1e12 else f"{fmt_num(value / 1e9)} GFLOP/s"
-    )
-
-
-def fmt_pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{100 * value:.1f}%"
-
-
-def _gb(value_bytes: float) -> str:
-    return f"{value_bytes / 1e9:.3g} GB" if value_bytes >= 1e8 else f"{value_bytes / 1e6:.3g} MB"
-
-
-def _params(count: int) -> str:
-    return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
 
 
 def markdown_table(results: dict) -> str:
@@ -65,7 +56,7 @@ def markdown_table(results: dict) -> str:
         f"### rlcli benchmark: {results['host']}, {results['date']} ({results['mode']} mode)",
         "",
         f"{hardware.get('device_name', 'unknown device')} x{hardware.get('num_devices', 1)}, "
-        f"{hardware.get('cpu_cores', '?')} CPU cores ({fmt_threads(results)}), "
+        f"{hardware.get('cpu_cores', '?')} CPU cores ({threads_note(results)}), "
         f"torch {hardware.get('torch_version', '?')}; "
         f"load average {load.get('start', ['?'])[0]} at start, {load.get('end', ['?'])[0]} at "
         f"end; whole run {results.get('wall_seconds', 0):.0f} s.",
@@ -76,6 +67,7 @@ def markdown_table(results: dict) -> str:
     lines += _rollout_rows(results.get("rollout"))
     lines += _sync_rows(results.get("sync"))
     lines += _train_rows(results.get("train"), device)
+    lines += _lora_rows(results.get("lora"), results.get("train"))
     lines += _grpo_table(results.get("grpo"))
     lines += _memory_table(results)
     errors = results.get("errors", {})
@@ -84,23 +76,18 @@ def markdown_table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def fmt_threads(results: dict) -> str:
-    threads = results.get("cpu_threads")
-    return "torch threads: default" if threads is None else f"torch threads: {threads}"
-
-
 def _rollout_rows(rollout: dict | None) -> list[str]:
     if not rollout:
         return []
     what = (
-        f"rollout new tokens/s ({rollout['model']}, {_params(rollout['params'])} params, "
+        f"rollout new tokens/s ({rollout['model']}, {params(rollout['params'])} params, "
         f"{rollout['prompts']} prompts x {rollout['n']} samples x <= {rollout['max_tokens']} "
         f"tokens, {rollout['dtype']})"
     )
     ceiling = rollout.get("compute_ceiling_tokens_per_s")
     return [
-        f"| {what} | vLLM {fmt_num(rollout['vllm']['tokens_per_s'])} | HF generate "
-        f"{fmt_num(rollout['hf']['tokens_per_s'])} | compute ceiling {fmt_num(ceiling)} | "
+        f"| {what} | vLLM {num(rollout['vllm']['tokens_per_s'])} | HF generate "
+        f"{num(rollout['hf']['tokens_per_s'])} | compute ceiling {num(ceiling)} | "
         f"{rollout['vllm_over_hf']:.2f}x |"
     ]
 
@@ -113,8 +100,8 @@ def _sync_rows(sync: dict | None) -> list[str]:
         reshard, naive, floor = size["reshard"], size["naive"], size["memcpy"]
         buckets = f"{sync['bucket_mb']} MB" if sync["bucket_mb"] else "automatic size"
         what = (
-            f"weight sync {size['model']} ({_params(size['params'])} params, "
-            f"{_gb(size['bytes'])}, {size['num_buckets']} bucket(s), {buckets})"
+            f"weight sync {size['model']} ({params(size['params'])} params, "
+            f"{gb(size['bytes'])}, {size['num_buckets']} bucket(s), {buckets})"
         )
         reload = size.get("engine_reload")
         own = ""
@@ -139,19 +126,19 @@ def _train_rows(train: dict | None, device: dict) -> list[str]:
     matmul = device.get("matmul_flops")
     peak = device.get("hardware", {}).get("peak_bf16_flops")
     what = (
-        f"actor update tokens/s ({train['model']}, {_params(train['params'])} params, "
+        f"actor update tokens/s ({train['model']}, {params(train['params'])} params, "
         f"{train['tokens_per_step']} tokens/step, {train['dtype']}, attention "
         f"{train.get('attention', 'local')})"
     )
-    floor = f"measured matmul {fmt_flops(matmul)}"
+    floor = f"measured matmul {flops(matmul)}"
     if peak:
-        floor += f", data-sheet peak {fmt_flops(peak)}"
+        floor += f", data-sheet peak {flops(peak)}"
     return (
         [
-            f"| {what} | Megatron {fmt_num(megatron['tokens_per_s'])} "
-            f"({fmt_flops(megatron['flops_per_s'])}, MFU {fmt_pct(megatron.get('mfu'))}, "
-            f"{fmt_pct(megatron.get('matmul_fraction'))} of matmul) | HF + torch AdamW "
-            f"{fmt_num(hf['tokens_per_s'])} ({fmt_pct(hf.get('matmul_fraction'))} of matmul) | "
+            f"| {what} | Megatron {num(megatron['tokens_per_s'])} "
+            f"({flops(megatron['flops_per_s'])}, MFU {pct(megatron.get('mfu'))}, "
+            f"{pct(megatron.get('matmul_fraction'))} of matmul) | HF + torch AdamW "
+            f"{num(hf['tokens_per_s'])} ({pct(hf.get('matmul_fraction'))} of matmul) | "
             f"{floor} | {train['megatron_over_hf']:.2f}x |"
         ]
         + _attention_rows(train)
@@ -167,14 +154,14 @@ def _attention_rows(train: dict) -> list[str]:
 
     def cell(name: str) -> str:
         run = backends[name]
-        return f"{name} {fmt_num(run['tokens_per_s'])} (peak {run['memory']['peak_gb']:.2f} GiB)"
+        return f"{name} {num(run['tokens_per_s'])} (peak {run['memory']['peak_gb']:.2f} GiB)"
 
     others = [name for name in backends if name != "local"]
     best = max(others, key=lambda name: backends[name]["tokens_per_s"])
     return [
         f"| core attention, same batch (model.attention_backend) | "
         f"{'; '.join(cell(name) for name in others)} | megatron's unfused {cell('local')} | "
-        f"HF + AdamW {fmt_num(train['hf_baseline']['tokens_per_s'])} | "
+        f"HF + AdamW {num(train['hf_baseline']['tokens_per_s'])} | "
         f"{best} {backends[best]['tokens_per_s'] / backends['local']['tokens_per_s']:.2f}x |"
     ]
 
@@ -191,7 +178,7 @@ def _mixed_rows(mixed: dict | None, train: dict) -> list[str]:
 
     def cell(name: str, run: dict) -> str:
         return (
-            f"{name} {fmt_num(run['tokens_per_s'])}, {fmt_pct(run['padded_fraction'])} padded "
+            f"{name} {num(run['tokens_per_s'])}, {pct(run['padded_fraction'])} padded "
             f"({run['micro_batches']} micro-batches)"
         )
 
@@ -205,8 +192,38 @@ def _mixed_rows(mixed: dict | None, train: dict) -> list[str]:
         )
     return [
         f"| {what} | {ours} | {cell('fixed micro-batches', fixed)} (batch-wide S: "
-        f"{fmt_pct(mixed['batch_wide_padded_fraction'])}) | 0% padded | {ratio} |"
+        f"{pct(mixed['batch_wide_padded_fraction'])}) | 0% padded | {ratio} |"
     ]
+
+
+def _lora_rows(lora: dict | None, train: dict | None) -> list[str]:
+    """LoRA against full fine-tuning (the train section's Megatron row: same model and batch),
+    and the LoRA sync merged against adapter."""
+    if not lora:
+        return []
+    update, rows = lora["update"], []
+    what = (
+        f"actor update with LoRA ({lora['model']}, rank {lora['rank']} on every linear: "
+        f"{params(lora['trainable_params'])} trainable of {params(lora['params'])}, "
+        f"{lora['tokens_per_step']} tokens/step, {lora['dtype']}): tokens/s, peak memory"
+    )
+    if train:
+        full = train["megatron"]
+        rows.append(
+            f"| {what} | LoRA {num(update['tokens_per_s'])}, peak "
+            f"{update['memory']['peak_gb']:.2f} GiB | full fine-tuning "
+            f"{num(full['tokens_per_s'])}, peak {full['memory']['peak_gb']:.2f} GiB | | "
+            f"{update['tokens_per_s'] / full['tokens_per_s']:.2f}x |"
+        )
+    sync = lora.get("sync")
+    if sync:
+        adapter, merged = sync["adapter"], sync["merged"]
+        rows.append(
+            f"| LoRA weight sync into vLLM ({lora['model']}, rank {lora['rank']}) | adapter "
+            f"{adapter['seconds']:.3g} s ({gb(adapter['bytes'])}) | merged {merged['seconds']:.3g} s "
+            f"({gb(merged['bytes'])}) | | {sync['adapter_over_merged']:.2f}x faster |"
+        )
+    return rows
 
 
 def _grpo_table(grpo: dict | None) -> list[str]:
@@ -235,26 +252,8 @@ def _grpo_table(grpo: dict | None) -> list[str]:
     ]
     for phase, value in grpo["phases"].items():
         label = PHASE_LABELS.get(phase, phase)
-        lines.append(f"| {label} | {value['seconds']:.3f} | {fmt_pct(value['share'])} |")
+        lines.append(f"| {label} | {value['seconds']:.3f} | {pct(value['share'])} |")
     return lines
-
-
-def memory_rows(results: dict) -> list[tuple[str, dict]]:
-    """(phase label, memory dict) for every phase that measured its peak."""
-    rows = []
-    rollout = results.get("rollout")
-    if rollout:
-        rows += [("rollout: HF generate", rollout["hf"]["memory"])]
-        rows += [("rollout: vLLM", rollout["vllm"]["memory"])]
-    for size in (results.get("sync") or {}).get("sizes", []):
-        rows.append((f"sync: {size['model']}", size["memory"]))
-    train = results.get("train")
-    if train:
-        rows += [("train: Megatron actor", train["megatron"]["memory"])]
-        rows += [("train: HF + AdamW", train["hf_baseline"]["memory"])]
-    if results.get("grpo"):
-        rows.append(("GRPO run (whole)", results["grpo"]["memory"]))
-    return rows
 
 
 def _memory_table(results: dict) -> list[str]:

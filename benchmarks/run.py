@@ -1,7 +1,6 @@
 """Run the benchmark: every section in a fresh child process, then JSON + Markdown + PNG.
 
     run_benchmark(smoke=False, output_dir=RESULTS_DIR, sections=SECTIONS, log=print) -> Outputs
-    write_report(results, output_dir, stem, update_latest=True) -> {"json", "md", "png", ...}
 
 The mode follows the hardware (GPU when CUDA is present, else CPU) unless `smoke` asks for the
 tiny workload that only checks the code paths. A section that fails is recorded under
@@ -13,7 +12,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,14 +22,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.chart import draw_chart
 from benchmarks.hardware import load_average
-from benchmarks.report import markdown_table
+from benchmarks.report import write_report
 from benchmarks.workload import Workload, workload_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-SECTIONS = ("device", "rollout", "sync", "train", "grpo")
+SECTIONS = ("device", "rollout", "sync", "train", "lora", "grpo")
 SECTION_TIMEOUT_S = {"smoke": 300, "cpu": 900, "gpu": 1800}
 LOG_TAIL_LINES = 30
 
@@ -192,22 +189,3 @@ def add_derived_figures(results: dict) -> None:
     rollout = results.get("rollout")
     if rollout and matmul:
         rollout["compute_ceiling_tokens_per_s"] = matmul / (2 * rollout["matmul_params"])
-
-
-def write_report(
-    results: dict, output_dir: Path, stem: str, update_latest: bool = True
-) -> dict[str, Path]:
-    output_dir.mkdir(parents=True, exist_ok=True)
-    files = {
-        "json": output_dir / f"{stem}.json",
-        "md": output_dir / f"{stem}.md",
-        "png": output_dir / f"{stem}.png",
-    }
-    files["json"].write_text(json.dumps(results, indent=2) + "\n")
-    files["md"].write_text(markdown_table(results))
-    draw_chart(results, files["png"])
-    if update_latest:
-        for kind in ("md", "png"):
-            files[f"latest_{kind}"] = output_dir / f"latest.{kind}"
-            shutil.copyfile(files[kind], files[f"latest_{kind}"])
-    return files

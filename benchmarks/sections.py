@@ -8,9 +8,10 @@ one section into the next; a smoke run saves the start-up cost and runs them all
     rollout  vLLM engine vs HF `generate` engine: new tokens/s, same model, prompts, sampling
     sync     parallel.reshard weight sync vs naive per-tensor gather-and-load vs memcpy floor
              (sync_section.py)
-    train    Megatron actor update (rlcli.policy) vs a plain HF + torch AdamW loop: tokens/s;
-             the core attentions side by side; fixed / token-budget / packed micro-batches on
-             mixed lengths (train_section.py)
+    train    Megatron actor update (rlcli.trained_model) vs a plain HF + torch AdamW loop: tokens/s
+             (train_section.py)
+    lora     the same update with LoRA adapters: tokens/s and peak memory against full fine-tuning,
+             and its weight sync merged vs adapter (lora_section.py)
     grpo     a short real `rlcli train` run of the quickstart recipe: per-phase time shares, and
              the plain PyTorch loop on the same model and batch (grpo.py)
 """
@@ -26,20 +27,18 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import SEED, device, free_memory, random_token_ids, synchronize
 from benchmarks.grpo import grpo_section
-from benchmarks.hardware import (
-    detect_hardware,
-    free_memory,
-    measure_matmul_flops,
-    synchronize,
-    torch_device,
-)
+from benchmarks.hardware import detect_hardware, measure_matmul_flops
+from benchmarks.lora_section import lora_section
 from benchmarks.memory import measure_peak_memory
 from benchmarks.sync_section import sync_section
 from benchmarks.train_section import train_section
-from benchmarks.workload import SEED, Workload, ensure_model, random_token_ids
+from benchmarks.workload import Workload, ensure_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
 # ---------------------------------------------------------------------------------------------
 # device
 
@@ -47,7 +46,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def device_section(workload: Workload, work_dir: Path) -> dict:
     hardware = detect_hardware()
     dtype = getattr(torch, workload.dtype)
-    flops = measure_matmul_flops(workload.matmul_size, dtype, torch_device())
+    flops = measure_matmul_flops(workload.matmul_size, dtype, device())
     return {
         "hardware": hardware.to_dict(),
         "torch_threads": torch.get_num_threads(),
@@ -62,6 +61,7 @@ def device_section(workload: Workload, work_dir: Path) -> dict:
 
 
 def rollout_section(workload: Workload, work_dir: Path) -> dict:
+    from rlcli.config import RolloutConfig
     from rlcli.rollout import SamplingConfig, make_engine
 
     w = workload
@@ -85,13 +85,14 @@ def rollout_section(workload: Workload, work_dir: Path) -> dict:
     }
     for kind in ("hf", "vllm"):  # HF first: its memory is freed cleanly before vLLM starts
         with measure_peak_memory() as memory:
+            rollout = RolloutConfig(
+                engine=kind, kv_cache_gb=0.5, gpu_memory_utilization=0.4, load_format="auto"
+            )
             engine = make_engine(
-                kind,
+                rollout,
                 str(model_dir),
                 dtype=w.dtype,
                 seed=SEED,
-                kv_cache_gb=0.5,
-                gpu_memory_utilization=0.4,
                 max_model_len=w.rollout_prompt_len + w.rollout_max_tokens,
             )
             engine.generate(prompts, w.rollout_n, warmup)  # first calls allocate, pick kernels
@@ -119,6 +120,7 @@ SECTIONS: dict[str, Callable[[Workload, Path], dict]] = {
     "rollout": rollout_section,
     "sync": sync_section,
     "train": train_section,
+    "lora": lora_section,
     "grpo": grpo_section,
 }
 

@@ -1,25 +1,35 @@
-"""The benchmark's train section: rlcli's actor update (``rlcli.policy.MegatronPolicy``) against
-the loop a user writes without a framework (HF model + torch AdamW) on the same batch; the core
-attentions (``model.attention_backend``) side by side on that batch; and on a batch of mixed
-lengths, fixed micro-batches against a token budget of padded rows and packed sequences
-(``actor.pack_sequences``), in real tokens/s and the share of computed tokens that is padding.
-"""
+"""The benchmark's train section: the Megatron actor update (rlcli.trained_model) against a plain
+HF + torch AdamW loop on the same model, batch and loss; the core attentions
+(``model.attention_backend``) side by side on that batch; and on rows of mixed lengths, fixed
+micro-batches against a token budget of padded rows and packed sequences
+(``actor.pack_sequences``), in real tokens/s and the share of computed tokens that is padding."""
 
 from __future__ import annotations
 
 import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from benchmarks.hardware import free_memory, synchronize, torch_device
+from benchmarks.common import (
+    SEED,
+    device,
+    free_memory,
+    len_unique_params,
+    random_token_ids,
+    time_steps,
+)
 from benchmarks.memory import measure_peak_memory
-from benchmarks.workload import SEED, Workload, ensure_model, random_token_ids
+from benchmarks.workload import Workload, ensure_model
+
+if TYPE_CHECKING:
+    from parallel.lora import LoraSpec
+    from parallel.mesh import Mesh
+    from rlcli.trained_model import TrainedModel
 
 
-def _nll_loss(outputs: dict[str, torch.Tensor], micro_batch: dict[str, torch.Tensor]):
+def nll_loss(outputs: dict[str, torch.Tensor], micro_batch: dict[str, torch.Tensor]):
     """Mean next-token negative log-likelihood of one micro-batch's real tokens:
     outputs["log_probs"] is [mb, S-1], the log-prob of token t+1 given tokens <= t."""
     mask = micro_batch["attention_mask"][:, 1:].to(outputs["log_probs"].dtype)
@@ -27,20 +37,7 @@ def _nll_loss(outputs: dict[str, torch.Tensor], micro_batch: dict[str, torch.Ten
     return loss, {"loss": loss.item()}
 
 
-def _time_steps(step: Callable[[], None], count: int) -> list[float]:
-    """Seconds of `count` calls of `step`, after one untimed warm-up call."""
-    step()
-    seconds = []
-    for _ in range(count):
-        synchronize()
-        start = time.perf_counter()
-        step()
-        synchronize()
-        seconds.append(time.perf_counter() - start)
-    return seconds
-
-
-def _throughput(seconds: list[float], tokens_per_step: int, params: int) -> dict:
+def throughput(seconds: list[float], tokens_per_step: int, params: int) -> dict:
     mean = sum(seconds) / len(seconds)
     tokens_per_s = tokens_per_step / mean
     # 6 FLOPs per parameter per token: 2 forward, 4 backward (attention scores not counted).
@@ -69,8 +66,7 @@ def train_section(workload: Workload, work_dir: Path) -> dict:
     w = workload
     model_dir = ensure_model(w.train_model, work_dir / "models", w.dtype)
     rows = w.train_micro_batches * w.train_micro_batch_size
-    ids = random_token_ids(rows, w.train_seq_len, w.train_model.vocab_size, SEED)
-    ids = ids.to(torch_device())
+    ids = random_token_ids(rows, w.train_seq_len, w.train_model.vocab_size, SEED).to(device())
     micro_batches = [
         {"input_ids": chunk, "attention_mask": torch.ones_like(chunk)}
         for chunk in ids.split(w.train_micro_batch_size)
@@ -91,13 +87,13 @@ def train_section(workload: Workload, work_dir: Path) -> dict:
     result["attention_backends"] = {}
     for name in [attention, *(a for a in attention_backends() if a != attention)]:
         with measure_peak_memory() as memory:
-            seconds, params = _megatron_training_steps(
+            seconds, params = megatron_training_steps(
                 model_dir, w.dtype, batch, w.train_micro_batch_size, w.train_steps, attention=name
             )
             free_memory()
         result["params"] = params
         result["attention_backends"][name] = {
-            **_throughput(seconds, tokens_per_step, params),
+            **throughput(seconds, tokens_per_step, params),
             "memory": memory.to_dict(),
         }
     result["megatron"] = result["attention_backends"][attention]
@@ -105,7 +101,7 @@ def train_section(workload: Workload, work_dir: Path) -> dict:
     with measure_peak_memory() as memory:
         seconds, hf_params = _hf_training_steps(model_dir, micro_batches, w.train_steps)
         free_memory()
-    result["hf_baseline"] = {**_throughput(seconds, tokens_per_step, hf_params),
+    result["hf_baseline"] = {**throughput(seconds, tokens_per_step, hf_params),
                              "memory": memory.to_dict()}  # fmt: skip
     result["megatron_over_hf"] = (
         result["megatron"]["tokens_per_s"] / result["hf_baseline"]["tokens_per_s"]
@@ -126,10 +122,7 @@ def _mixed_length_update(w: Workload, model_dir: Path) -> dict:
     generator = torch.Generator().manual_seed(SEED)
     lengths = torch.randint(w.train_seq_len // 8, w.train_seq_len + 1, (rows,), generator=generator)
     mask = (torch.arange(w.train_seq_len)[None] < lengths[:, None]).long()
-    batch = {
-        "input_ids": (ids * mask).to(torch_device()),
-        "attention_mask": mask.to(torch_device()),
-    }
+    batch = {"input_ids": (ids * mask).to(device()), "attention_mask": mask.to(device())}
     real = int(mask.sum())
     out: dict = {"rows": rows, "seq_len": w.train_seq_len, "real_tokens": real}
     budget = w.train_micro_batch_size * w.train_seq_len
@@ -142,7 +135,7 @@ def _mixed_length_update(w: Workload, model_dir: Path) -> dict:
         # a packed micro-batch computes exactly its real tokens
         computed = sum(int(p["attention_mask"].sum()) if pack else p["input_ids"].numel()
                        for p in parts)  # fmt: skip
-        seconds, _ = _megatron_training_steps(
+        seconds, _ = megatron_training_steps(
             model_dir, w.dtype, batch, w.train_micro_batch_size, w.train_steps,
             max_tokens=max_tokens, pack=pack,
         )  # fmt: skip
@@ -162,7 +155,39 @@ def _mixed_length_update(w: Workload, model_dir: Path) -> dict:
     return out
 
 
-def _megatron_training_steps(
+def megatron_actor(
+    mesh: Mesh,
+    model_dir: Path,
+    dtype: str,
+    micro_batch_size: int,
+    steps: int,
+    max_tokens: int = 0,
+    lora: LoraSpec | None = None,
+    attention: str = "auto",
+    pack: bool = False,
+) -> TrainedModel:
+    """rlcli's actor (`rlcli.trained_model.TrainedModel`: megatron-core GPTModel, DDP,
+    distributed optimizer off, Adam, clipping at 1.0; `lora`: adapters on the frozen base;
+    `attention`: model.attention_backend; `pack`: packed micro-batches)."""
+    from rlcli.trained_model import MicroBatching, OptimizerSettings, TrainedModel
+
+    settings = OptimizerSettings(
+        lr=1e-5, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
+        clip_grad=1.0, warmup_steps=0, total_steps=steps + 1, decay_style="constant",
+        use_distributed_optimizer=False,
+    )  # fmt: skip
+    return TrainedModel(
+        mesh,
+        str(model_dir),
+        dtype=dtype,
+        optim=settings,
+        micro_batching=MicroBatching(micro_batch_size, max_tokens, pack=pack),
+        model_options={"attention_backend": attention},
+        lora=lora,
+    )
+
+
+def megatron_training_steps(
     model_dir: Path,
     dtype: str,
     batch: dict[str, torch.Tensor],
@@ -172,31 +197,17 @@ def _megatron_training_steps(
     attention: str = "auto",
     pack: bool = False,
 ) -> tuple[list[float], int]:
-    """rlcli's actor (`rlcli.policy.MegatronPolicy`: megatron-core GPTModel, DDP, distributed
-    optimizer off, Adam, clipping at 1.0) on one process: seconds of each timed step, params."""
+    """`megatron_actor`'s update on one process: seconds of each timed step, params."""
     from parallel.mesh import destroy_parallel, init_parallel
-    from rlcli.policy import MegatronPolicy, OptimizerSettings
 
     mesh = init_parallel(tp=1, pp=1, seed=SEED)
-    settings = OptimizerSettings(
-        lr=1e-5, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
-        clip_grad=1.0, warmup_steps=0, total_steps=steps + 1, decay_style="constant",
-        use_distributed_optimizer=False,
-    )  # fmt: skip
-    options = {"attention_backend": attention, "pack_sequences": pack}
-    actor = MegatronPolicy(mesh, str(model_dir), dtype, optim=settings, model_options=options)
-    seconds = _time_steps(
-        lambda: actor.train_step(batch, micro_batch_size, _nll_loss, max_tokens=max_tokens), steps
+    actor = megatron_actor(
+        mesh, model_dir, dtype, micro_batch_size, steps, max_tokens, attention=attention, pack=pack
     )
+    seconds = time_steps(lambda: actor.train_step(batch, nll_loss), steps)
     params = len_unique_params(actor.models)
     destroy_parallel()
     return seconds, params
-
-
-def len_unique_params(models: list[torch.nn.Module]) -> int:
-    """Parameters held by `models`, a shared (tied) tensor counted once."""
-    seen = {id(p): p.numel() for model in models for p in model.parameters()}
-    return sum(seen.values())
 
 
 def _hf_training_steps(
@@ -208,7 +219,7 @@ def _hf_training_steps(
     parameters)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(torch_device())
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device())
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
     on_gpu = torch.cuda.is_available()
@@ -222,4 +233,4 @@ def _hf_training_steps(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
 
-    return _time_steps(step, steps), len_unique_params([model])
+    return time_steps(step, steps), len_unique_params([model])

@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 MODES = ("smoke", "cpu", "gpu")
-SEED = 1234  # of every random prompt, batch and model in the benchmark
 
 
 @dataclass(frozen=True)
@@ -83,6 +82,8 @@ class Workload:
     # bonus: the first sync size again from 2-process training layouts under torchrun
     # ("tp" or "pp" -> that size 2); skipped where fewer than 2 cores / GPUs are present
     sync_layouts: list[str] = field(default_factory=list)
+    # the lora section: adapters of this rank on every linear of the train model (alpha 2 x rank)
+    lora_rank: int = 16
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -181,11 +182,3 @@ def ensure_model(shape: ModelShape, root: Path, dtype: str, seed: int = 0) -> Pa
         model.generation_config.save_pretrained(tmp)
     tmp.rename(out)
     return out
-
-
-def random_token_ids(rows: int, length: int, vocab_size: int, seed: int):
-    """[rows, length] int64 ids below vocab_size - 1 (the workload models' EOS is the last id)."""
-    import torch
-
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size - 1, (rows, length), generator=generator)

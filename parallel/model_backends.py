@@ -145,15 +145,16 @@ def check_model_settings(
     if pack_sequences:
         if backends.attention == "local":
             raise ModelConfigError(
-                "actor.pack_sequences=true needs model.attention_backend=sdpa (or te): megatron's "
-                "local attention (model.attention_backend=local) has no packed-sequence path"
+                "pack_sequences=true (actor.* / critic.*) needs model.attention_backend=sdpa (or "
+                "te): megatron's local attention (model.attention_backend=local) has no "
+                "packed-sequence path"
             )
         window = hf_sliding_window(hf_config) if hf_config is not None else None
         if window is not None:
             raise ModelConfigError(
-                f"actor.pack_sequences=true cannot serve the sliding-window attention of "
-                f"config.json (sliding_window={window}): packed sequences are attended with "
-                "full causal attention per sequence; set actor.pack_sequences=false"
+                f"pack_sequences=true (actor.* / critic.*) cannot serve the sliding-window "
+                f"attention of config.json (sliding_window={window}): packed sequences are "
+                "attended with full causal attention per sequence; set pack_sequences=false"
             )
     return backends
 

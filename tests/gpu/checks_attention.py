@@ -139,7 +139,7 @@ def check_first_offload(ctx: Context) -> tuple[bool, str]:
     moves = []
     for _ in range(2):
         out = offloader.offload(params=True, grads=True, optimizer=True)
-        back = offloader.onload_all()
+        back = offloader.onload(params=True, grads=True, optimizer=True)
         moves.append((out, back))
     floor = _pinned_copy_seconds(moves[0][0].bytes)
     ok = all(out.allocated_bytes == 0 for out, _ in moves) and moves[0][0].bytes > 0

@@ -97,7 +97,7 @@ def check_round_trip(mesh, hf_config, hf_dir, dtype, distributed) -> dict:
         assert offloader.device_bytes(kind) == 0
     freed = [p.untyped_storage().nbytes() for c in models for p in c.module.parameters()]
     assert set(freed) == {0}, "parameters still hold device memory while offloaded"
-    back = offloader.onload_all()
+    back = offloader.onload(params=True, grads=True, optimizer=True)
     assert back.bytes == stats.bytes
     assert bit_equal(before, snapshot(models, optimizer)), "round trip changed a tensor"
     train_step(models, mesh, optimizer, scheduler, micro, loss_fn)
@@ -130,10 +130,10 @@ def check_reserve(mesh, hf_config, hf_dir, dtype, distributed) -> dict:
     train_step(models, mesh, optimizer, scheduler, micro, loss_fn)  # Adam's moments appear
     first = offloader.offload(params=True, grads=True, optimizer=True)
     assert first.allocated_bytes == 0 and 0 < first.bytes <= reserved.allocated_bytes, first
-    offloader.onload_all()
+    offloader.onload(params=True, grads=True, optimizer=True)
     again = offloader.offload(params=True, grads=True, optimizer=True)
     assert again.allocated_bytes == 0 and again.bytes == first.bytes, again
-    offloader.onload_all()
+    offloader.onload(params=True, grads=True, optimizer=True)
     return {"reserved_bytes": reserved.allocated_bytes, "first_offload_bytes": first.bytes}
 
 

@@ -7,12 +7,12 @@ state is rebuilt between layouts, the default process group is kept):
 1. sdpa vs local: the logits of megatron's local layers with model.attention_backend=sdpa
    against the same layers with megatron's unfused attention (and both against HF); the
    response log-probs of the two.
-2. packed vs padded (actor.pack_sequences): per-row log-probs and entropy of every position;
+2. packed vs padded (actor.pack_sequences, MicroBatching.pack): per-row log-probs and entropy of every position;
    for every actor.loss_agg_mode the actor loss (the trainer's make_actor_loss, its global
    denominator) summed over packed micro-batches and the gradients of that sum (after
    megatron's DP all-reduce) against fixed micro-batches of 2 rows; one on-policy update
    (update_actor) from the same weights, packed and padded: the weights after it.
-3. the PPO critic's values (MegatronCritic.forward_values) packed and padded.
+3. the PPO critic's values (TrainedModel(head="value").forward) packed and padded.
 Rank 0 writes the largest differences (and the scales they are measured against).
 """
 
@@ -29,17 +29,28 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from tests.rlcli.token_budget_worker import AGG_MODES, config, make_batch, random_samples
 
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}
-PACKED = {"attention_backend": "sdpa", "pack_sequences": True}
 
 
 def optim_settings():
-    from rlcli.policy import OptimizerSettings
+    from rlcli.trained_model import OptimizerSettings
 
     # lr = 1, adam_eps = 1: the first step is nearly linear in the gradient (token_budget_worker)
     return OptimizerSettings(
         lr=1.0, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1.0,
         clip_grad=0.0, warmup_steps=0, total_steps=10, decay_style="constant",
         use_distributed_optimizer=False,
+    )  # fmt: skip
+
+
+def trained(mesh, hf_dir: str, pack: bool, head: str = "lm", attention: str = "sdpa"):
+    """A trainable model as rlcli.build builds it: micro-batches of 2 rows, or packed within a
+    40-token budget."""
+    from rlcli.trained_model import MicroBatching, TrainedModel
+
+    return TrainedModel(
+        mesh, hf_dir, head=head, optim=optim_settings(),
+        micro_batching=MicroBatching(2, 40 * pack, pack=pack),
+        model_options={"attention_backend": attention},
     )  # fmt: skip
 
 
@@ -69,20 +80,21 @@ def attention_parity(mesh, hf_dir: str, batch) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
     from parallel.hf_model import load_hf_model
-    from rlcli.policy import MegatronPolicy
+    from rlcli.trained_model import MicroBatching, TrainedModel
 
-    ids = batch["input_ids"]
+    ids = batch.input_ids
     logits = {}
     for attention in ("local", "sdpa"):
         models = load_hf_model(hf_dir, mesh, attention_backend=attention)
         logits[attention] = full_logits(models, mesh, ids)
     log_probs = {
-        attention: MegatronPolicy(
-            mesh, hf_dir, model_options={"attention_backend": attention}
-        ).log_probs(batch, 4)
+        attention: TrainedModel(
+            mesh, hf_dir, micro_batching=MicroBatching(4),
+            model_options={"attention_backend": attention},
+        ).forward(batch)
         for attention in ("local", "sdpa")
-    }
-    mask = batch["response_mask"]
+    }  # fmt: skip
+    mask = batch.response_mask
     out = {"logprob_sdpa_vs_local": ((log_probs["sdpa"] - log_probs["local"]).abs() * mask).max()}
     if logits["local"] is not None:
         with torch.no_grad():
@@ -100,9 +112,9 @@ def per_row(actor, batch, pack: bool) -> dict[str, torch.Tensor]:
     from parallel.schedule import forward_backward
 
     rows = {
-        "input_ids": batch["input_ids"],
-        "attention_mask": batch["attention_mask"],
-        ROW_KEY: torch.arange(batch["input_ids"].shape[0]),
+        "input_ids": batch.input_ids,
+        "attention_mask": batch.attention_mask,
+        ROW_KEY: torch.arange(batch.input_ids.shape[0]),
     }
     parts = micro_batches(rows, 2, equal_sizes=actor.mesh.pp > 1, max_tokens=40 * pack, pack=pack)
     results = forward_backward(
@@ -119,14 +131,23 @@ def per_row(actor, batch, pack: bool) -> dict[str, torch.Tensor]:
 
 
 def loss_and_grads(actor, batch, cfg, mesh, pack: bool):
+    """Summed actor loss over this rank's micro-batches (all-reduced over DP), every parameter's
+    gradient, and the real tokens of each micro-batch."""
+    import algorithms
     from parallel.micro_batches import micro_batches
     from parallel.schedule import forward_backward
-    from rlcli.actor_update import _global_denominator, make_actor_loss
+    from rlcli.actor_update import make_actor_loss
+    from rlcli.dp_stats import DataParallelStats
 
     for chunk in actor.models:
         chunk.zero_grad_buffer()
-    parts = micro_batches(batch, 2, equal_sizes=mesh.pp > 1, max_tokens=40 * pack, pack=pack)
-    denominator = _global_denominator(batch["response_mask"], cfg, mesh)
+    tensors = batch.tensors()
+    parts = micro_batches(tensors, 2, equal_sizes=mesh.pp > 1, max_tokens=40 * pack, pack=pack)
+    # This rank's share of the global denominator (DDP averages gradients over DP).
+    denominator = algorithms.agg_loss_denominator(
+        batch.loss_mask, cfg.actor.loss_agg_mode, norm_length=cfg.rollout.max_tokens
+    ).double()
+    denominator = (DataParallelStats(mesh).sum(denominator) / mesh.dp).float()
     results = forward_backward(
         actor.models, mesh, parts, make_actor_loss(cfg, denominator),
         forward_only=False, compute_entropy=True, pack_sequences=pack,
@@ -149,13 +170,13 @@ def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 def packing_parity(mesh, hf_dir: str, critic_dir: str, batch) -> dict:
-    from rlcli.actor_update import update_actor
-    from rlcli.critic import MegatronCritic
-    from rlcli.policy import MegatronPolicy
+    from dataclasses import replace
 
-    actor = MegatronPolicy(mesh, hf_dir, optim=optim_settings(), model_options=PACKED)
+    from rlcli.actor_update import update_actor
+
+    actor = trained(mesh, hf_dir, pack=True)
     padded, packed = per_row(actor, batch, False), per_row(actor, batch, True)
-    label_mask = batch["attention_mask"][:, 1:].float()
+    label_mask = batch.attention_mask[:, 1:].float()
     out: dict = {
         name: ((padded[name] - packed[name]).abs() * label_mask).max().item()
         for name in ("log_probs", "entropy")
@@ -171,24 +192,24 @@ def packing_parity(mesh, hf_dir: str, critic_dir: str, batch) -> dict:
             "packed_tokens": tokens,
         }
     # The trainer's update, packed and padded, from the same weights (on-policy: one pass).
-    cfg = config("token-mean", ["actor.max_tokens_per_micro_batch=40"])
-    on_policy = {k: v for k, v in batch.items() if k != "old_log_probs"}
+    cfg = config("token-mean")
+    on_policy = replace(batch, old_log_probs=None)
     runs = {}
     for pack in (False, True):
-        policy = MegatronPolicy(mesh, hf_dir, optim=optim_settings(), model_options=PACKED)
-        policy.pack_sequences = pack
+        policy = trained(mesh, hf_dir, pack=pack)
         before = weights(policy)
-        update_actor(policy, dict(on_policy), cfg, mesh, fewest_groups=1)
+        update_actor(policy, on_policy, cfg, fewest_groups=1)
         runs[pack] = weights(policy)
     out["update"] = {
         "weight_diff": max_diff(runs[False], runs[True]),
         "weight_change": max_diff(runs[False], before),
     }
-    critic = MegatronCritic(mesh, critic_dir, "float32", optim_settings(), model_options=PACKED)
+    # The critic's values through TrainedModel.forward, one model read packed and padded.
+    critic = trained(mesh, critic_dir, pack=True, head="value")
     values = {}
     for pack in (False, True):
-        critic.pack_sequences = pack
-        values[pack] = critic.forward_values(batch, 2)
+        critic.micro_batching = replace(critic.micro_batching, pack=pack)
+        values[pack] = critic.forward(batch)
     out["values"] = (values[False] - values[True]).abs().max().item()
     out["values_scale"] = values[False].abs().max().item()
     return out

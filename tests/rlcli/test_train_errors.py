@@ -91,7 +91,7 @@ def _with_config(tmp_path: Path, model: Path, **changes) -> Path:
                 "layer_types": ["sliding_attention"],
             },
             ["actor.pack_sequences=true"],
-            ["actor.pack_sequences=true", "sliding_window=16", "actor.pack_sequences=false"],
+            ["pack_sequences=true", "sliding_window=16", "set pack_sequences=false"],
         ),
         (
             {"attention_dropout": 0.1},
