@@ -65,6 +65,18 @@ def test_usage_errors_print_usage(args, needles):
             ["actor.max_tokens_per_micro_batch=1", "rollout.max_tokens = 44"],
         ),
         (["actor.max_tokens_per_forward=43"], ["actor.max_tokens_per_forward=43", "at least 44"]),
+        (
+            ["algorithm.adv_estimator=gae", "critic.max_tokens_per_micro_batch=8"],
+            ["critic.max_tokens_per_micro_batch=8", "at least 44"],
+        ),
+        (
+            [
+                "algorithm.adv_estimator=gae",
+                "critic.pack_sequences=true",
+                "model.attention_backend=local",
+            ],
+            ["critic.pack_sequences=true", "model.attention_backend=sdpa"],
+        ),
         (["model.attention_backend=flash"], ["model.attention_backend", "'flash'", "sdpa"]),
         (["sft.micro_batch_size=0"], ["sft.micro_batch_size must be >= 1"]),
     ],
