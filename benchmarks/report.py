@@ -129,34 +129,72 @@ def _train_rows(train: dict | None, device: dict) -> list[str]:
     peak = device.get("hardware", {}).get("peak_bf16_flops")
     what = (
         f"actor update tokens/s ({train['model']}, {params(train['params'])} params, "
-        f"{train['tokens_per_step']} tokens/step, {train['dtype']})"
+        f"{train['tokens_per_step']} tokens/step, {train['dtype']}, attention "
+        f"{train.get('attention', 'local')})"
     )
     floor = f"measured matmul {flops(matmul)}"
     if peak:
         floor += f", data-sheet peak {flops(peak)}"
+    return (
+        [
+            f"| {what} | Megatron {num(megatron['tokens_per_s'])} "
+            f"({flops(megatron['flops_per_s'])}, MFU {pct(megatron.get('mfu'))}, "
+            f"{pct(megatron.get('matmul_fraction'))} of matmul) | HF + torch AdamW "
+            f"{num(hf['tokens_per_s'])} ({pct(hf.get('matmul_fraction'))} of matmul) | "
+            f"{floor} | {train['megatron_over_hf']:.2f}x |"
+        ]
+        + _attention_rows(train)
+        + _mixed_rows(train.get("mixed_lengths"), train)
+    )
+
+
+def _attention_rows(train: dict) -> list[str]:
+    """The core attentions on the same batch: rlcli's default against megatron's unfused one."""
+    backends = train.get("attention_backends") or {}
+    if "local" not in backends or len(backends) < 2:
+        return []
+
+    def cell(name: str) -> str:
+        run = backends[name]
+        return f"{name} {num(run['tokens_per_s'])} (peak {run['memory']['peak_gb']:.2f} GiB)"
+
+    others = [name for name in backends if name != "local"]
+    best = max(others, key=lambda name: backends[name]["tokens_per_s"])
     return [
-        f"| {what} | Megatron {num(megatron['tokens_per_s'])} "
-        f"({flops(megatron['flops_per_s'])}, MFU {pct(megatron.get('mfu'))}, "
-        f"{pct(megatron.get('matmul_fraction'))} of matmul) | HF + torch AdamW "
-        f"{num(hf['tokens_per_s'])} ({pct(hf.get('matmul_fraction'))} of matmul) | "
-        f"{floor} | {train['megatron_over_hf']:.2f}x |"
-    ] + _mixed_rows(train.get("mixed_lengths"), train)
+        f"| core attention, same batch (model.attention_backend) | "
+        f"{'; '.join(cell(name) for name in others)} | megatron's unfused {cell('local')} | "
+        f"HF + AdamW {num(train['hf_baseline']['tokens_per_s'])} | "
+        f"{best} {backends[best]['tokens_per_s'] / backends['local']['tokens_per_s']:.2f}x |"
+    ]
 
 
 def _mixed_rows(mixed: dict | None, train: dict) -> list[str]:
     if not mixed:
         return []
     fixed, budget = mixed["fixed"], mixed["token_budget"]
+    packed = mixed.get("packed")
     what = (
         f"actor update on mixed lengths ({train['model']}, {mixed['rows']} rows of "
         f"{mixed['seq_len'] // 8}-{mixed['seq_len']} tokens): real tokens/s, padded share"
     )
+
+    def cell(name: str, run: dict) -> str:
+        return (
+            f"{name} {num(run['tokens_per_s'])}, {pct(run['padded_fraction'])} padded "
+            f"({run['micro_batches']} micro-batches)"
+        )
+
+    ours = cell("token budget", budget)
+    ratio = f"{mixed['budget_over_fixed']:.2f}x"
+    if packed:
+        ours = f"{cell('packed', packed)}; {ours}"
+        ratio = (
+            f"packed {packed['tokens_per_s'] / fixed['tokens_per_s']:.2f}x, budget {ratio} "
+            f"(packed / budget {mixed['packed_over_budget']:.2f}x)"
+        )
     return [
-        f"| {what} | token budget {num(budget['tokens_per_s'])}, {pct(budget['padded_fraction'])}"
-        f" padded ({budget['micro_batches']} micro-batches) | fixed micro-batches "
-        f"{num(fixed['tokens_per_s'])}, {pct(fixed['padded_fraction'])} padded (batch-wide S: "
-        f"{pct(mixed['batch_wide_padded_fraction'])}) | 0% padded | "
-        f"{mixed['budget_over_fixed']:.2f}x |"
+        f"| {what} | {ours} | {cell('fixed micro-batches', fixed)} (batch-wide S: "
+        f"{pct(mixed['batch_wide_padded_fraction'])}) | 0% padded | {ratio} |"
     ]
 
 

@@ -1,6 +1,8 @@
-"""The benchmark's train section: the Megatron actor update (rlcli.trained_model) against a plain HF +
-torch AdamW loop on the same model, batch and loss, and the update on rows of mixed lengths
-(fixed micro-batches against a token budget)."""
+"""The benchmark's train section: the Megatron actor update (rlcli.trained_model) against a plain
+HF + torch AdamW loop on the same model, batch and loss; the core attentions
+(``model.attention_backend``) side by side on that batch; and on rows of mixed lengths, fixed
+micro-batches against a token budget of padded rows and packed sequences
+(``actor.pack_sequences``), in real tokens/s and the share of computed tokens that is padding."""
 
 from __future__ import annotations
 
@@ -28,9 +30,10 @@ if TYPE_CHECKING:
 
 
 def nll_loss(outputs: dict[str, torch.Tensor], micro_batch: dict[str, torch.Tensor]):
-    """Mean next-token negative log-likelihood of one micro-batch: outputs["log_probs"] is
-    [mb, S-1], the log-prob of token t+1 given tokens <= t."""
-    loss = -outputs["log_probs"].mean()
+    """Mean next-token negative log-likelihood of one micro-batch's real tokens:
+    outputs["log_probs"] is [mb, S-1], the log-prob of token t+1 given tokens <= t."""
+    mask = micro_batch["attention_mask"][:, 1:].to(outputs["log_probs"].dtype)
+    loss = -(outputs["log_probs"] * mask).sum() / mask.sum().clamp(min=1)
     return loss, {"loss": loss.item()}
 
 
@@ -45,6 +48,20 @@ def throughput(seconds: list[float], tokens_per_step: int, params: int) -> dict:
     }
 
 
+def attention_backends() -> list[str]:
+    """The core attentions this machine builds: megatron's unfused one, sdpa, and TE's."""
+    from parallel.model_backends import transformer_engine_status
+
+    return ["local", "sdpa"] + (["te"] if transformer_engine_status()[0] else [])
+
+
+def default_attention() -> str:
+    """What ``model.attention_backend=auto`` resolves to here."""
+    from parallel.model_backends import resolve_backends
+
+    return resolve_backends().attention
+
+
 def train_section(workload: Workload, work_dir: Path) -> dict:
     w = workload
     model_dir = ensure_model(w.train_model, work_dir / "models", w.dtype)
@@ -55,6 +72,7 @@ def train_section(workload: Workload, work_dir: Path) -> dict:
         for chunk in ids.split(w.train_micro_batch_size)
     ]
     tokens_per_step = rows * w.train_seq_len
+    attention = default_attention()
     result: dict = {
         "model": w.train_model.name,
         "tokens_per_step": tokens_per_step,
@@ -62,17 +80,23 @@ def train_section(workload: Workload, work_dir: Path) -> dict:
         "micro_batch_size": w.train_micro_batch_size,
         "seq_len": w.train_seq_len,
         "dtype": w.dtype,
+        "attention": attention,
     }
-
-    with measure_peak_memory() as memory:
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        seconds, params = megatron_training_steps(
-            model_dir, w.dtype, batch, w.train_micro_batch_size, w.train_steps
-        )
-        free_memory()
-    result["params"] = params
-    result["megatron"] = {**throughput(seconds, tokens_per_step, params),
-                          "memory": memory.to_dict()}  # fmt: skip
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    # The attention auto resolves to first (its memory is the row's), then the others.
+    result["attention_backends"] = {}
+    for name in [attention, *(a for a in attention_backends() if a != attention)]:
+        with measure_peak_memory() as memory:
+            seconds, params = megatron_training_steps(
+                model_dir, w.dtype, batch, w.train_micro_batch_size, w.train_steps, attention=name
+            )
+            free_memory()
+        result["params"] = params
+        result["attention_backends"][name] = {
+            **throughput(seconds, tokens_per_step, params),
+            "memory": memory.to_dict(),
+        }
+    result["megatron"] = result["attention_backends"][attention]
 
     with measure_peak_memory() as memory:
         seconds, hf_params = _hf_training_steps(model_dir, micro_batches, w.train_steps)
@@ -88,9 +112,10 @@ def train_section(workload: Workload, work_dir: Path) -> dict:
 
 def _mixed_length_update(w: Workload, model_dir: Path) -> dict:
     """The actor update on rows of mixed lengths (uniform in [S/8, S]): fixed micro-batches of
-    `train_micro_batch_size` rows against a token budget of the same padded size
-    (`actor.max_tokens_per_micro_batch` = rows x S). Tokens/s counts real tokens only."""
-    from parallel.schedule import micro_batches
+    `train_micro_batch_size` rows, a token budget of the same padded size
+    (`actor.max_tokens_per_micro_batch` = rows x S), and packed sequences within that budget
+    (`actor.pack_sequences`). Tokens/s counts real tokens only."""
+    from parallel.micro_batches import micro_batches
 
     rows = 4 * w.train_micro_batches * w.train_micro_batch_size
     ids = random_token_ids(rows, w.train_seq_len, w.train_model.vocab_size, SEED + 1)
@@ -100,15 +125,20 @@ def _mixed_length_update(w: Workload, model_dir: Path) -> dict:
     batch = {"input_ids": (ids * mask).to(device()), "attention_mask": mask.to(device())}
     real = int(mask.sum())
     out: dict = {"rows": rows, "seq_len": w.train_seq_len, "real_tokens": real}
-    for name, budget in (
-        ("fixed", 0),
-        ("token_budget", w.train_micro_batch_size * w.train_seq_len),
+    budget = w.train_micro_batch_size * w.train_seq_len
+    for name, max_tokens, pack in (
+        ("fixed", 0, False),
+        ("token_budget", budget, False),
+        ("packed", budget, True),
     ):
-        parts = micro_batches(batch, w.train_micro_batch_size, max_tokens=budget)
-        computed = sum(p["input_ids"].numel() for p in parts)
+        parts = micro_batches(batch, w.train_micro_batch_size, max_tokens=max_tokens, pack=pack)
+        # a packed micro-batch computes exactly its real tokens
+        computed = sum(int(p["attention_mask"].sum()) if pack else p["input_ids"].numel()
+                       for p in parts)  # fmt: skip
         seconds, _ = megatron_training_steps(
-            model_dir, w.dtype, batch, w.train_micro_batch_size, w.train_steps, max_tokens=budget
-        )
+            model_dir, w.dtype, batch, w.train_micro_batch_size, w.train_steps,
+            max_tokens=max_tokens, pack=pack,
+        )  # fmt: skip
         free_memory()
         out[name] = {
             "micro_batches": len(parts),
@@ -121,6 +151,7 @@ def _mixed_length_update(w: Workload, model_dir: Path) -> dict:
     # Before per-micro-batch trimming every micro-batch kept the batch-wide S.
     out["batch_wide_padded_fraction"] = 1 - real / (rows * w.train_seq_len)
     out["budget_over_fixed"] = out["token_budget"]["tokens_per_s"] / out["fixed"]["tokens_per_s"]
+    out["packed_over_budget"] = out["packed"]["tokens_per_s"] / out["token_budget"]["tokens_per_s"]
     return out
 
 
@@ -132,9 +163,12 @@ def megatron_actor(
     steps: int,
     max_tokens: int = 0,
     lora: LoraSpec | None = None,
+    attention: str = "auto",
+    pack: bool = False,
 ) -> TrainedModel:
     """rlcli's actor (`rlcli.trained_model.TrainedModel`: megatron-core GPTModel, DDP,
-    distributed optimizer off, Adam, clipping at 1.0; `lora`: adapters on the frozen base)."""
+    distributed optimizer off, Adam, clipping at 1.0; `lora`: adapters on the frozen base;
+    `attention`: model.attention_backend; `pack`: packed micro-batches)."""
     from rlcli.trained_model import MicroBatching, OptimizerSettings, TrainedModel
 
     settings = OptimizerSettings(
@@ -147,7 +181,8 @@ def megatron_actor(
         str(model_dir),
         dtype=dtype,
         optim=settings,
-        micro_batching=MicroBatching(micro_batch_size, max_tokens),
+        micro_batching=MicroBatching(micro_batch_size, max_tokens, pack=pack),
+        model_options={"attention_backend": attention},
         lora=lora,
     )
 
@@ -159,12 +194,16 @@ def megatron_training_steps(
     micro_batch_size: int,
     steps: int,
     max_tokens: int = 0,
+    attention: str = "auto",
+    pack: bool = False,
 ) -> tuple[list[float], int]:
     """`megatron_actor`'s update on one process: seconds of each timed step, params."""
     from parallel.mesh import destroy_parallel, init_parallel
 
     mesh = init_parallel(tp=1, pp=1, seed=SEED)
-    actor = megatron_actor(mesh, model_dir, dtype, micro_batch_size, steps, max_tokens)
+    actor = megatron_actor(
+        mesh, model_dir, dtype, micro_batch_size, steps, max_tokens, attention=attention, pack=pack
+    )
     seconds = time_steps(lambda: actor.train_step(batch, nll_loss), steps)
     params = len_unique_params(actor.models)
     destroy_parallel()

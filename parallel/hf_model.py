@@ -29,7 +29,8 @@ def load_hf_model(
 ) -> list[torch.nn.Module]:
     """Megatron chunks of this rank for the HF model in `hf_dir`, weights loaded (a critic's
     value head keeps its initialisation when the checkpoint has none). `build_options` go to
-    `parallel.model.build_model` (sequence_parallel, transformer_impl, recompute)."""
+    `parallel.model.build_model` (sequence_parallel, transformer_impl, attention_backend,
+    recompute, pack_sequences)."""
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(hf_dir)

@@ -18,7 +18,8 @@ Sources:
   [KORT]  Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
           Models", section 4 and Table 2: activations per layer of s*b*h*(34 + 5*a*s/h) bytes with
           16-bit activations; the parts inside a TP region divide by t, sequence parallelism
-          divides the rest by t; selective recomputation drops the 5*a*s^2*b attention-score term;
+          divides the rest by t; selective recomputation drops the 5*a*s^2*b attention-score term
+          (so does any fused attention: TE's, torch SDPA's flash / memory-efficient kernels);
           full recomputation keeps only each layer's 2*s*b*h input. 1F1B keeps up to p
           micro-batches in flight on the first stage.
 """
@@ -84,7 +85,12 @@ class TrainedModel:
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
     sequence_parallel: bool = False
-    flash_attention: bool = True  # Transformer Engine / flash attention: no s^2 score tensor
+    # the core attention (parallel.model_backends): "te" (TE's layers and attention), "sdpa"
+    # (megatron's local layers with torch SDPA) or "local" (local layers, the unfused attention
+    # that holds the s^2 score tensor)
+    attention: str = "te"
+    # whose kernels decide what the local layers save: "cuda" (what the plan is for) or "cpu"
+    device: str = "cuda"
     critic: bool = False  # a one-output head (value, or a reward model's score) instead of the LM's
     head_bias: bool = True  # that head's bias: PPO's value head has one, a score head none
     offload_params: bool = False
@@ -199,22 +205,35 @@ def optimizer_bytes(model: TrainedModel, *, distributed: bool | None = None) -> 
     return 4 * max(per_stage)
 
 
+ATTENTIONS = ("te", "sdpa", "local")
+
+
 def layer_activation_bytes(model: TrainedModel, *, recompute_attention: bool) -> int:
     """Bytes one transformer layer saves for backward for one micro-batch, after [KORT] Table 2,
     generalised to SwiGLU (fc1 output 2f, fc2 input f) and GQA, without dropout masks (dropout
-    is off), per token:
+    is off). Per token, with e bytes per element of the model dtype, a = heads x head_dim,
+    g = kv_heads x head_dim:
 
       Transformer Engine (fused norm+linear, flash attention): norms 2 x (input, normed output)
-        = 4h; attention q, k, v (a + 2g) * d and its output a * d; MLP 3f.
-      megatron's local spec (torch RMSNorm, unfused attention), counted tensor by tensor with
-        torch.autograd.graph.saved_tensors_hooks on a real layer: norms 2 x (input, normed,
-        weighted) = 6h; q, and k and v expanded to a heads for the bmm, and the output: 4 * a*d;
-        the softmax output a * s per token (the s^2 term); MLP 5f (fc1 out 2f, gate, up, silu
-        out, product).
+        = 4h; attention q, k, v (a + 2g) and its output a; MLP 3f; all e bytes each.
+      megatron's local layers, counted tensor by tensor with torch.autograd.graph.
+        saved_tensors_hooks on real layers in fp32 and bf16 on CPU (tests/parallel/
+        offload_worker.py): MLP 5f x e (fc1 out 2f, gate, up, silu out, product); the torch
+        RMSNorms: on CUDA torch's fused kernel keeps each norm's input (and a per-row rstd),
+        the next linear the normed output, 2 x 2h x e (what the kernel saves, not measured
+        here); on CPU the composite norm keeps the input in fp32, that times rsqrt (fp32) and
+        the output, 2 x (8 + e) h bytes; and
+        - sdpa: the fused QKV output (a + 2g, alive through v, a view of it), the roped q (a)
+          and k (g), the output (a, also linear_proj's input on CPU; on CUDA the flash kernel
+          writes it [b, s, h, d], so the [s, b, h x d] input of linear_proj is a copy: one a
+          more): (3a + 3g) x e, and the softmax log-sum-exp, 4 bytes per head;
+        - local (unfused): q, and k and v expanded to a heads for the bmm, and the output:
+          4a x e; the fp32 softmax output, 4 x heads x s bytes (the s^2 term), and its cast to
+          the model dtype for the bmm when that is not fp32, e x heads x s.
     Selective recomputation of core attention keeps only its inputs and output instead: the
-    roped q and k ((a + g) * d), v (a view that keeps the whole fused QKV output, (a + 2g) * d,
-    alive) and the output a * d. Terms over heads and ffn are inside TP regions (divide by t); the h terms
-    divide by t only with sequence parallelism.
+    roped q and k, v (keeping the whole fused QKV output alive) and the output, (3a + 3g) x e.
+    Terms over heads and ffn are inside TP regions (divide by t); the h terms divide by t only
+    with sequence parallelism.
 
     MoE layers (an estimate from the layer's structure, not measured): the MLP terms with f =
     k * moe_ffn (each token runs through its k experts; on average every EP rank computes k x
@@ -222,22 +241,29 @@ def layer_activation_bytes(model: TrainedModel, *, recompute_attention: bool) ->
     the dispatcher's permuted tokens in and out (2 k h) and the router's E probabilities per
     token. Every layer of a MoE model is counted as a MoE layer (an upper bound when some are
     dense)."""
+    if model.attention not in ATTENTIONS:
+        raise ValueError(f"attention {model.attention!r}: choose one of {ATTENTIONS}")
     s, b, e, t = model.seq_len, model.micro_batch_size, DTYPE_BYTES[model.dtype], model.tp
     sh = model.shape
-    qkv, attn_out = (sh.heads + 2 * sh.kv_heads) * sh.head_dim, sh.heads * sh.head_dim
+    a, g = sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim
+    cuda = model.device == "cuda"
     ffn, dispatch = sh.ffn, 0
     if sh.is_moe:
         ffn = sh.topk * sh.moe_ffn * t / (model.etp or t) + sh.shared_ffn
         dispatch = 2 * sh.topk * sh.hidden + sh.experts
-    if model.flash_attention:
-        outside, inside = 4 * sh.hidden + dispatch, qkv + attn_out + 3 * ffn
+    if model.attention == "te":
+        outside, inside = (4 * sh.hidden + dispatch) * e, (a + 2 * g + a + 3 * ffn) * e
     else:
-        outside = 6 * sh.hidden + dispatch
-        kv = sh.kv_heads * sh.head_dim
-        attention = qkv + kv + 2 * attn_out if recompute_attention else 4 * attn_out + sh.heads * s
-        inside = attention + 5 * ffn
+        outside = (4 * sh.hidden * e if cuda else 2 * (8 + e) * sh.hidden) + dispatch * e
+        if recompute_attention:
+            attention = (3 * a + 3 * g) * e
+        elif model.attention == "sdpa":
+            attention = (3 * a + 3 * g + (a if cuda else 0)) * e + 4 * sh.heads
+        else:
+            attention = 4 * a * e + sh.heads * s * (4 + (e if e != 4 else 0))
+        inside = attention + 5 * ffn * e
     outside /= t if model.sequence_parallel else 1
-    return int(s * b * e * (outside + inside / t))
+    return int(s * b * (outside + inside / t))
 
 
 # Bytes per entry of this TP rank's [tokens, V/tp] logits at the log-prob peak. Forward only:

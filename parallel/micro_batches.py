@@ -1,6 +1,7 @@
-"""Cutting a batch into micro-batches: the one place that does it (fixed rows or a token budget,
-each micro-batch trimmed to its own longest row, or equal shapes for pipeline parallelism).
-``parallel.schedule`` runs them through megatron-core's schedules."""
+"""Cutting a batch into micro-batches: the one place that does it (fixed rows, a token budget of
+padded rows, or whole sequences to pack up to a token budget; each micro-batch trimmed to its own
+longest row, or equal shapes for pipeline parallelism). ``parallel.schedule`` runs them through
+megatron-core's schedules."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ def micro_batches(
     micro_batch_size: int,
     equal_sizes: bool = False,
     max_tokens: int = 0,
+    pack: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """Split a batch of ``[B, ...]`` tensors along dim 0 into micro-batches.
 
@@ -38,8 +40,19 @@ def micro_batches(
     copies of its first row; the copies get zero ``FILLER_ZEROED_MASKS`` (where the batch has
     them), so every loss and metric ignores them (callers that read outputs per row cut them off at the
     batch size or use ``ROW_KEY``).
+
+    ``pack`` (``parallel.schedule.forward_backward(pack_sequences=True)`` runs each micro-batch
+    as one packed row of its real tokens): rows sorted longest first go to the first micro-batch
+    whose real tokens stay within the budget (``max_tokens``, else ``micro_batch_size`` x ``S``,
+    what a fixed micro-batch computes at most); a single longer row gets one of its own. Packed
+    rows need no equal shapes under pipeline parallelism (the schedule pads each packed row to
+    the call's longest), so ``equal_sizes`` is ignored and every micro-batch is trimmed.
     """
     batch = next(iter(tensors.values())).shape[0]
+    if pack:
+        budget = max_tokens or micro_batch_size * tensors["input_ids"].shape[1]
+        lengths = tensors["attention_mask"].sum(dim=1).tolist()
+        return _cut(tensors, _packing_groups(lengths, budget), trim=True)
     if max_tokens > 0 and equal_sizes:
         micro_batch_size = max(1, max_tokens // tensors["input_ids"].shape[1])
     if max_tokens > 0 and not equal_sizes:
@@ -49,21 +62,29 @@ def micro_batches(
             list(range(s, min(s + micro_batch_size, batch)))
             for s in range(0, batch, micro_batch_size)
         ]
+    if not equal_sizes:
+        return _cut(tensors, groups, trim=True)
+    parts = _cut(tensors, groups, trim=False)
+    missing = micro_batch_size - len(groups[-1])
+    if missing > 0:
+        filler = {k: v[:1].expand(missing, *v.shape[1:]) for k, v in parts[-1].items()}
+        for key in FILLER_ZEROED_MASKS:
+            if key in filler:
+                filler[key] = torch.zeros_like(filler[key])
+        parts[-1] = {k: torch.cat([v, filler[k]]) for k, v in parts[-1].items()}
+    return parts
+
+
+def _cut(
+    tensors: dict[str, torch.Tensor], groups: list[list[int]], trim: bool
+) -> list[dict[str, torch.Tensor]]:
     parts = []
     for rows in groups:
         contiguous = rows == list(range(rows[0], rows[-1] + 1))
         index = slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows)
-        parts.append({k: v[index] for k, v in tensors.items()})
-    if equal_sizes:
-        missing = micro_batch_size - len(groups[-1])
-        if missing > 0:
-            filler = {k: v[:1].expand(missing, *v.shape[1:]) for k, v in parts[-1].items()}
-            for key in FILLER_ZEROED_MASKS:
-                if key in filler:
-                    filler[key] = torch.zeros_like(filler[key])
-            parts[-1] = {k: torch.cat([v, filler[k]]) for k, v in parts[-1].items()}
-        return parts
-    return [_trim(part, tensors) for part in parts]
+        part = {k: v[index] for k, v in tensors.items()}
+        parts.append(_trim(part, tensors) if trim else part)
+    return parts
 
 
 def _token_budget_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -76,6 +97,22 @@ def _token_budget_groups(lengths: list[int], max_tokens: int) -> list[list[int]]
             groups[-1].append(i)
         else:
             groups.append([i])
+    return groups
+
+
+def _packing_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Row numbers per micro-batch: first-fit decreasing, real tokens per micro-batch <= budget."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        fits = next((g for g, load in enumerate(loads) if load + lengths[i] <= max_tokens), None)
+        if fits is None:
+            groups.append([i])
+            loads.append(lengths[i])
+        else:
+            groups[fits].append(i)
+            loads[fits] += lengths[i]
     return groups
 
 

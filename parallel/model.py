@@ -7,23 +7,16 @@ Public API (stable):
                                sequence_parallel=False, transformer_impl="local",
                                recompute=None, ep=1, etp=None, moe=None) -> TransformerConfig
     build_model(hf_config, mesh, *, dtype=torch.float32, critic=False, head_bias=True,
-                sequence_parallel=False, transformer_impl="auto", recompute=None, moe=None)
-                -> list[torch.nn.Module]
-    resolve_transformer_impl(transformer_impl) -> "transformer_engine" | "local"
-    check_model_settings(transformer_impl, sequence_parallel, tp) -> resolved transformer_impl
-    transformer_engine_status() -> (importable, reason)
-    ModelConfigError(ValueError)   (message names the config key to change)
+                sequence_parallel=False, transformer_impl="auto", attention_backend="auto",
+                recompute=None, pack_sequences=False, moe=None) -> list[torch.nn.Module]
+    layer_spec(config, backends, vp_stage=None) -> megatron ModuleSpec of this rank's layers
     ValueHead
 
-Transformer implementation (`model.transformer_impl`): "transformer_engine" uses TE's layers
-(fused attention, sequence parallelism, fused RoPE); "local" uses megatron's own torch layers,
-whose attention materialises the full [b, heads, s, s] score matrix (about 2 GB per layer at 5k
-tokens, micro-batch 2). "auto" takes TE when it imports and, on CPU, the local layers; on CUDA
-without a working TE it is an error, so a missing or broken TE never silently costs memory.
-TE is detected by importing it: a TE whose import fails (ABI mismatch with torch) is reported
-at startup with the import error, not deep inside the first forward.
-Fused kernels (gradient-accumulation, RoPE, bias-activation, masked-softmax fusion) are on
-exactly when their kernels are installed (see `fused_kernel_options`).
+Layers and core attention (`model.transformer_impl`, `model.attention_backend`) are resolved by
+`parallel.model_backends` (TE's layers and attention where TE imports, else megatron's local
+layers with `parallel.attention.SDPAttention`); `build_model` raises its ModelConfigError for a
+setting this machine cannot build. Fused kernels (gradient-accumulation, RoPE, bias-activation,
+masked-softmax fusion) are on exactly when their kernels are installed.
 
 MoE models (`parallel.moe`): experts laid out by the mesh's ep / etp; `moe`: training knobs
 (aux_loss_coef, load_balancing, token_dispatcher; None: the defaults).
@@ -49,6 +42,10 @@ Forward call (megatron-core 0.16 - 0.19):
         Non-first pipeline stages take their input through `chunk.set_input_tensor(...)`
         (megatron's pipeline schedule does that); they still receive input_ids/position_ids
         (used for RoPE positions only on the first stage; pass the same tensors everywhere).
+    out = chunk(input_ids, position_ids, attention_mask=None, packed_seq_params=params)
+        packed sequences (attention "sdpa" or "te"): one row [1, t] of whole sequences end to
+        end, position ids restarting per sequence, `params` megatron's PackedSeqParams in THD
+        with `cu_seqlens` (`parallel.packing`); the output has the same [1, t, ...] layout.
 
     Output on the post_process chunk:
         policy: logits [b, s, padded_vocab / tp] (this TP rank's vocab slice, fp32 in fp32 runs;
@@ -61,8 +58,6 @@ Forward call (megatron-core 0.16 - 0.19):
 
 from __future__ import annotations
 
-import functools
-import importlib
 from typing import Any
 
 import torch
@@ -75,107 +70,19 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer import TransformerConfig
 
+from parallel.attention import SDPAttention, sdpa_unsupported_options
 from parallel.convert.registry import get_family
 from parallel.cpu_compat import device
 from parallel.mesh import Mesh, ParallelLayoutError
+from parallel.model_backends import (
+    Backends,
+    ModelConfigError,
+    check_model_settings,
+    fused_kernel_options,
+)
 from parallel.moe import moe_config_fields, prepare_moe_chunk
 from parallel.rope import rope_model_kwargs
 from parallel.vocab import padded_vocab_size
-
-TRANSFORMER_IMPLS = ("auto", "transformer_engine", "local")
-
-
-class ModelConfigError(ValueError):
-    """A model setting this machine cannot run; the message names the config key."""
-
-
-@functools.cache
-def transformer_engine_status() -> tuple[bool, str]:
-    """(True, "") when `transformer_engine.pytorch` imports; else (False, why)."""
-    try:
-        importlib.import_module("transformer_engine.pytorch")
-    except ModuleNotFoundError as error:
-        if (error.name or "").startswith("transformer_engine"):
-            return False, "Transformer Engine is not installed"
-        return False, f"Transformer Engine is installed but fails to import: {error}"
-    except Exception as error:  # noqa: BLE001 - a broken TE raises anything (OSError, ImportError)
-        return False, f"Transformer Engine is installed but fails to import: {error}"
-    return True, ""
-
-
-def resolve_transformer_impl(transformer_impl: str = "auto") -> str:
-    """The layer implementation to build: "transformer_engine" or "local" (module docstring)."""
-    if transformer_impl not in TRANSFORMER_IMPLS:
-        raise ModelConfigError(
-            f"model.transformer_impl={transformer_impl!r}: choose one of {TRANSFORMER_IMPLS}"
-        )
-    if transformer_impl == "local":
-        return "local"
-    available, why = transformer_engine_status()
-    if available:
-        return "transformer_engine"
-    if transformer_impl == "transformer_engine":
-        raise ModelConfigError(
-            f"model.transformer_impl=transformer_engine but {why}; install the gpu extra "
-            "(pip install -e .[gpu]) or set model.transformer_impl=local"
-        )
-    if torch.cuda.is_available():
-        raise ModelConfigError(
-            f"{why}. On CUDA rlcli needs it for memory-efficient attention and sequence "
-            "parallelism: install the gpu extra (pip install -e .[gpu]), or set "
-            "model.transformer_impl=local to use megatron's local layers (attention then "
-            "materialises the full score matrix: short sequences only)"
-        )
-    return "local"
-
-
-def check_model_settings(transformer_impl: str, sequence_parallel: bool, tp: int) -> str:
-    """Startup check of model.transformer_impl and parallel.sequence_parallel (ModelConfigError
-    naming the key); returns the resolved transformer_impl. `build_model` calls it too."""
-    transformer_impl = resolve_transformer_impl(transformer_impl)
-    if sequence_parallel and tp > 1 and transformer_impl != "transformer_engine":
-        # megatron's local spec norm (torch RMSNorm) asserts it is not sequence-parallel
-        why = transformer_engine_status()[1] or "model.transformer_impl=local"
-        raise ModelConfigError(
-            f"parallel.sequence_parallel=true needs Transformer Engine ({why}); set "
-            "parallel.sequence_parallel=false or install the gpu extra"
-        )
-    return transformer_impl
-
-
-def _importable(module: str) -> bool:
-    try:
-        importlib.import_module(module)
-    except Exception:  # noqa: BLE001 - a kernel extension that fails to load is absent
-        return False
-    return True
-
-
-def fused_kernel_options(transformer_impl: str) -> dict[str, bool]:
-    """Megatron's fusion switches, each on exactly when its kernel is installed (CUDA only).
-
-    gradient_accumulation_fusion: TE's linear layers, or apex's fused_weight_gradient_mlp_cuda
-    for the local ones; apply_rope_fusion: TE's fused RoPE; bias_activation_fusion: megatron's
-    own fused SwiGLU (torch.jit, any CUDA); masked_softmax_fusion: megatron's / apex's
-    scaled_upper_triang_masked_softmax_cuda (TE's attention fuses softmax itself).
-    """
-    if not torch.cuda.is_available():
-        return dict.fromkeys(
-            (
-                "gradient_accumulation_fusion",
-                "apply_rope_fusion",
-                "bias_activation_fusion",
-                "masked_softmax_fusion",
-            ),
-            False,
-        )
-    te = transformer_impl == "transformer_engine"
-    return {
-        "gradient_accumulation_fusion": te or _importable("fused_weight_gradient_mlp_cuda"),
-        "apply_rope_fusion": te,
-        "bias_activation_fusion": True,
-        "masked_softmax_fusion": _importable("scaled_upper_triang_masked_softmax_cuda"),
-    }
 
 
 def transformer_config_from_hf(
@@ -325,19 +232,27 @@ def _same_on_tensor_parallel_ranks(module: torch.nn.Module) -> None:
         param.data.copy_(data)
 
 
-def layer_spec(config: TransformerConfig, transformer_impl: str, vp_stage: int | None = None):
-    """Megatron's layer spec for a resolved `transformer_impl`; for a MoE model, the block spec
-    of this rank's layers (MoE and dense layers as `config.moe_layer_freq` says)."""
-    te = transformer_impl == "transformer_engine"
+def layer_spec(config: TransformerConfig, backends: Backends, vp_stage: int | None = None):
+    """Megatron's layer spec for resolved backends: TE's, or the local one with its core
+    attention as chosen (megatron's DotProductAttention, or SDPAttention); for a MoE model, the
+    block spec of this rank's layers (MoE and dense layers as `config.moe_layer_freq` says)."""
+    te = backends.transformer_impl == "transformer_engine"
     if config.num_moe_experts is not None:
-        return get_gpt_decoder_block_spec(
+        spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=te, normalization=config.normalization, vp_stage=vp_stage
         )
-    if te:
+        layers = spec.layer_specs
+    elif te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    return get_gpt_layer_local_spec(
-        normalization=config.normalization, qk_layernorm=config.qk_layernorm
-    )
+    else:
+        spec = get_gpt_layer_local_spec(
+            normalization=config.normalization, qk_layernorm=config.qk_layernorm
+        )
+        layers = [spec]
+    if backends.attention == "sdpa":
+        for layer in layers:
+            layer.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
 
 
 def build_model(
@@ -349,17 +264,23 @@ def build_model(
     head_bias: bool = True,
     sequence_parallel: bool = False,
     transformer_impl: str = "auto",
+    attention_backend: str = "auto",
     recompute: dict[str, Any] | None = None,
     moe: dict[str, Any] | None = None,
+    pack_sequences: bool = False,
 ) -> list[torch.nn.Module]:
     """GPTModel chunks for this rank (see module docstring); randomly initialised — load weights
     with `parallel.convert.load_hf_weights`. `critic=True` swaps the LM head for a ValueHead,
     with a bias unless `head_bias=False` (a reward model's score head).
     `sequence_parallel=True` (TP > 1) needs Transformer Engine. `recompute`: activation
     recomputation fields for TransformerConfig. `moe`: MoE training knobs (module docstring);
-    the experts follow the mesh's ep / etp. Raises ModelConfigError for a setting this machine
-    cannot build (see `resolve_transformer_impl`)."""
-    transformer_impl = check_model_settings(transformer_impl, sequence_parallel, mesh.tp)
+    the experts follow the mesh's ep / etp. `pack_sequences=True` checks that the model can
+    serve packed micro-batches (`parallel.schedule.forward_backward(pack_sequences=True)`).
+    Raises ModelConfigError for a setting this machine cannot build
+    (`parallel.model_backends.check_model_settings`)."""
+    backends = check_model_settings(
+        transformer_impl, attention_backend, sequence_parallel, mesh.tp, pack_sequences, hf_config
+    )
     config = transformer_config_from_hf(
         hf_config,
         tp=mesh.tp,
@@ -367,12 +288,18 @@ def build_model(
         vpp=mesh.vpp,
         dtype=dtype,
         sequence_parallel=sequence_parallel,
-        transformer_impl=transformer_impl,
+        transformer_impl=backends.transformer_impl,
         recompute=recompute,
         ep=mesh.ep,
         etp=mesh.etp,
         moe=moe,
     )
+    problems = sdpa_unsupported_options(config) if backends.attention == "sdpa" else []
+    if problems:
+        raise ModelConfigError(
+            f"model.attention_backend=sdpa does not implement {'; '.join(problems)}: set "
+            "model.attention_backend=local (megatron's unfused attention) or te"
+        )
     tie = bool(getattr(hf_config, "tie_word_embeddings", False)) and not critic
     num_chunks = mesh.vpp or 1
     chunks = []
@@ -380,9 +307,7 @@ def build_model(
         post_process = mesh.is_last_stage and vp_stage == num_chunks - 1
         chunk = (CriticGPTModel if critic else GPTModel)(
             config=config,
-            transformer_layer_spec=layer_spec(
-                config, transformer_impl, vp_stage if mesh.vpp else None
-            ),
+            transformer_layer_spec=layer_spec(config, backends, vp_stage if mesh.vpp else None),
             vocab_size=padded_vocab_size(hf_config.vocab_size, mesh.tp),
             max_sequence_length=hf_config.max_position_embeddings,
             pre_process=mesh.is_first_stage and vp_stage == 0,

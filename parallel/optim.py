@@ -170,8 +170,10 @@ def train_step(
     temperature: float = 1.0,
     compute_entropy: bool = False,
     step_scheduler: bool = True,
+    pack_sequences: bool = False,
 ) -> dict[str, Any]:
-    """One optimizer step over ``micro_batches`` (this rank's share of the batch).
+    """One optimizer step over ``micro_batches`` (this rank's share of the batch); with
+    ``pack_sequences`` each runs as one packed row (``parallel.schedule.forward_backward``).
 
     Returns ``{"micro_batch_metrics": [...], "grad_norm": float | None, "lr": float,
     "skipped": bool, "nonfinite": bool}`` (the caller reduces the per-micro-batch metrics);
@@ -192,6 +194,7 @@ def train_step(
         forward_only=False,
         temperature=temperature,
         compute_entropy=compute_entropy,
+        pack_sequences=pack_sequences,
     )
     lr = optimizer.param_groups[0]["lr"]  # the rate this step uses, before the scheduler moves
     # fp16 overflows are the loss scaler's business (it must see them to lower the scale); for

@@ -32,9 +32,14 @@ outputs are cut back to each micro-batch's own length before ``loss_fn`` sees th
 micro-batches must have the same ``mb``. Under sequence parallelism ``S`` is rounded up to a
 multiple of tp.
 
-Packed sequences (megatron-core's ``PackedSeqParams``, THD layout: no padded token computed at
-all) are not used: they need Transformer Engine's attention, which CPU machines lack; sorting by
-length keeps the padded share small instead (see ``benchmarks``).
+Packed sequences (``pack_sequences=True``; attention "sdpa" or "te"): each micro-batch runs as
+ONE row of its rows' real tokens end to end (megatron-core's THD layout, ``parallel.model_inputs``),
+so no padded token is computed, and its outputs are unpacked back into the per-row layout above
+before ``loss_fn`` sees them (0 past each row's length): the same ``[mb, S-1]`` / ``[mb, S]``
+tensors as the padded path, equal on every real position up to kernel rounding. Micro-batch
+sizes may then differ under pipeline parallelism too: the packed rows are padded to the call's
+longest (the padding attends only to itself). ``parallel.micro_batches(pack=True)`` fills each
+micro-batch up to a token budget.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from parallel.cpu_compat import device
 from parallel.logprobs import vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy
 from parallel.mesh import Mesh
 from parallel.micro_batches import ROW_KEY, micro_batches
+from parallel.model_inputs import PackedRows, packed_inputs, padded_inputs
 
 LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], tuple[torch.Tensor, dict]]
 
@@ -64,6 +70,7 @@ def forward_backward(
     forward_only: bool,
     temperature: float = 1.0,
     compute_entropy: bool = False,
+    pack_sequences: bool = False,
 ) -> list[dict[str, Any]]:
     """Forward (and backward unless ``forward_only``) over ``micro_batches``; see module doc.
 
@@ -79,6 +86,8 @@ def forward_backward(
         forward_only: no backward; no autograd graph is built.
         temperature: divides the logits before the softmax.
         compute_entropy: also compute ``entropy [mb, S-1]`` (policy models only).
+        pack_sequences: run each micro-batch as one packed row (module docstring); the model
+            must be built for it (``build_model(pack_sequences=True)``).
 
     Returns:
         One dict per micro-batch, in order, on every rank of the model-parallel group
@@ -91,7 +100,9 @@ def forward_backward(
         raise ValueError("forward_backward needs a loss_fn unless forward_only=True")
     # Sequence parallelism splits the sequence over the TP ranks: S must divide by tp.
     multiple = mesh.tp if getattr(get_model_config(models[0]), "sequence_parallel", False) else 1
-    padded, lengths = _pad_to_common_length(micro_batches, mesh, multiple)
+    layout = packed_inputs if pack_sequences else padded_inputs
+    padded = layout(micro_batches, common_length=mesh.pp > 1, multiple=multiple)
+    lengths = [mb["input_ids"].shape[1] for mb in micro_batches]
     seq_len, mb = padded[0]["input_ids"].shape[1], padded[0]["input_ids"].shape[0]
     originals: list[dict[str, torch.Tensor] | None] = list(micro_batches)
     if len(models) > 1:
@@ -156,16 +167,17 @@ def forward_log_probs(
     micro_batch_size: int,
     temperature: float = 1.0,
     max_tokens: int = 0,
+    pack_sequences: bool = False,
 ) -> torch.Tensor:
     """Log-probs ``[b, S-1]`` of ``input_ids[:, 1:]`` (float32, on every model-parallel rank).
 
     ``input_ids`` / ``attention_mask`` are ``[b, S]``, right-padded. Positions whose label is
     padding hold meaningless values; mask them with ``attention_mask[:, 1:]``. ``max_tokens``
-    > 0 cuts micro-batches by a token budget instead of ``micro_batch_size`` (``micro_batches``).
+    > 0 cuts micro-batches by a token budget instead of ``micro_batch_size`` (``micro_batches``);
+    ``pack_sequences`` packs each micro-batch's sequences up to that budget into one row.
     """
-    return _forward_rows(
-        models, mesh, input_ids, attention_mask, micro_batch_size, temperature, max_tokens
-    )
+    args = (micro_batch_size, temperature, max_tokens, pack_sequences)
+    return _forward_rows(models, mesh, input_ids, attention_mask, *args)
 
 
 def forward_values(
@@ -175,10 +187,13 @@ def forward_values(
     attention_mask: torch.Tensor,
     micro_batch_size: int,
     max_tokens: int = 0,
+    pack_sequences: bool = False,
 ) -> torch.Tensor:
     """A value model's outputs ``[b, S]`` (float32, on every model-parallel rank); as
     ``forward_log_probs`` otherwise (values on padding are meaningless)."""
-    return _forward_rows(models, mesh, input_ids, attention_mask, micro_batch_size, 1.0, max_tokens)
+    return _forward_rows(
+        models, mesh, input_ids, attention_mask, micro_batch_size, 1.0, max_tokens, pack_sequences
+    )
 
 
 def _forward_rows(
@@ -189,6 +204,7 @@ def _forward_rows(
     micro_batch_size: int,
     temperature: float,
     max_tokens: int,
+    pack_sequences: bool,
 ) -> torch.Tensor:
     """The no-grad forward of a batch, micro-batched, each row's output put back at its row:
     ``log_probs`` of a policy model or ``values`` of a value model, ``[b, <= S]`` on device()."""
@@ -198,10 +214,12 @@ def _forward_rows(
         micro_batch_size,
         equal_sizes=mesh.pp > 1,
         max_tokens=max_tokens,
+        pack=pack_sequences,
     )
     results = forward_backward(
-        models, mesh, chunks, None, forward_only=True, temperature=temperature
-    )
+        models, mesh, chunks, None, forward_only=True, temperature=temperature,
+        pack_sequences=pack_sequences,
+    )  # fmt: skip
     out = None
     for chunk, result in zip(chunks, results, strict=True):
         per_row = result["log_probs"] if "log_probs" in result else result["values"]
@@ -214,45 +232,8 @@ def _forward_rows(
     return out
 
 
-# Original row numbers, carried through ``micro_batches`` so per-row outputs can be put back.
 def _unpadded_vocab_size(model: torch.nn.Module) -> int | None:
     return get_attr_wrapped_model(model, "unpadded_vocab_size", allow_none=True)
-
-
-def _pad_to_common_length(
-    micro_batches: list[dict[str, torch.Tensor]], mesh: Mesh, multiple: int = 1
-) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
-    """Model inputs on ``device()``, right-padded to the longest S of the call under pipeline
-    parallelism (else each keeps its own S), rounded up to a multiple of ``multiple``; and the
-    original S of each."""
-    lengths = [mb["input_ids"].shape[1] for mb in micro_batches]
-    sizes = {mb["input_ids"].shape[0] for mb in micro_batches}
-    if mesh.pp > 1 and len(sizes) > 1:
-        raise ValueError(
-            f"pipeline parallelism (pp={mesh.pp}) needs equal micro-batch sizes, got {sorted(sizes)}"
-        )
-    # Without pipeline parallelism nothing exchanges activations: each micro-batch keeps its own S.
-    common = max(lengths) if mesh.pp > 1 else 0
-    padded = []
-    for mb, length in zip(micro_batches, lengths, strict=True):
-        ids = mb["input_ids"].to(device())
-        position_ids = mb.get("position_ids")
-        if position_ids is None:
-            position_ids = torch.arange(length, device=ids.device).expand(ids.shape[0], -1)
-        inputs = {
-            "input_ids": ids,
-            "attention_mask": mb["attention_mask"].to(device()),
-            "position_ids": position_ids.to(device()),
-        }
-        target = -(-max(common, length) // multiple) * multiple
-        if length < target:
-            extra = target - length
-            inputs["input_ids"] = torch.nn.functional.pad(inputs["input_ids"], (0, extra))
-            inputs["attention_mask"] = torch.nn.functional.pad(inputs["attention_mask"], (0, extra))
-            tail = inputs["position_ids"][:, -1:] + torch.arange(1, extra + 1, device=ids.device)
-            inputs["position_ids"] = torch.cat([inputs["position_ids"], tail], dim=1)
-        padded.append(inputs)
-    return padded, lengths
 
 
 def _forward_step(
@@ -270,11 +251,19 @@ def _forward_step(
 ):
     """Megatron forward_step_func: run one chunk; on the last stage return the loss closure."""
     inputs = next(data_iterator)
-    # Right padding + causal attention: real tokens never attend to padding, so no mask. MoE
-    # routers take the padding positions, to leave them out of the load-balancing loss.
+    packed: PackedRows | None = inputs.get("packed")
+    # Right padding + causal attention: real tokens never attend to padding, so no mask; packed
+    # rows are masked by their cu_seqlens. MoE routers take the padding positions, to leave them
+    # out of the load-balancing loss (packed rows hold no padding).
     moe = get_model_config(model).num_moe_experts is not None
-    padding = {"padding_mask": inputs["attention_mask"] == 0} if moe else {}
-    output = model(inputs["input_ids"], inputs["position_ids"], attention_mask=None, **padding)
+    padding = {"padding_mask": inputs["attention_mask"] == 0} if moe and packed is None else {}
+    output = model(
+        inputs["input_ids"],
+        inputs["position_ids"],
+        attention_mask=None,
+        packed_seq_params=packed.params if packed is not None else None,
+        **padding,
+    )
     if not _is_last_stage_chunk(model, mesh):
         return output, None
     micro_batch, length = next(originals), next(lengths)
@@ -283,7 +272,9 @@ def _forward_step(
     return output, partial(
         _loss_closure,
         micro_batch=micro_batch,
-        input_ids=inputs["input_ids"][:, :length],
+        input_ids=inputs["input_ids"][:, :length] if packed is None else inputs["input_ids"],
+        packed=packed,
+        width=length,
         loss_fn=loss_fn,
         scale=scale,
         forward_only=forward_only,
@@ -309,6 +300,8 @@ def _loss_closure(
     *,
     micro_batch,
     input_ids,
+    packed,
+    width,
     loss_fn,
     scale,
     forward_only,
@@ -317,33 +310,9 @@ def _loss_closure(
     model,
     mesh,
 ):
-    length = input_ids.shape[1]
-    if model_output.dim() == 2:  # critic: parallel.model.ValueHead gives values [mb, S]
-        if compute_entropy:
-            raise ValueError("compute_entropy=True needs a policy model, got a critic")
-        outputs = {"values": model_output[:, :length].float()}
-    else:
-        # Every position of the [b, S, V] logits is used and the last one's result dropped
-        # afterwards: slicing the logits would make autograd build a zero-filled [b, S, V]
-        # gradient and copy into it; slicing the [b, S] results costs nothing. The last
-        # position's label is a stand-in (its log-prob is cut off, so its gradient is zero).
-        logits = model_output if model_output.shape[1] == length else model_output[:, :length]
-        # float32 before the division: a bf16 quotient would round every logit once more. At
-        # temperature 1 the division is skipped (exact), which saves a pass over [b, S, V] and
-        # its backward.
-        logits = logits.float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        labels = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
-        vocab_size = _unpadded_vocab_size(model)
-        if compute_entropy:
-            log_probs, entropy = vocab_parallel_log_probs_and_entropy(
-                logits, labels, mesh.tp_group, vocab_size
-            )
-            outputs = {"log_probs": log_probs[:, :-1], "entropy": entropy[:, :-1]}
-        else:
-            log_probs = vocab_parallel_log_probs(logits, labels, mesh.tp_group, vocab_size)
-            outputs = {"log_probs": log_probs[:, :-1]}
+    outputs = _per_row_outputs(
+        model_output, input_ids, packed, width, temperature, compute_entropy, model, mesh
+    )
     if loss_fn is None:
         loss, metrics = torch.zeros((), device=input_ids.device), {}
     else:
@@ -354,6 +323,47 @@ def _loss_closure(
         reported["outputs"] = {k: v.detach() for k, v in outputs.items()}
     # Megatron divides by the number of micro-batches; undo it so gradients are of the SUM.
     return loss * scale, reported
+
+
+def _per_row_outputs(
+    model_output, input_ids, packed, width, temperature, compute_entropy, model, mesh
+) -> dict[str, torch.Tensor]:
+    """``log_probs`` (and ``entropy``) ``[mb, width-1]`` or ``values [mb, width]`` from the last
+    stage's output for ``input_ids`` (``[mb, S]`` rows, or the packed row of ``packed``)."""
+    length = input_ids.shape[1]
+    if model_output.dim() == 2:  # critic: parallel.model.ValueHead gives values [mb, S]
+        if compute_entropy:
+            raise ValueError("compute_entropy=True needs a policy model, got a critic")
+        values = model_output[:, :length].float()
+        return {"values": values if packed is None else packed.unpack(values, width)}
+    # Every position of the [b, S, V] logits is used and the last one's result dropped
+    # afterwards: slicing the logits would make autograd build a zero-filled [b, S, V]
+    # gradient and copy into it; slicing the [b, S] results costs nothing. The last
+    # position's label is a stand-in (its log-prob is cut off, so its gradient is zero).
+    logits = model_output if model_output.shape[1] == length else model_output[:, :length]
+    # float32 before the division: a bf16 quotient would round every logit once more. At
+    # temperature 1 the division is skipped (exact), which saves a pass over [b, S, V] and
+    # its backward.
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    if packed is None:
+        labels = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
+    else:
+        labels = packed.labels
+    vocab_size = _unpadded_vocab_size(model)
+    if compute_entropy:
+        log_probs, entropy = vocab_parallel_log_probs_and_entropy(
+            logits, labels, mesh.tp_group, vocab_size
+        )
+        per_token = {"log_probs": log_probs, "entropy": entropy}
+    else:
+        per_token = {
+            "log_probs": vocab_parallel_log_probs(logits, labels, mesh.tp_group, vocab_size)
+        }
+    if packed is None:
+        return {name: value[:, :-1] for name, value in per_token.items()}
+    return {name: packed.unpack(value, width - 1, shift=1) for name, value in per_token.items()}
 
 
 def _share_from_last_stage(

@@ -125,6 +125,12 @@ def build_trainer(
         critic=critic,
         model_rewards=model_rewards,
     )
+    gigabytes, seconds = trainer.residency.reserve_host_buffers()
+    gigabytes /= 1e9
+    if gigabytes:
+        say(
+            mesh, f"offload: {gigabytes:.2f} GB of pinned host buffers allocated in {seconds:.2f} s"
+        )
     state = resume_run(
         trainer.checkpoints,
         cfg.trainer.resume,
@@ -305,6 +311,7 @@ def model_options(cfg: RLConfig, section: TrainedModelConfig | None = None) -> d
     options: dict[str, Any] = {
         "sequence_parallel": cfg.parallel.sequence_parallel,
         "transformer_impl": cfg.model.transformer_impl,
+        "attention_backend": cfg.model.attention_backend,
     }
     m = cfg.model
     moe = {

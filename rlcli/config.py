@@ -61,9 +61,14 @@ class ModelConfig:
     tokenizer_path: Optional[str] = None  # defaults to model.path
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights and compute
     build: bool = False  # build model.spec locally into model.path when it does not exist yet
-    # auto | transformer_engine | local. auto: TE where it imports; on CUDA without a working TE
-    # startup fails unless local (memory-hungry attention) is chosen explicitly.
+    # The layers: auto | transformer_engine | local (megatron-core's own torch layers). auto: TE's
+    # where TE imports, else the local ones (also when model.attention_backend is sdpa or local).
     transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
+    # The core attention: auto (te with TE's layers, else sdpa) | te (TE's fused attention; needs
+    # TE's layers) | sdpa (torch scaled_dot_product_attention in the local layers: flash /
+    # memory-efficient kernels on GPUs) | local (megatron's unfused attention: it holds the
+    # [b, heads, s, s] score matrix; kept for comparison).
+    attention_backend: Literal["auto", "te", "sdpa", "local"] = "auto"
     spec: ModelBuildConfig = field(default_factory=ModelBuildConfig)
     # MoE models only (the experts, top-k and routing come from config.json). The router's
     # load-balancing loss: aux_loss (Switch-style, per micro-batch), seq_aux_loss (per
@@ -164,11 +169,16 @@ class TrainedModelConfig:
     ppo_epochs: int = 1  # passes over each batch
     ppo_mini_batch_size: Optional[int] = None  # prompts per optimizer step; None: the whole batch
     micro_batch_size: int = 8  # sequences per forward/backward
-    # Token budgets (0: fixed micro_batch_size): micro-batches of similar lengths whose padded size
-    # (rows x longest row) stays within the budget; the no-grad passes (old log-probs, reference,
-    # values) use max_tokens_per_forward (0: the training setting).
+    # Token budgets (0: fixed micro_batch_size; else at least data.max_prompt_length +
+    # rollout.max_tokens): micro-batches of similar lengths whose padded size (rows x longest
+    # row) stays within the budget; the no-grad passes (old log-probs, reference, values) use
+    # max_tokens_per_forward (0: the training setting).
     max_tokens_per_micro_batch: int = 0
     max_tokens_per_forward: int = 0
+    # Packed sequences: every micro-batch is ONE row of whole sequences end to end, filled up to
+    # the token budget above (0: micro_batch_size x the batch's longest sequence), so no padding
+    # is computed (actor.*: also the reference's passes). Needs model.attention_backend sdpa or te.
+    pack_sequences: bool = False
     loss_agg_mode: str = "token-mean"  # how per-token losses become one (algorithms.LOSS_AGG_MODES)
     # Memory (see `rlcli plan`): move state to pinned host memory while the engine generates
     offload_params: bool = False  # weights: back before the model's first forward of the step

@@ -194,6 +194,22 @@ def _check_trained_model(key: str, section: TrainedModelConfig, cfg: RLConfig) -
     for name in ("max_tokens_per_micro_batch", "max_tokens_per_forward", "lr_warmup_steps"):
         if getattr(section, name) < 0:
             raise UserError(f"{key}.{name} must be >= 0, got {getattr(section, name)}")
+    # A budget must hold the longest sequence a step can produce, or that sequence would be cut
+    # into a micro-batch above the budget (or, packed, not fit at all).
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_tokens
+    for name in ("max_tokens_per_micro_batch", "max_tokens_per_forward"):
+        budget = getattr(section, name)
+        if 0 < budget < longest:
+            raise UserError(
+                f"{key}.{name}={budget} is smaller than the longest sequence it must hold: "
+                f"data.max_prompt_length + rollout.max_tokens = {longest}; set it to at least "
+                f"{longest} (or 0: micro_batch_size rows)"
+            )
+    if section.pack_sequences and cfg.model.attention_backend == "local":
+        raise UserError(
+            f"{key}.pack_sequences=true needs model.attention_backend=sdpa (or te): megatron's "
+            "local attention (model.attention_backend=local) has no packed-sequence path"
+        )
     mini = section.ppo_mini_batch_size
     if mini is not None and (mini < 1 or cfg.data.train_batch_size % mini):
         raise UserError(

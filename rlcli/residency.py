@@ -159,6 +159,20 @@ class Residency:
                 )
         return moved
 
+    def reserve_host_buffers(self) -> tuple[int, float]:
+        """Pin now the host buffers of every kind some phase sends OFF the device
+        (``parallel.offload.Offloader.reserve``): pinning gigabytes takes seconds on a GPU node,
+        far longer than the copy, so the run pays it once at build time and every offload is only
+        a copy. Returns the bytes allocated and the seconds it took."""
+        allocated, seconds = 0, 0.0
+        for name, model in self.models.items():
+            off = {kind for row in self.plan.values() if name in row for kind in row[name].off}
+            if off:
+                stats = model.offloader.reserve(**{kind: kind in off for kind in KINDS})
+                allocated += stats.allocated_bytes
+                seconds += stats.allocation_seconds
+        return allocated, seconds
+
     def on_device(self, name: str) -> frozenset[str]:
         """The kinds of state model ``name`` holds on the device now (a frozen model has only
         its params)."""

@@ -89,11 +89,14 @@ class OptimizerSettings:
 class MicroBatching:
     """How a model's batches are cut (``parallel.micro_batches``): ``size`` rows each, or by a
     token budget: ``max_tokens`` for the training passes, ``max_tokens_forward`` for the no-grad
-    ones (0: ``max_tokens``)."""
+    ones (0: ``max_tokens``). ``pack``: each micro-batch is one packed row of whole sequences
+    up to that budget (``parallel.schedule.forward_backward(pack_sequences=True)``); the model
+    is then built for it."""
 
     size: int
     max_tokens: int = 0
     max_tokens_forward: int = 0
+    pack: bool = False
 
     @classmethod
     def of(cls, section: TrainedModelConfig) -> MicroBatching:
@@ -101,6 +104,7 @@ class MicroBatching:
             section.micro_batch_size,
             section.max_tokens_per_micro_batch,
             section.max_tokens_per_forward,
+            section.pack_sequences,
         )
 
     @property
@@ -131,7 +135,8 @@ class TrainedModel:
         adapter_path: str | None = None,
     ) -> None:
         """``model_options``: ``parallel.model.build_model``'s layout options (sequence_parallel,
-        transformer_impl, recompute); a setting this machine cannot build is a UserError.
+        transformer_impl, attention_backend, recompute; ``micro_batching.pack`` adds
+        pack_sequences); a setting this machine cannot build is a UserError.
         ``head="value"``: a value model (PPO's critic); ``head="score"``: a reward model, an HF
         ``*ForSequenceClassification`` folder (``parallel.reward_model.load_reward_model``;
         ``score_head_from_language_model``: a language model with a fresh score head;
@@ -158,7 +163,12 @@ class TrainedModel:
                 )
             else:
                 models = load_hf_model(
-                    hf_dir, mesh, dtype=DTYPES[dtype], critic=head == "value", **options
+                    hf_dir,
+                    mesh,
+                    dtype=DTYPES[dtype],
+                    critic=head == "value",
+                    pack_sequences=micro_batching.pack,
+                    **options,
                 )
             if lora is not None:
                 from parallel.lora import apply_lora
@@ -210,15 +220,16 @@ class TrainedModel:
         if self.head == "score":
             raise ValueError("a reward model scores whole sequences: call score()")
         mb, tokens = self.micro_batching.size, self.micro_batching.forward_tokens
+        pack = self.micro_batching.pack
         with self._without_dropout():
             if self.head == "value":
                 per_position = forward_values(
-                    self.models, self.mesh, batch.input_ids, batch.attention_mask, mb, tokens
+                    self.models, self.mesh, batch.input_ids, batch.attention_mask, mb, tokens, pack
                 )
                 return response_values(per_position.cpu(), batch.response_index) * batch.loss_mask
             ids, mask = batch.input_ids, batch.attention_mask
             per_position = forward_log_probs(
-                self.models, self.mesh, ids, mask, mb, temperature, tokens
+                self.models, self.mesh, ids, mask, mb, temperature, tokens, pack
             )
         return response_values(per_position.cpu(), batch.response_index)
 
@@ -273,6 +284,7 @@ class TrainedModel:
             self.micro_batching.size,
             equal_sizes=self.mesh.pp > 1,
             max_tokens=self.micro_batching.max_tokens,
+            pack=self.micro_batching.pack,
         )
         return self.train_micro_batches(chunks, loss_fn, temperature, compute_entropy)
 
@@ -297,6 +309,7 @@ class TrainedModel:
             temperature=temperature,
             compute_entropy=compute_entropy,
             step_scheduler=self.schedule_per_update,
+            pack_sequences=self.micro_batching.pack,
         )
         self.nonfinite_updates += bool(result.get("nonfinite"))
         return result

@@ -107,11 +107,6 @@ def plan_command(
         "--model-config",
         help="HF config.json giving the model shape (default: the recipe's).",
     ),
-    flash_attention: bool = typer.Option(
-        True,
-        "--flash-attention/--no-flash-attention",
-        help="Attention without an s x s score tensor (Transformer Engine installed).",
-    ),
 ) -> None:
     """Per-GPU memory of each phase (generate, reward, log-probs, update, sync): does the
     layout fit?"""
@@ -127,9 +122,7 @@ def plan_command(
 
     def plan_for(extra: list[str]):
         c = load_config(recipe, [*(overrides or []), *extra]) if extra else cfg
-        inputs = build_plan_inputs(
-            c, shape, world_size=world, gpu_memory_gb=gpu_memory_gb, flash_attention=flash_attention
-        )
+        inputs = build_plan_inputs(c, shape, world_size=world, gpu_memory_gb=gpu_memory_gb)
         return plan_memory(inputs)
 
     plan = plan_for([])
@@ -160,7 +153,9 @@ def plan_command(
     echo(
         f"layout: tp={actor.tp} pp={actor.pp} dp={actor.dp} {actor.dtype}, distributed optimizer "
         f"{'on' if actor.distributed_optimizer else 'off'}, recompute {actor.recompute}, "
-        f"micro-batch {actor.micro_batch_size} x {actor.seq_len} tokens; vLLM tp={cfg.rollout.tp}"
+        f"micro-batch {actor.micro_batch_size} x {actor.seq_len} tokens"
+        f"{' (packed)' if cfg.actor.pack_sequences else ''}, attention {actor.attention}; "
+        f"vLLM tp={cfg.rollout.tp}"
     )
     echo("")
     c = plan.components

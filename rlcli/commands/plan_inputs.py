@@ -75,7 +75,29 @@ def _other_model_shape(key: str, path: str, fallback=None):
     return shape
 
 
-def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flash_attention: bool):
+def planned_attention(cfg) -> str:
+    """The core attention whose activations the plan counts: model.attention_backend, auto as a
+    run here resolves it (TE's where TE imports, else sdpa) unless transformer_impl pins it."""
+    from parallel.model_backends import transformer_engine_status
+
+    if cfg.model.attention_backend != "auto":
+        return cfg.model.attention_backend
+    if cfg.model.transformer_impl != "auto":
+        return "te" if cfg.model.transformer_impl == "transformer_engine" else "sdpa"
+    return "te" if transformer_engine_status()[0] else "sdpa"
+
+
+def micro_batch_shape(rows: int, budget: int, packed: bool, seq_len: int) -> tuple[int, int]:
+    """(rows, tokens per row) of the largest training micro-batch: `rows` of the longest sequence;
+    with a token budget as many as it holds; packed, one row of the budget (0: rows x seq_len)."""
+    if packed:
+        return 1, budget or rows * seq_len
+    if budget:
+        return max(1, budget // seq_len), seq_len
+    return rows, seq_len
+
+
+def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float):
     """parallel.memory_plan's inputs for a validated RLConfig on `world_size` GPUs."""
     from parallel.memory_plan import JudgeEngine, PlanInputs, RolloutEngine
     from parallel.memory_terms import TrainedModel
@@ -111,6 +133,12 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
         adapters = lora if not critic else None
         prompts = cfg.data.train_batch_size
         mini = prompts // mini_batch_count(prompts, section.ppo_mini_batch_size) * cfg.rollout.n
+        rows, tokens = micro_batch_shape(
+            section.micro_batch_size,
+            section.max_tokens_per_micro_batch,
+            section.pack_sequences,
+            seq_len,
+        )
         return TrainedModel(
             shape,
             dtype=cfg.model.dtype,
@@ -119,14 +147,14 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
             vpp=par.vpp,
             dp=dp,
             distributed_optimizer=par.use_distributed_optimizer,
-            micro_batch_size=section.micro_batch_size,
-            seq_len=seq_len,
+            micro_batch_size=rows,
+            seq_len=tokens,
             num_micro_batches=max(1, mini // dp // section.micro_batch_size),
             recompute=section.recompute,
             recompute_method=section.recompute_method,
             recompute_num_layers=section.recompute_num_layers,
             sequence_parallel=par.sequence_parallel,
-            flash_attention=flash_attention,
+            attention=planned_attention(cfg),
             offload_params=section.offload_params,
             offload_grads=section.offload_grads,
             offload_optimizer=section.offload_optimizer,

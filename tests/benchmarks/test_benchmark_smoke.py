@@ -102,8 +102,16 @@ def test_smoke_benchmark_writes_json_markdown_and_chart(tmp_path):
             6 * train["params"] * train[key]["tokens_per_s"]
         )
         assert train[key]["mfu"] is None  # no data-sheet peak for a CPU
+    # the core attentions side by side; the headline row is the one auto resolves to
+    assert {"local", "sdpa"} <= set(train["attention_backends"])
+    assert (
+        train["megatron"]["tokens_per_s"]
+        == train["attention_backends"][train["attention"]]["tokens_per_s"]
+    )
     mixed = train["mixed_lengths"]
-    for key in ("fixed", "token_budget"):
+    assert mixed["packed"]["padded_fraction"] == 0  # packed rows hold real tokens only
+    assert mixed["packed"]["computed_tokens"] == mixed["real_tokens"]
+    for key in ("fixed", "token_budget", "packed"):
         run = mixed[key]
         assert run["computed_tokens"] >= mixed["real_tokens"]
         assert run["padded_fraction"] == pytest.approx(
@@ -137,7 +145,8 @@ def test_smoke_benchmark_writes_json_markdown_and_chart(tmp_path):
     table = outputs.files["md"].read_text()
     for fragment in ("rollout new tokens/s", "weight sync", "actor update tokens/s", "GRPO step",
                      "Peak memory per phase", "actor update with LoRA",
-                     "LoRA weight sync into vLLM"):  # fmt: skip
+                     "LoRA weight sync into vLLM", "core attention, same batch",
+                     "packed"):  # fmt: skip
         assert fragment in table, fragment
 
 

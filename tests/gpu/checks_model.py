@@ -16,10 +16,12 @@ from tests.gpu.common import (
 )
 
 
-def _impls() -> list[str]:
-    from parallel.model import transformer_engine_status
+def _backends() -> list[tuple[str, str]]:
+    """(model.transformer_impl, model.attention_backend) pairs this machine builds."""
+    from parallel.model_backends import transformer_engine_status
 
-    return ["local"] + (["transformer_engine"] if transformer_engine_status()[0] else [])
+    te = [("transformer_engine", "te")] if transformer_engine_status()[0] else []
+    return [("local", "local"), ("local", "sdpa"), *te]
 
 
 @torch.no_grad()
@@ -43,8 +45,10 @@ def check_parity(ctx: Context) -> tuple[bool, str]:
     hf_err = float((hf.to(BF16)(ids).logits.float() - reference).abs().mean())
     del hf
     ok, parts = True, [f"HF bf16 mean|dlogit| vs fp32 {hf_err:.2e}"]
-    for impl in _impls():
-        models = build_model(hf_config, ctx.mesh, dtype=BF16, transformer_impl=impl)
+    for impl, attention in _backends():
+        models = build_model(
+            hf_config, ctx.mesh, dtype=BF16, transformer_impl=impl, attention_backend=attention
+        )
         load_hf_weights(models, ctx.mesh, model_dir)
         for chunk in models:
             chunk.eval()
@@ -66,7 +70,7 @@ def check_parity(ctx: Context) -> tuple[bool, str]:
         trip_ok = not missing and not unequal
         ok = ok and logits_ok and trip_ok
         parts.append(
-            f"[{impl}] Megatron mean|dlogit| {err:.2e} (max {worst:.2e}, limit 2x HF + 1e-3) "
+            f"[{impl}/{attention}] Megatron mean|dlogit| {err:.2e} (max {worst:.2e}, limit 2x HF + 1e-3) "
             f"{'ok' if logits_ok else 'TOO FAR'}; round trip "
             + ("bit-exact" if trip_ok else f"missing {missing[:3]} unequal {unequal[:3]}")
             + f" ({len(exported)} tensors, {'/'.join(dtypes)})"

@@ -1,4 +1,5 @@
-"""Checks 4 and 5: the CLI end to end in bf16 with an automatic resume, and actor throughput."""
+"""Checks 4 and 5: the CLI end to end in bf16 with an automatic resume, and actor throughput
+(with the layers and attention auto resolves to; check 7 compares the attentions)."""
 
 from __future__ import annotations
 
@@ -56,12 +57,9 @@ def _run_cli(ctx: Context, steps: int, output_dir: str, timeout_s: int) -> tuple
         "checkpoint.save_freq=2",
         "sft.steps=30",
         "rollout.n=4",
+        "actor.pack_sequences=true",  # the packed path through the whole trainer
         "logging.backends=[console,jsonl]",
     ]
-    from parallel.model import transformer_engine_status
-
-    if not transformer_engine_status()[0]:
-        overrides.append("model.transformer_impl=local")  # no TE here: say so explicitly
     cmd = [sys.executable, "-m", "rlcli.cli", "train", "recipes/quickstart.yaml", *overrides]
     path = os.pathsep.join(filter(None, [REPO_ROOT_ENV, os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
@@ -88,8 +86,9 @@ def _run_cli(ctx: Context, steps: int, output_dir: str, timeout_s: int) -> tuple
 
 
 def check_cli_train_resume(ctx: Context) -> tuple[bool, str]:
-    """`rlcli train recipes/quickstart.yaml` in bf16 for 4 steps (checkpoint at 2 and 4), then
-    the same command to 6 steps: it must resume from step 4 by itself."""
+    """`rlcli train recipes/quickstart.yaml` in bf16 with packed sequences for 4 steps
+    (checkpoint at 2 and 4), then the same command to 6 steps: it must resume from step 4 by
+    itself."""
     output_dir = str(ctx.work / "quickstart")
     code, out, first_s = _run_cli(ctx, 4, output_dir, timeout_s=110)
     if code != 0:
@@ -106,7 +105,7 @@ def check_cli_train_resume(ctx: Context) -> tuple[bool, str]:
     )
 
 
-def _flops_per_token(shape: dict, seq_len: int) -> float:
+def flops_per_token(shape: dict, seq_len: int) -> float:
     """fwd + bwd model FLOPs per token: 6 x matmul parameters (LM head included) plus causal
     attention scores and values, 6 x layers x seq_len x hidden (half of the full 12)."""
     h, layers = shape["hidden_size"], shape["num_hidden_layers"]
@@ -117,7 +116,7 @@ def _flops_per_token(shape: dict, seq_len: int) -> float:
     return 6 * matmul_params + 6 * layers * seq_len * h
 
 
-def _peak_flops() -> float | None:
+def peak_flops() -> float | None:
     if not torch.cuda.is_available():
         return None
     from benchmarks.hardware import peak_bf16_flops
@@ -161,13 +160,14 @@ def check_throughput(ctx: Context) -> tuple[bool, str]:
     against one device copy of the same bytes."""
     from transformers import Qwen2Config
 
-    from parallel.model import transformer_engine_status
+    from parallel.model_backends import resolve_backends
 
-    impl = "transformer_engine" if transformer_engine_status()[0] else "local"
+    backends = resolve_backends()  # what a run's auto settings build here
+    impl = f"{backends.transformer_impl} layers, {backends.attention} attention"
     shapes = {"tiny (dry run)": TINY_SHAPE} if ctx.cpu else QWEN2_SHAPES
     rows, seq_len = (4, 64) if ctx.cpu else (8, 1024)
-    peak = _peak_flops()
-    parts, ok = [f"layers={impl}, {rows}x{seq_len} tokens, 2 micro-batches"], True
+    peak = peak_flops()
+    parts, ok = [f"{impl}, {rows}x{seq_len} tokens, 2 micro-batches"], True
     for name, shape in shapes.items():
         config = Qwen2Config(
             **shape,
@@ -180,7 +180,8 @@ def check_throughput(ctx: Context) -> tuple[bool, str]:
             model_dir=None,
             distributed_optimizer=True,
             lr=1e-5,
-            transformer_impl=impl,
+            transformer_impl=backends.transformer_impl,
+            attention_backend=backends.attention,
         )
         batch = token_batch(ctx, shape["vocab_size"], rows, seq_len, micro=rows // 2)
         losses = [step(ctx, actor, batch) for _ in range(2)]  # warm-up
@@ -194,7 +195,7 @@ def check_throughput(ctx: Context) -> tuple[bool, str]:
         synchronize()
         seconds = (time.perf_counter() - start) / timed_steps
         tokens_per_s = rows * seq_len / seconds
-        flops = _flops_per_token(shape, seq_len) * tokens_per_s
+        flops = flops_per_token(shape, seq_len) * tokens_per_s
         peak_gb = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0
         finite = all(loss == loss for loss in losses)
         ok = ok and finite

@@ -44,6 +44,7 @@ class Actor:
     models: list[torch.nn.Module]
     optimizer: Any
     scheduler: Any
+    pack_sequences: bool = False
 
 
 @dataclass
@@ -87,7 +88,7 @@ class Context:
         return device()
 
     def describe(self) -> str:
-        from parallel.model import transformer_engine_status
+        from parallel.model_backends import transformer_engine_status
 
         te_ok, te_why = transformer_engine_status()
         name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (dry run)"
@@ -174,9 +175,12 @@ def make_actor(
     lr: float = 1e-3,
     seed: int = 0,
     transformer_impl: str = "local",
+    attention_backend: str = "auto",
+    pack_sequences: bool = False,
 ) -> Actor:
     """A bf16 Megatron actor: model (HF weights from `model_dir`, or random init with `seed`),
-    megatron DDP and optimizer (fp32 master weights)."""
+    megatron DDP and optimizer (fp32 master weights); `pack_sequences` makes `step` run its
+    micro-batches packed."""
     from parallel.convert import load_hf_weights
     from parallel.model import build_model
     from parallel.optim import build_optimizer, wrap_for_training
@@ -186,14 +190,21 @@ def make_actor(
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(seed)
-    models = build_model(hf_config, ctx.mesh, dtype=BF16, transformer_impl=transformer_impl)
+    models = build_model(
+        hf_config,
+        ctx.mesh,
+        dtype=BF16,
+        transformer_impl=transformer_impl,
+        attention_backend=attention_backend,
+        pack_sequences=pack_sequences,
+    )
     if model_dir is not None:
         load_hf_weights(models, ctx.mesh, model_dir)
     models = wrap_for_training(models, ctx.mesh, use_distributed_optimizer=distributed_optimizer)
     optimizer, scheduler = build_optimizer(
         models, lr=lr, use_distributed_optimizer=distributed_optimizer, total_steps=100
     )
-    return Actor(models, optimizer, scheduler)
+    return Actor(models, optimizer, scheduler, pack_sequences)
 
 
 def nll_loss(outputs: dict, micro_batch: dict) -> tuple[torch.Tensor, dict]:
@@ -219,7 +230,15 @@ def token_batch(
 def step(ctx: Context, actor: Actor, batch: list[dict[str, torch.Tensor]]) -> float:
     from parallel.optim import train_step
 
-    result = train_step(actor.models, ctx.mesh, actor.optimizer, actor.scheduler, batch, nll_loss)
+    result = train_step(
+        actor.models,
+        ctx.mesh,
+        actor.optimizer,
+        actor.scheduler,
+        batch,
+        nll_loss,
+        pack_sequences=actor.pack_sequences,
+    )
     losses = [float(m["loss"]) for m in result["micro_batch_metrics"]]
     return sum(losses) / len(losses)
 

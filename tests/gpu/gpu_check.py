@@ -27,6 +27,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
 
+from tests.gpu.checks_attention import check_attention_backends, check_first_offload  # noqa: E402
 from tests.gpu.checks_engine import check_engine_sync, check_memory_phases  # noqa: E402
 from tests.gpu.checks_model import check_actor, check_parity  # noqa: E402
 from tests.gpu.checks_perf import check_cli_train_resume, check_throughput  # noqa: E402
@@ -39,6 +40,11 @@ CHECKS = [
     ("rlcli train recipes/quickstart.yaml in bf16, then automatic resume", check_cli_train_resume),
     ("actor throughput and MFU (Qwen2-0.5B / 1.5B shapes)", check_throughput),
     ("memory per phase over three RL cycles (no growth)", check_memory_phases),
+    (
+        "attention local / sdpa / sdpa + packing: MFU, peak memory, packed kernel",
+        check_attention_backends,
+    ),
+    ("first offload at the pinned-copy floor (buffers reserved at build)", check_first_offload),
 ]
 
 

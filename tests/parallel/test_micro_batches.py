@@ -79,3 +79,25 @@ def test_equal_size_micro_batches_fill_with_masked_rows():
     assert torch.equal(last["input_ids"][1], last["input_ids"][0])  # a copy of a real row...
     assert last["response_mask"][1].sum() == 0  # ...that no loss or metric counts
     assert torch.equal(last["response_mask"][0], batch["response_mask"][4])
+
+
+def test_packing_fills_micro_batches_by_real_tokens_first_fit_decreasing():
+    batch = collated(6)  # row g: 3 + g real tokens, S = 8
+    batch[ROW_KEY] = torch.arange(6)
+    parts = micro_batches(batch, 1, max_tokens=12, pack=True, equal_sizes=True)
+    # Longest first into the first micro-batch with room: 8, 7 and 6 open one each, 5 joins 7
+    # (12), 4 joins 8 (12), 3 only fits beside 6 (9).
+    assert [p[ROW_KEY].tolist() for p in parts] == [[5, 1], [4, 2], [3, 0]]
+    for part in parts:
+        assert int(part["attention_mask"].sum()) <= 12
+        width = part["input_ids"].shape[1]  # trimmed even with equal_sizes: packing needs no shape
+        assert width == int(part["attention_mask"].sum(dim=1).max())
+    assert sorted(torch.cat([p[ROW_KEY] for p in parts]).tolist()) == list(range(6))
+
+
+def test_packing_budget_defaults_to_what_a_fixed_micro_batch_computes():
+    batch = collated(6)  # 3 + 4 + ... + 8 = 33 real tokens, S = 8
+    parts = micro_batches(batch, 2, pack=True)  # 2 rows x 8 = 16 tokens: 8+7, 6+5+4, 3
+    assert [int(p["attention_mask"].sum()) for p in parts] == [15, 15, 3]
+    longer = micro_batches(batch, 8, pack=True, max_tokens=4)  # every row above the budget
+    assert [p["input_ids"].shape[0] for p in longer] == [1] * 6

@@ -59,6 +59,25 @@ def test_usage_errors_print_usage(args, needles):
             ["algorithm.kl_ctrl.horizon=0", "adaptive"],
         ),
         (["rollout.val_n=0"], ["rollout.val_n must be >= 1"]),
+        # a token budget below the longest sequence (quickstart: 32 + 12 tokens)
+        (
+            ["actor.max_tokens_per_micro_batch=1"],
+            ["actor.max_tokens_per_micro_batch=1", "rollout.max_tokens = 44"],
+        ),
+        (["actor.max_tokens_per_forward=43"], ["actor.max_tokens_per_forward=43", "at least 44"]),
+        (
+            ["algorithm.adv_estimator=gae", "critic.max_tokens_per_micro_batch=8"],
+            ["critic.max_tokens_per_micro_batch=8", "at least 44"],
+        ),
+        (
+            [
+                "algorithm.adv_estimator=gae",
+                "critic.pack_sequences=true",
+                "model.attention_backend=local",
+            ],
+            ["critic.pack_sequences=true", "model.attention_backend=sdpa"],
+        ),
+        (["model.attention_backend=flash"], ["model.attention_backend", "'flash'", "sdpa"]),
         (["sft.micro_batch_size=0"], ["sft.micro_batch_size must be >= 1"]),
     ],
 )

@@ -120,7 +120,7 @@ def test_training_state_bytes_per_parameter(dtype, distributed, dp, per_param):
 def test_recompute_and_offload_lower_their_phases():
     actor = TrainedModel(KNOWN_SHAPES["qwen2.5-7b"], tp=4, dp=4, micro_batch_size=4, seq_len=2048)
     none, selective, full = (
-        activation_bytes(dataclasses.replace(actor, recompute=m, flash_attention=False))
+        activation_bytes(dataclasses.replace(actor, recompute=m, attention="local"))
         for m in ("none", "selective", "full")
     )
     assert none > selective > full
@@ -134,6 +134,34 @@ def test_recompute_and_offload_lower_their_phases():
     gen_saving = plain.phases["generate"].total - offloaded.phases["generate"].total
     assert gen_saving == state
     assert offloaded.phases["update"].total == plain.phases["update"].total - weight_bytes(actor)
+
+
+def test_activations_follow_the_core_attention():
+    """No s^2 score tensor with sdpa or TE; the local layers' fp32 norm copies cost more than TE's
+    fused norms; packing counts the budget's tokens as one row."""
+    from rlcli.commands.plan import build_plan_inputs
+    from rlcli.config_loader import load_config
+
+    actor = TrainedModel(KNOWN_SHAPES["qwen2.5-7b"], tp=4, micro_batch_size=2, seq_len=4096)
+    te, sdpa, local = (
+        activation_bytes(dataclasses.replace(actor, attention=a)) for a in ("te", "sdpa", "local")
+    )
+    assert te < sdpa < local
+    longer = dataclasses.replace(actor, seq_len=8192, micro_batch_size=1)
+    # same tokens: linear without the score tensor, more than linear with it
+    assert activation_bytes(dataclasses.replace(longer, attention="sdpa")) == pytest.approx(
+        sdpa, rel=1e-3
+    )
+    assert activation_bytes(dataclasses.replace(longer, attention="local")) > 1.3 * local
+
+    def planned(*overrides):
+        cfg = load_config("recipes/grpo_qwen7b.yaml", list(overrides))
+        return build_plan_inputs(cfg, KNOWN_SHAPES["qwen2.5-7b"], world_size=16, gpu_memory_gb=80)
+
+    assert planned("model.attention_backend=local").actor.attention == "local"
+    assert planned("model.transformer_impl=local").actor.attention == "sdpa"
+    packed = planned("actor.pack_sequences=true", "actor.max_tokens_per_micro_batch=16384").actor
+    assert (packed.micro_batch_size, packed.seq_len) == (1, 16384)
 
 
 def test_a_critic_is_one_more_trained_model():
@@ -157,9 +185,7 @@ def test_the_critic_is_planned_with_its_own_micro_batches():
 
     def critic_of(*overrides):
         cfg = load_config(recipe, list(overrides))
-        inputs = build_plan_inputs(
-            cfg, shape, world_size=16, gpu_memory_gb=80, flash_attention=True
-        )
+        inputs = build_plan_inputs(cfg, shape, world_size=16, gpu_memory_gb=80)
         return inputs.actor, inputs.critic
 
     actor, critic = critic_of("actor.micro_batch_size=2", "critic.micro_batch_size=8")
@@ -191,6 +217,7 @@ def test_32b_layout_gets_a_recommendation(capsys):
         "plan",
         "recipes/grpo_qwen7b.yaml",
         "model.path=/models/Qwen2.5-32B-Instruct",
+        "model.attention_backend=te",  # a cluster with Transformer Engine
         "--nodes",
         "4",
         "--gpus-per-node",

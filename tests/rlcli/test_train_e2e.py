@@ -121,7 +121,8 @@ def test_tp2_vllm_train_checkpoint_and_resume(tmp_path):
 
 
 @pytest.mark.dist
-def test_pp2_hf_engine(tmp_path):
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_pp2_hf_engine(tmp_path, packed):
     out = tmp_path / "run"
     train(  # through `rlcli train --nproc 2`, which starts torchrun itself
         out,
@@ -130,6 +131,8 @@ def test_pp2_hf_engine(tmp_path):
         "trainer.total_steps=2",
         "checkpoint.save_freq=0",
         "actor.micro_batch_size=6",  # 16 samples -> 6, 6, 4: pipeline stages need equal sizes
+        # packed: micro-batches of whole sequences up to 6 x the longest, each one row
+        *(["actor.pack_sequences=true"] if packed else []),
         via_cli=True,
     )
     steps = records(out)

@@ -64,6 +64,55 @@ def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
         assert needle in proc.stderr, (needle, proc.stderr[-3000:])
 
 
+def _with_config(tmp_path: Path, model: Path, **changes) -> Path:
+    """A copy of `model` whose config.json has `changes`."""
+    import shutil
+
+    out = tmp_path / "changed_model"
+    shutil.copytree(model, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **changes}))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("config_changes", "overrides", "needles"),
+    [
+        ({}, ["model.attention_backend=te"], ["model.attention_backend=te", "not installed"]),
+        (
+            {},
+            ["actor.pack_sequences=true", "model.attention_backend=local"],
+            ["actor.pack_sequences=true", "model.attention_backend=sdpa"],
+        ),
+        (
+            {
+                "use_sliding_window": True,
+                "sliding_window": 16,
+                "layer_types": ["sliding_attention"],
+            },
+            ["actor.pack_sequences=true"],
+            ["pack_sequences=true", "sliding_window=16", "set pack_sequences=false"],
+        ),
+        (
+            {"attention_dropout": 0.1},
+            ["model.attention_backend=sdpa"],
+            ["model.attention_backend=sdpa does not implement", "attention_dropout"],
+        ),
+    ],
+)
+def test_model_settings_this_machine_or_model_cannot_serve(
+    tmp_path, model_dir, config_changes, overrides, needles
+):
+    from parallel.model_backends import transformer_engine_status
+
+    if "model.attention_backend=te" in overrides and transformer_engine_status()[0]:
+        pytest.skip("Transformer Engine is installed")
+    model = _with_config(tmp_path, model_dir, **config_changes) if config_changes else model_dir
+    rows = write_rows(tmp_path / "train.jsonl", [good_row(i) for i in range(8)])
+    proc = train(tmp_path, model, f"data.train_files=[{rows}]", *overrides)
+    assert_user_error(proc, *needles)
+
+
 def test_reward_function_that_does_not_import(tmp_path, model_dir):
     rows = write_rows(tmp_path / "train.jsonl", [good_row(i) for i in range(8)])
     proc = train(

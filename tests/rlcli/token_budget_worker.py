@@ -66,6 +66,7 @@ def config(mode: str, extra: list[str] = ()):
             "actor.entropy_coeff=0.01",
             "actor.use_kl_loss=true",
             "rollout.max_tokens=24",
+            "data.max_prompt_length=12",  # prompts of 2-9 tokens: a 60-token budget holds any row
             *extra,
         ],
     )
