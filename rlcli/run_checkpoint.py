@@ -244,6 +244,7 @@ class CheckpointManager:
             world_size=self.world_size,
             all_gather=self._all_gather,
         )
+        self._barrier()  # the manifest is in place (no temporary file of it) before the walk
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once per node: its ranks' files
             _fsync_tree(temporary)
         self._barrier()
