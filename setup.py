@@ -17,10 +17,12 @@ install_requires = [
     "pyarrow",
     "rich",
     "psutil",  # megatron-core dist_checkpointing
+    "peft==0.21.2",  # LoRA adapters: the config class of exported adapters, and the tests' reference
     "math-verify",
     "numpy",
     "matplotlib",  # benchmark chart
     "jinja2",  # sbatch templates
+    "jsonschema>=4.18",  # tool schemas (rlcli/tools/schema.py)
 ]
 
 extras_require = {

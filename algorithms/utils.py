@@ -41,25 +41,6 @@ def masked_mean(
     return masked_sum(values, mask, dim) / (count + 1e-8)
 
 
-def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance over all masked elements (a 0-dim tensor); unbiased (Bessel) by default as in verl.
-
-    Raises ValueError when fewer than two elements are masked and ``unbiased`` is set, because the
-    unbiased variance is undefined there (use a larger mini-batch).
-    """
-    mean = masked_mean(values, mask)
-    variance = masked_mean((values - mean) ** 2, mask)
-    if unbiased:
-        count = mask.sum()
-        if count < 2:
-            raise ValueError(
-                f"masked_var(unbiased=True) needs at least 2 masked elements, got {int(count)}; "
-                "use a larger mini-batch"
-            )
-        variance = variance * count / (count - 1)
-    return variance
-
-
 def masked_whiten(
     values: torch.Tensor,
     mask: torch.Tensor,
@@ -71,7 +52,7 @@ def masked_whiten(
     With ``shift_mean=False`` the mean is added back (only the scale is normalised).
     Output has the shape of ``values``; padding positions are not zeroed here. ``batch_sum``
     makes the statistics those of the whole batch when ``values`` is one share of it (the
-    same arithmetic as ``masked_mean`` / ``masked_var`` on the concatenated batch).
+    same arithmetic as on the concatenated batch).
     """
     total = batch_sum or _whole_batch
     count = total(mask.sum())
@@ -79,7 +60,7 @@ def masked_whiten(
     var = total(masked_sum((values - mean) ** 2, mask)) / (count + 1e-8)
     if count < 2:
         raise ValueError(
-            f"masked_var(unbiased=True) needs at least 2 masked elements, got {int(count)}; "
+            f"masked_whiten needs at least 2 masked elements (unbiased variance), got {int(count)}; "
             "use a larger mini-batch"
         )
     var = var * count / (count - 1)
@@ -128,15 +109,3 @@ def group_mean_std(
     group_size = size[group_ids]
     std = torch.sqrt(squared[group_ids] / (group_size - 1))
     return mean, std, group_size
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of ``softmax(logits)`` over the last dim: ``[..., vocab] -> [...]``.
-
-    Computed as ``-sum(p * log_softmax(z))``: ``log_softmax`` subtracts the max logit before
-    exponentiating, so huge logits (e.g. 1e4) neither overflow nor lose the entropy to
-    cancellation (verl's ``logsumexp(z) - sum(p * z)`` keeps only ~1e-3 absolute precision at
-    1e4 in fp32; the two agree to float round-off for ordinary logits). Logits must be finite.
-    """
-    log_probs = torch.log_softmax(logits, dim=-1)
-    return -(log_probs.exp() * log_probs).sum(dim=-1)

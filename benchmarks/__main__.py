@@ -28,7 +28,7 @@ def benchmark(
     sections: Optional[list[str]] = typer.Option(
         None,
         "--section",
-        help="Run only this section (repeatable): device, rollout, sync, train, grpo.",
+        help="Run only this section (repeatable): device, rollout, sync, train, lora, grpo.",
     ),
 ) -> None:
     """Benchmark rollout, weight sync, the actor update and a short GRPO run; write a report."""

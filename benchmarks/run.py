@@ -28,7 +28,7 @@ from benchmarks.workload import Workload, workload_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-SECTIONS = ("device", "rollout", "sync", "train", "grpo")
+SECTIONS = ("device", "rollout", "sync", "train", "lora", "grpo")
 SECTION_TIMEOUT_S = {"smoke": 300, "cpu": 900, "gpu": 1800}
 LOG_TAIL_LINES = 30
 

@@ -8,16 +8,17 @@ one section into the next; a smoke run saves the start-up cost and runs them all
     rollout  vLLM engine vs HF `generate` engine: new tokens/s, same model, prompts, sampling
     sync     parallel.reshard weight sync vs naive per-tensor gather-and-load vs memcpy floor
              (sync_section.py)
-    train    Megatron actor update (rlcli.policy) vs a plain HF + torch AdamW loop: tokens/s
+    train    Megatron actor update (rlcli.trained_model) vs a plain HF + torch AdamW loop: tokens/s
+             (train_section.py)
+    lora     the same update with LoRA adapters: tokens/s and peak memory against full fine-tuning,
+             and its weight sync merged vs adapter (lora_section.py)
     grpo     a short real `rlcli train` run of the quickstart recipe: per-phase time shares, and
              the plain PyTorch loop on the same model and batch (grpo.py)
 """
 
 from __future__ import annotations
 
-import gc
 import json
-import statistics
 import sys
 import time
 import traceback
@@ -26,35 +27,16 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import SEED, device, free_memory, random_token_ids, synchronize
 from benchmarks.grpo import grpo_section
 from benchmarks.hardware import detect_hardware, measure_matmul_flops
+from benchmarks.lora_section import lora_section
 from benchmarks.memory import measure_peak_memory
 from benchmarks.sync_section import sync_section
+from benchmarks.train_section import train_section
 from benchmarks.workload import Workload, ensure_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SEED = 1234
-
-
-def _device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def random_token_ids(rows: int, length: int, vocab_size: int, seed: int) -> torch.Tensor:
-    """[rows, length] int64 ids below vocab_size - 1 (the workload models' EOS is the last id)."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size - 1, (rows, length), generator=generator)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -64,7 +46,7 @@ def random_token_ids(rows: int, length: int, vocab_size: int, seed: int) -> torc
 def device_section(workload: Workload, work_dir: Path) -> dict:
     hardware = detect_hardware()
     dtype = getattr(torch, workload.dtype)
-    flops = measure_matmul_flops(workload.matmul_size, dtype, _device())
+    flops = measure_matmul_flops(workload.matmul_size, dtype, device())
     return {
         "hardware": hardware.to_dict(),
         "torch_threads": torch.get_num_threads(),
@@ -79,6 +61,7 @@ def device_section(workload: Workload, work_dir: Path) -> dict:
 
 
 def rollout_section(workload: Workload, work_dir: Path) -> dict:
+    from rlcli.config import RolloutConfig
     from rlcli.rollout import SamplingConfig, make_engine
 
     w = workload
@@ -102,24 +85,25 @@ def rollout_section(workload: Workload, work_dir: Path) -> dict:
     }
     for kind in ("hf", "vllm"):  # HF first: its memory is freed cleanly before vLLM starts
         with measure_peak_memory() as memory:
+            rollout = RolloutConfig(
+                engine=kind, kv_cache_gb=0.5, gpu_memory_utilization=0.4, load_format="auto"
+            )
             engine = make_engine(
-                kind,
+                rollout,
                 str(model_dir),
                 dtype=w.dtype,
                 seed=SEED,
-                kv_cache_gb=0.5,
-                gpu_memory_utilization=0.4,
                 max_model_len=w.rollout_prompt_len + w.rollout_max_tokens,
             )
             engine.generate(prompts, w.rollout_n, warmup)  # first calls allocate, pick kernels
-            _synchronize()
+            synchronize()
             start = time.perf_counter()
             completions = engine.generate(prompts, w.rollout_n, sampling)
-            _synchronize()
+            synchronize()
             seconds = time.perf_counter() - start
             engine.close()
             del engine
-            _free_memory()
+            free_memory()
         new_tokens = sum(len(c.token_ids) for group in completions for c in group)
         result[kind] = {
             "new_tokens": new_tokens,
@@ -131,185 +115,12 @@ def rollout_section(workload: Workload, work_dir: Path) -> dict:
     return result
 
 
-# ---------------------------------------------------------------------------------------------
-# training
-
-
-def _nll_loss(outputs: dict[str, torch.Tensor], micro_batch: dict[str, torch.Tensor]):
-    """Mean next-token negative log-likelihood of one micro-batch: outputs["log_probs"] is
-    [mb, S-1], the log-prob of token t+1 given tokens <= t."""
-    loss = -outputs["log_probs"].mean()
-    return loss, {"loss": loss.item()}
-
-
-def _time_steps(step: Callable[[], None], count: int) -> list[float]:
-    """Seconds of `count` calls of `step`, after one untimed warm-up call."""
-    step()
-    seconds = []
-    for _ in range(count):
-        _synchronize()
-        start = time.perf_counter()
-        step()
-        _synchronize()
-        seconds.append(time.perf_counter() - start)
-    return seconds
-
-
-def _throughput(seconds: list[float], tokens_per_step: int, params: int) -> dict:
-    mean = sum(seconds) / len(seconds)
-    tokens_per_s = tokens_per_step / mean
-    # 6 FLOPs per parameter per token: 2 forward, 4 backward (attention scores not counted).
-    return {
-        "step_seconds": seconds,
-        "tokens_per_s": tokens_per_s,
-        "flops_per_s": 6 * params * tokens_per_s,
-    }
-
-
-def train_section(workload: Workload, work_dir: Path) -> dict:
-    w = workload
-    model_dir = ensure_model(w.train_model, work_dir / "models", w.dtype)
-    rows = w.train_micro_batches * w.train_micro_batch_size
-    ids = random_token_ids(rows, w.train_seq_len, w.train_model.vocab_size, SEED).to(_device())
-    micro_batches = [
-        {"input_ids": chunk, "attention_mask": torch.ones_like(chunk)}
-        for chunk in ids.split(w.train_micro_batch_size)
-    ]
-    tokens_per_step = rows * w.train_seq_len
-    result: dict = {
-        "model": w.train_model.name,
-        "tokens_per_step": tokens_per_step,
-        "micro_batches": w.train_micro_batches,
-        "micro_batch_size": w.train_micro_batch_size,
-        "seq_len": w.train_seq_len,
-        "dtype": w.dtype,
-    }
-
-    with measure_peak_memory() as memory:
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        seconds, params = _megatron_training_steps(
-            model_dir, w.dtype, batch, w.train_micro_batch_size, w.train_steps
-        )
-        _free_memory()
-    result["params"] = params
-    result["megatron"] = {**_throughput(seconds, tokens_per_step, params),
-                          "memory": memory.to_dict()}  # fmt: skip
-
-    with measure_peak_memory() as memory:
-        seconds, hf_params = _hf_training_steps(model_dir, micro_batches, w.train_steps)
-        _free_memory()
-    result["hf_baseline"] = {**_throughput(seconds, tokens_per_step, hf_params),
-                             "memory": memory.to_dict()}  # fmt: skip
-    result["megatron_over_hf"] = (
-        result["megatron"]["tokens_per_s"] / result["hf_baseline"]["tokens_per_s"]
-    )
-    result["mixed_lengths"] = _mixed_length_update(w, model_dir)
-    return result
-
-
-def _mixed_length_update(w: Workload, model_dir: Path) -> dict:
-    """The actor update on rows of mixed lengths (uniform in [S/8, S]): fixed micro-batches of
-    `train_micro_batch_size` rows against a token budget of the same padded size
-    (`actor.max_tokens_per_micro_batch` = rows x S). Tokens/s counts real tokens only."""
-    from parallel.schedule import micro_batches
-
-    rows = 4 * w.train_micro_batches * w.train_micro_batch_size
-    ids = random_token_ids(rows, w.train_seq_len, w.train_model.vocab_size, SEED + 1)
-    generator = torch.Generator().manual_seed(SEED)
-    lengths = torch.randint(w.train_seq_len // 8, w.train_seq_len + 1, (rows,), generator=generator)
-    mask = (torch.arange(w.train_seq_len)[None] < lengths[:, None]).long()
-    batch = {"input_ids": (ids * mask).to(_device()), "attention_mask": mask.to(_device())}
-    real = int(mask.sum())
-    out: dict = {"rows": rows, "seq_len": w.train_seq_len, "real_tokens": real}
-    for name, budget in (
-        ("fixed", 0),
-        ("token_budget", w.train_micro_batch_size * w.train_seq_len),
-    ):
-        parts = micro_batches(batch, w.train_micro_batch_size, max_tokens=budget)
-        computed = sum(p["input_ids"].numel() for p in parts)
-        seconds, _ = _megatron_training_steps(
-            model_dir, w.dtype, batch, w.train_micro_batch_size, w.train_steps, max_tokens=budget
-        )
-        _free_memory()
-        out[name] = {
-            "micro_batches": len(parts),
-            "computed_tokens": computed,
-            "padded_fraction": 1 - real / computed,
-            "step_seconds": seconds,
-            # The median step: on a shared machine one slow step would skew a mean.
-            "tokens_per_s": real / statistics.median(seconds),
-        }
-    # Before per-micro-batch trimming every micro-batch kept the batch-wide S.
-    out["batch_wide_padded_fraction"] = 1 - real / (rows * w.train_seq_len)
-    out["budget_over_fixed"] = out["token_budget"]["tokens_per_s"] / out["fixed"]["tokens_per_s"]
-    return out
-
-
-def _megatron_training_steps(
-    model_dir: Path,
-    dtype: str,
-    batch: dict[str, torch.Tensor],
-    micro_batch_size: int,
-    steps: int,
-    max_tokens: int = 0,
-) -> tuple[list[float], int]:
-    """rlcli's actor (`rlcli.policy.MegatronPolicy`: megatron-core GPTModel, DDP, distributed
-    optimizer off, Adam, clipping at 1.0) on one process: seconds of each timed step, params."""
-    from parallel.mesh import destroy_parallel, init_parallel
-    from rlcli.policy import MegatronPolicy, OptimizerSettings
-
-    mesh = init_parallel(tp=1, pp=1, seed=SEED)
-    settings = OptimizerSettings(
-        lr=1e-5, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
-        clip_grad=1.0, warmup_steps=0, total_steps=steps + 1, decay_style="constant",
-        use_distributed_optimizer=False,
-    )  # fmt: skip
-    actor = MegatronPolicy(mesh, str(model_dir), dtype, optim=settings)
-    seconds = _time_steps(
-        lambda: actor.train_step(batch, micro_batch_size, _nll_loss, max_tokens=max_tokens), steps
-    )
-    params = len_unique_params(actor.models)
-    destroy_parallel()
-    return seconds, params
-
-
-def len_unique_params(models: list[torch.nn.Module]) -> int:
-    """Parameters held by `models`, a shared (tied) tensor counted once."""
-    seen = {id(p): p.numel() for model in models for p in model.parameters()}
-    return sum(seen.values())
-
-
-def _hf_training_steps(
-    model_dir: Path, micro_batches: list[dict[str, torch.Tensor]], steps: int
-) -> tuple[list[float], int]:
-    """The loop a user writes without a framework: HF model, torch AdamW, gradient accumulation
-    over the same micro-batches and loss (sum of per-micro-batch mean NLL), clipping at 1.0.
-    On GPU: fp32 weights and optimizer under bf16 autocast (as Megatron keeps fp32 main
-    parameters)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(_device())
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
-    on_gpu = torch.cuda.is_available()
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        for micro in micro_batches:
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu):
-                loss = model(input_ids=micro["input_ids"], labels=micro["input_ids"]).loss
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-
-    return _time_steps(step, steps), len_unique_params([model])
-
-
 SECTIONS: dict[str, Callable[[Workload, Path], dict]] = {
     "device": device_section,
     "rollout": rollout_section,
     "sync": sync_section,
     "train": train_section,
+    "lora": lora_section,
     "grpo": grpo_section,
 }
 

@@ -88,6 +88,7 @@ def main() -> None:
     from parallel.hf_model import load_hf_model
     from parallel.mesh import destroy_parallel, init_parallel
     from parallel.reshard import iter_inference_buckets, sync_weights
+    from rlcli.config import RolloutConfig
     from rlcli.rollout import make_engine
 
     mesh = init_parallel(tp=args.tp, pp=args.pp, seed=0)
@@ -98,9 +99,10 @@ def main() -> None:
     dist.broadcast_object_list(num_params, src=0)
 
     models = load_hf_model(model_dir, mesh)
-    engine = make_engine(
-        args.engine, model_dir, tp=args.rollout_tp, kv_cache_gb=0.05, max_model_len=128
+    rollout = RolloutConfig(
+        engine=args.engine, tp=args.rollout_tp, kv_cache_gb=0.05, load_format="auto"
     )
+    engine = make_engine(rollout, model_dir, max_model_len=128)
 
     num_bytes = sum(
         t.numel() * t.element_size()

@@ -82,6 +82,8 @@ class Workload:
     # bonus: the first sync size again from 2-process training layouts under torchrun
     # ("tp" or "pp" -> that size 2); skipped where fewer than 2 cores / GPUs are present
     sync_layouts: list[str] = field(default_factory=list)
+    # the lora section: adapters of this rank on every linear of the train model (alpha 2 x rank)
+    lora_rank: int = 16
 
     def to_dict(self) -> dict:
         return asdict(self)

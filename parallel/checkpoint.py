@@ -3,6 +3,10 @@
     save_checkpoint(ckpt_dir, models, mesh, optimizer=None, scheduler=None)   # collective
     load_checkpoint(ckpt_dir, models, mesh, optimizer=None, scheduler=None, strict=True)
 
+``adapters_only=True`` (both): only the model's LoRA adapters (``parallel.lora``) and, with the
+optimizer, their optimizer state (a LoRA optimizer holds nothing else); the frozen base is not
+written and, on load, keeps the weights it was built with (the HF model it came from).
+
 Every rank writes only the shards it owns (replicated tensors are written once: the writes
 are spread over data-parallel ranks), in megatron's ``torch_dist`` format: tensors are keyed
 by their GLOBAL name and offsets, so a checkpoint reads back at another TP / PP / VPP / DP
@@ -47,6 +51,7 @@ from megatron.core.optimizer import DistributedOptimizer, MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import unwrap_model
 
+from parallel.lora import ADAPTER_SUFFIX
 from parallel.mesh import Mesh
 
 # Optimizer state per model parameter, gathered over DP for the distributed optimizer:
@@ -60,8 +65,10 @@ def save_checkpoint(
     mesh: Mesh,
     optimizer: MegatronOptimizer | None = None,
     scheduler: OptimizerParamScheduler | None = None,
+    adapters_only: bool = False,
 ) -> None:
-    """Write the model chunks (and optimizer / scheduler state when given) to ``ckpt_dir``.
+    """Write the model chunks (and optimizer / scheduler state when given) to ``ckpt_dir``
+    (``adapters_only``: of the model, only its LoRA adapters).
 
     Collective over all ranks. ``ckpt_dir`` is created if needed; it should be empty (an
     existing checkpoint there is overwritten file by file, not removed).
@@ -70,7 +77,7 @@ def save_checkpoint(
     if dist.get_rank() == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    state = _sharded_state(models, optimizer, scheduler, is_loading=False)
+    state = _sharded_state(models, optimizer, scheduler, is_loading=False, adapters=adapters_only)
     strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), mesh.dp_group)
     dist_checkpointing.save(state, str(ckpt_dir), sharded_strategy=strategy)
     dist.barrier()
@@ -83,6 +90,7 @@ def load_checkpoint(
     optimizer: MegatronOptimizer | None = None,
     scheduler: OptimizerParamScheduler | None = None,
     strict: bool = True,
+    adapters_only: bool = False,
 ) -> list[str]:
     """Fill ``models`` (and ``optimizer`` / ``scheduler`` when given) from ``ckpt_dir``.
 
@@ -98,6 +106,8 @@ def load_checkpoint(
     with a warning). Without an optimizer, a bf16 / fp16 / distributed optimizer built before
     this call still holds the old fp32 main weights and its next step would write them back:
     call ``parallel.optim.reload_master_weights(optimizer)`` after a model-only load.
+    ``adapters_only``: read only the LoRA adapters (a checkpoint saved that way); the rest of
+    the model keeps its weights.
     """
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "metadata.json").is_file():
@@ -112,12 +122,14 @@ def load_checkpoint(
         # fresh optimizer is what was saved; its fp32 master weights must follow the model.
         from parallel.optim import reload_master_weights
 
-        changed += load_checkpoint(ckpt_dir, models, mesh, None, scheduler, strict)
+        changed += load_checkpoint(
+            ckpt_dir, models, mesh, None, scheduler, strict, adapters_only=adapters_only
+        )
         reload_master_weights(optimizer)
         return [*changed, "optimizer: the checkpoint holds no Adam moments; starting them fresh"]
     if optimizer is not None:
         _check_optimizer_loadable(optimizer)
-    state = _sharded_state(models, optimizer, scheduler, is_loading=True)
+    state = _sharded_state(models, optimizer, scheduler, is_loading=True, adapters=adapters_only)
     strategy = FullyParallelLoadStrategyWrapper(
         get_default_load_sharded_strategy(str(ckpt_dir)), mesh.dp_group
     )
@@ -130,7 +142,13 @@ def load_checkpoint(
         strict=StrictHandling.RAISE_UNEXPECTED if strict else StrictHandling.LOG_UNEXPECTED,
     )
     for key, chunk in zip(_model_keys(models), unwrap_model(models), strict=True):
-        chunk.load_state_dict(loaded[key], strict=strict)
+        if adapters_only:
+            missing = chunk.load_state_dict(loaded[key], strict=False).missing_keys
+            adapters_missing = [name for name in missing if _is_adapter_key(name)]
+            if strict and adapters_missing:
+                raise RuntimeError(f"{ckpt_dir}: no LoRA adapter tensor {adapters_missing[0]}")
+        else:
+            chunk.load_state_dict(loaded[key], strict=strict)
     if optimizer is not None:
         from parallel.optim import group_hyperparameters, restore_group_hyperparameters
 
@@ -175,6 +193,11 @@ def _check_optimizer_loadable(optimizer: MegatronOptimizer) -> None:
             )
 
 
+def _is_adapter_key(name: str) -> bool:
+    """A LoRA adapter tensor's state-dict key (...linear_qkv_lora.q_proj.lora_A)."""
+    return f"{ADAPTER_SUFFIX}." in name
+
+
 def _model_keys(models: list[torch.nn.Module]) -> list[str]:
     # Megatron's own naming. Tensor keys inside are global, so this nesting does not tie a
     # checkpoint to a number of virtual stages.
@@ -187,12 +210,19 @@ def _sharded_state(
     scheduler: OptimizerParamScheduler | None,
     *,
     is_loading: bool,
+    adapters: bool = False,
 ) -> dict[str, Any]:
     # Unwrapped (no DDP "module." prefix), as megatron's own checkpointing does.
     state: dict[str, Any] = {
         key: chunk.sharded_state_dict()
         for key, chunk in zip(_model_keys(models), unwrap_model(models), strict=True)
     }
+    if adapters:
+        # The optimizer's entries are built from these: a LoRA optimizer tracks only adapters.
+        state = {
+            key: {name: value for name, value in entries.items() if _is_adapter_key(name)}
+            for key, entries in state.items()
+        }
     if optimizer is not None:
         # Built from the model entries: optimizer state is keyed by the model tensors' names.
         state["optimizer"] = optimizer.sharded_state_dict(

@@ -53,10 +53,6 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def is_cpu_compat_enabled() -> bool:
-    return _enabled
-
-
 def _is_cuda_device(value: Any) -> bool:
     if isinstance(value, torch.device):
         return value.type == "cuda"

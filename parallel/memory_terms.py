@@ -30,7 +30,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from parallel.model_shapes import ModelShape, max_stage_params, padded_vocab
+from parallel.model_shapes import (
+    LORA_TARGET_MODULES,
+    ModelShape,
+    lora_stage_params,
+    max_stage_params,
+    padded_vocab,
+)
 
 GB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -80,14 +86,38 @@ class TrainedModel:
     offload_params: bool = False
     offload_grads: bool = False
     offload_optimizer: bool = False
+    # LoRA (parallel.lora): rank 0 is full fine-tuning. With adapters the base is frozen: only
+    # the adapters have gradients and optimizer state.
+    lora_rank: int = 0
+    lora_target_modules: tuple[str, ...] = LORA_TARGET_MODULES
 
     @property
     def params(self) -> int:
+        """Base parameters on the busiest rank."""
         return max_stage_params(self.shape, tp=self.tp, pp=self.pp, critic=self.critic)
+
+    @property
+    def lora_params(self) -> int:
+        """Adapter parameters on one rank (0 without LoRA); every stage holds the same count."""
+        if self.lora_rank <= 0:
+            return 0
+        return lora_stage_params(
+            self.shape,
+            tp=self.tp,
+            pp=self.pp,
+            rank=self.lora_rank,
+            target_modules=self.lora_target_modules,
+        )
+
+    @property
+    def trainable_params(self) -> int:
+        """Parameters with gradients and optimizer state: the adapters with LoRA, else all."""
+        return self.lora_params if self.lora_rank > 0 else self.params
 
 
 def weight_bytes(model: TrainedModel) -> int:
-    return model.params * DTYPE_BYTES[model.dtype]  # [MCORE] 16-bit (or fp32) model weights
+    # [MCORE] 16-bit (or fp32) model weights; LoRA adapters are in the model dtype too
+    return (model.params + model.lora_params) * DTYPE_BYTES[model.dtype]
 
 
 def grad_numel_bytes(params: int, *, dtype: str, grad_reduce_in_fp32: bool = True) -> int:
@@ -106,14 +136,14 @@ def optimizer_state_numel(params: int, *, dtype: str, dp: int = 1, distributed: 
 
 def grad_bytes(model: TrainedModel) -> int:
     return grad_numel_bytes(
-        model.params, dtype=model.dtype, grad_reduce_in_fp32=model.grad_reduce_in_fp32
+        model.trainable_params, dtype=model.dtype, grad_reduce_in_fp32=model.grad_reduce_in_fp32
     )
 
 
 def optimizer_bytes(model: TrainedModel, *, distributed: bool | None = None) -> int:
     distributed = model.distributed_optimizer if distributed is None else distributed
     return 4 * optimizer_state_numel(
-        model.params, dtype=model.dtype, dp=model.dp, distributed=distributed
+        model.trainable_params, dtype=model.dtype, dp=model.dp, distributed=distributed
     )
 
 

@@ -8,8 +8,8 @@ Public API (stable):
     Mesh: frozen dataclass
         world_size, rank, local_rank, tp, pp, dp, vpp, tp_rank, pp_rank, dp_rank,
         is_first_stage, is_last_stage                     (ints / bools, ignoring virtual stages)
-        tp_group, pp_group, dp_group, model_parallel_group (torch ProcessGroups, properties)
-        first_stage_global_rank(), last_stage_global_rank() (global ranks of this rank's pipeline)
+        tp_group, pp_group, dp_group (torch ProcessGroups, properties)
+        last_stage_global_rank() (the global rank of this rank's pipeline's last stage)
         broadcast_from_last_stage(tensor)                  (in place, over the pp group)
         broadcast_object_from_last_stage(obj) -> obj       (picklable objects, over the pp group)
 
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
 from parallel.cpu_compat import enable_cpu_compat
 
@@ -72,15 +72,6 @@ class Mesh:
     @property
     def dp_group(self) -> dist.ProcessGroup:
         return parallel_state.get_data_parallel_group()
-
-    @property
-    def model_parallel_group(self) -> dist.ProcessGroup:
-        """TP x PP ranks holding one full model replica."""
-        return parallel_state.get_model_parallel_group()
-
-    def first_stage_global_rank(self) -> int:
-        """Global rank of the first pipeline stage in this rank's pipeline (same TP / DP rank)."""
-        return parallel_state.get_pipeline_model_parallel_first_rank()
 
     def last_stage_global_rank(self) -> int:
         """Global rank of the last pipeline stage in this rank's pipeline (same TP / DP rank)."""
@@ -183,3 +174,14 @@ def destroy_parallel() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def rng_tracker_states() -> dict[str, torch.Tensor]:
+    """megatron's named RNG streams (`get_cuda_rng_tracker`: per-TP-rank dropout, e.g. a LoRA
+    adapter's on a TP-split input), copied; empty before `init_parallel`. A checkpoint keeps
+    them so a resumed run draws the masks the uninterrupted run would."""
+    return {name: state.clone() for name, state in get_cuda_rng_tracker().get_states().items()}
+
+
+def set_rng_tracker_states(states: dict[str, torch.Tensor]) -> None:
+    get_cuda_rng_tracker().set_states({name: state.clone() for name, state in states.items()})

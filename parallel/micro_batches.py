@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 
 ROW_KEY = "row_index"
+# The masks every loss and metric reads: zero on the filler rows of an equal-size micro-batch.
+FILLER_ZEROED_MASKS = ("response_mask", "loss_mask")
 
 
 def micro_batches(
@@ -33,8 +35,8 @@ def micro_batches(
     ``equal_sizes`` (pipeline parallelism: its stages exchange fixed-shape activations) keeps the
     batch-wide ``S`` and ``R`` and gives every micro-batch the same number of rows: the token
     budget becomes ``max(1, max_tokens // S)`` rows, and a short last micro-batch is filled with
-    copies of its first row; when the batch has a ``response_mask`` the copies get a zero mask,
-    so every loss and metric ignores them (callers that read outputs per row cut them off at the
+    copies of its first row; the copies get zero ``FILLER_ZEROED_MASKS`` (where the batch has
+    them), so every loss and metric ignores them (callers that read outputs per row cut them off at the
     batch size or use ``ROW_KEY``).
     """
     batch = next(iter(tensors.values())).shape[0]
@@ -56,8 +58,9 @@ def micro_batches(
         missing = micro_batch_size - len(groups[-1])
         if missing > 0:
             filler = {k: v[:1].expand(missing, *v.shape[1:]) for k, v in parts[-1].items()}
-            if "response_mask" in filler:
-                filler["response_mask"] = torch.zeros_like(filler["response_mask"])
+            for key in FILLER_ZEROED_MASKS:
+                if key in filler:
+                    filler[key] = torch.zeros_like(filler[key])
             parts[-1] = {k: torch.cat([v, filler[k]]) for k, v in parts[-1].items()}
         return parts
     return [_trim(part, tensors) for part in parts]

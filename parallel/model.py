@@ -6,8 +6,9 @@ Public API (stable):
     transformer_config_from_hf(hf_config, *, tp, pp, vpp=None, dtype=torch.float32,
                                sequence_parallel=False, transformer_impl="local",
                                recompute=None) -> TransformerConfig
-    build_model(hf_config, mesh, *, dtype=torch.float32, critic=False, sequence_parallel=False,
-                transformer_impl="auto", recompute=None) -> list[torch.nn.Module]
+    build_model(hf_config, mesh, *, dtype=torch.float32, critic=False, head_bias=True,
+                sequence_parallel=False, transformer_impl="auto", recompute=None)
+                -> list[torch.nn.Module]
     resolve_transformer_impl(transformer_impl) -> "transformer_engine" | "local"
     check_model_settings(transformer_impl, sequence_parallel, tp) -> resolved transformer_impl
     transformer_engine_status() -> (importable, reason)
@@ -49,7 +50,8 @@ Forward call (megatron-core 0.16 - 0.19):
     Output on the post_process chunk:
         policy: logits [b, s, padded_vocab / tp] (this TP rank's vocab slice, fp32 in fp32 runs;
                 with labels=... GPTModel returns the per-token CE loss [b, s] instead)
-        critic: values [b, s] (ValueHead; sequence-parallel input is gathered first)
+        critic: values [b, s] (ValueHead; sequence-parallel input is gathered first); a reward
+                model is one with `head_bias=False` (`parallel.reward_model`).
     Output of other chunks: hidden states [s, b, h] (sequence-first; [s/tp, b, h] with sequence
     parallelism), which the pipeline schedule sends to the next stage.
 """
@@ -269,21 +271,23 @@ def transformer_config_from_hf(
 
 
 class ValueHead(torch.nn.Module):
-    """Critic head replacing GPTModel.output_layer: hidden [s, b, h] -> values [s, b].
+    """Scalar head replacing GPTModel.output_layer: hidden [s, b, h] -> values [s, b].
 
-    GPTModel transposes its output layer's result to batch-first, so the critic chunk returns
-    values [b, s]. The head is replicated on every TP rank (its input is TP-replicated after the
-    final norm; with sequence parallelism the sequence shards are gathered first). Its weights
-    map to HF `score.weight` [1, h] / `score.bias` [1] (as in *ForTokenClassification).
+    GPTModel transposes its output layer's result to batch-first, so the chunk returns values
+    [b, s]. The head is replicated on every TP rank (its input is TP-replicated after the final
+    norm; with sequence parallelism the sequence shards are gathered first). Its weights map to
+    HF `score.weight` [1, h] and, with `bias=True`, `score.bias` [1]: a PPO critic's head has a
+    bias (as *ForTokenClassification), a reward model's none (as *ForSequenceClassification).
     """
 
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, bias: bool = True) -> None:
         super().__init__()
         self.sequence_parallel = config.sequence_parallel
-        self.value = torch.nn.Linear(config.hidden_size, 1, dtype=config.params_dtype)
+        self.value = torch.nn.Linear(config.hidden_size, 1, bias=bias, dtype=config.params_dtype)
         with torch.no_grad():
             config.init_method(self.value.weight)
-            self.value.bias.zero_()
+            if bias:
+                self.value.bias.zero_()
 
     def forward(
         self,
@@ -297,7 +301,8 @@ class ValueHead(torch.nn.Module):
 
 
 class CriticGPTModel(GPTModel):
-    """A GPTModel whose output layer is a ValueHead (`build_model(critic=True)`)."""
+    """A GPTModel whose output layer is a ValueHead (`build_model(critic=True)`): a PPO critic
+    or a reward model."""
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
@@ -342,12 +347,14 @@ def build_model(
     *,
     dtype: torch.dtype = torch.float32,
     critic: bool = False,
+    head_bias: bool = True,
     sequence_parallel: bool = False,
     transformer_impl: str = "auto",
     recompute: dict[str, Any] | None = None,
 ) -> list[torch.nn.Module]:
     """GPTModel chunks for this rank (see module docstring); randomly initialised — load weights
-    with `parallel.convert.load_hf_weights`. `critic=True` swaps the LM head for a ValueHead.
+    with `parallel.convert.load_hf_weights`. `critic=True` swaps the LM head for a ValueHead,
+    with a bias unless `head_bias=False` (a reward model's score head).
     `sequence_parallel=True` (TP > 1) needs Transformer Engine. `recompute`: activation
     recomputation fields for TransformerConfig. Raises ModelConfigError for a setting this
     machine cannot build (see `resolve_transformer_impl`)."""
@@ -379,7 +386,7 @@ def build_model(
             **_rope_model_kwargs(hf_config),
         )
         if critic and post_process:
-            chunk.output_layer = ValueHead(config)
+            chunk.output_layer = ValueHead(config, bias=head_bias)
             _same_on_tensor_parallel_ranks(chunk.output_layer)
         chunk.unpadded_vocab_size = hf_config.vocab_size
         chunk.hf_config = hf_config  # lets parallel.convert export without being handed it

@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# The Megatron linears of a layer that take LoRA adapters (parallel.lora), in layer order.
+LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -98,3 +101,47 @@ def stage_params(shape: ModelShape, *, tp: int, pp: int, pp_rank: int, critic: b
 
 def max_stage_params(shape: ModelShape, *, tp: int, pp: int, critic: bool = False) -> int:
     return max(stage_params(shape, tp=tp, pp=pp, pp_rank=r, critic=critic) for r in range(pp))
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA adapters (exact for parallel.lora; checked against the built adapters by
+# tests/parallel/lora_worker.py at TP1, TP2 and PP2)
+
+
+def lora_target_features(shape: ModelShape, target: str) -> list[tuple[int, int, str]]:
+    """(in_features, out_features, "column" | "row") of each HF module a Megatron linear holds:
+    linear_qkv is q, k, v; linear_proj o; linear_fc1 gate, up; linear_fc2 down."""
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    return {
+        "linear_qkv": [(shape.hidden, n, "column") for n in (q, kv, kv)],
+        "linear_proj": [(q, shape.hidden, "row")],
+        "linear_fc1": [(shape.hidden, shape.ffn, "column")] * 2,
+        "linear_fc2": [(shape.ffn, shape.hidden, "row")],
+    }[target]
+
+
+def lora_layer_params(
+    shape: ModelShape, *, tp: int, rank: int, target_modules: tuple[str, ...]
+) -> int:
+    """One layer's adapter parameters on one TP rank: per HF module A [r, in] and B [out, r];
+    column-parallel modules split B's rows over TP, row-parallel ones A's columns."""
+    count = 0
+    for target in target_modules:
+        for fan_in, fan_out, parallel in lora_target_features(shape, target):
+            if parallel == "column":
+                count += rank * fan_in + fan_out // tp * rank
+            else:
+                count += rank * fan_in // tp + fan_out * rank
+    return count
+
+
+def lora_stage_params(
+    shape: ModelShape, *, tp: int, pp: int, rank: int, target_modules: tuple[str, ...]
+) -> int:
+    """Adapter parameters (all trainable) on one (TP rank, pipeline stage); the same on every
+    stage, since layers split evenly. `target_modules`: names from LORA_TARGET_MODULES."""
+    unknown = set(target_modules) - set(LORA_TARGET_MODULES)
+    if unknown:
+        raise ValueError(f"unknown LoRA target modules {sorted(unknown)}: {LORA_TARGET_MODULES}")
+    per_layer = lora_layer_params(shape, tp=tp, rank=rank, target_modules=target_modules)
+    return shape.layers // pp * per_layer

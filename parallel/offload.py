@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from megatron.core.utils import unwrap_model
 
 KINDS = ("params", "grads", "optimizer")
 _ALIGN = 512  # bytes: keep each storage's slice of the host buffer DMA-friendly
@@ -59,10 +60,6 @@ class TransferStats:
     bytes: int = 0
     seconds: float = 0.0
 
-    def metrics(self, name: str) -> dict[str, float]:
-        """`{"timing/<name>": s, "<name>/bytes_gb": GB}`, e.g. name="offload"."""
-        return {f"timing/{name}": self.seconds, f"{name}/bytes_gb": self.bytes / 1e9}
-
 
 @dataclass
 class _Moved:
@@ -74,10 +71,6 @@ class _Moved:
 def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
     """A flat uint8 tensor over the whole storage (any dtype, any view layout)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return getattr(model, "module", model)
 
 
 def _sub_optimizers(optimizer: Any) -> list[Any]:
@@ -102,7 +95,7 @@ class Offloader:
     # -- which storages belong to which kind ---------------------------------------------
 
     def _param_tensors(self) -> list[torch.Tensor]:
-        return [p.data for m in self.models for p in _unwrap(m).parameters()]
+        return [p.data for m in self.models for p in unwrap_model(m).parameters()]
 
     def _grad_tensors(self) -> list[torch.Tensor]:
         tensors = []
@@ -152,6 +145,7 @@ class Offloader:
     # -- moving ---------------------------------------------------------------------------
 
     def is_offloaded(self, kind: str) -> bool:
+        """Whether ``kind`` is on the host now (offloaded and not yet onloaded)."""
         return kind in self._moved
 
     def offload(
@@ -187,9 +181,6 @@ class Offloader:
                 moved += self._onload_kind(kind)
         self._synchronize()
         return TransferStats(moved, time.perf_counter() - start)
-
-    def onload_all(self) -> TransferStats:
-        return self.onload(params=True, grads=True, optimizer=True)
 
     def _host_buffer(self, kind: str, nbytes: int) -> torch.Tensor:
         """The kind's pinned host buffer, allocated once (and again only if the state grew,

@@ -2,10 +2,17 @@
 
 Public API (stable):
 
-    iter_inference_buckets(models, mesh, bucket_mb=0) -> Iterator[list[(hf_name, tensor)]]
+    iter_inference_buckets(models, mesh, bucket_mb=0, merge_lora=True)
+        -> Iterator[list[(hf_name, tensor)]]
         Collective: every rank of the job iterates it to the end and gets every bucket.
         bucket_mb <= 0: AUTO_BUCKET_MB, i.e. a small model travels as one bucket per stage.
-    sync_weights(models, mesh, engine, bucket_mb=0) -> SyncStats
+        A model with LoRA adapters (parallel.lora) gives the MERGED weights W + (alpha/r) B A
+        of every adapted HF module (computed per bucket; the trainer's base stays unmerged);
+        merge_lora=False gives the base weights.
+    iter_adapter_buckets(models, mesh, bucket_mb=0) -> Iterator[list[(peft_name, tensor)]]
+        Only the LoRA adapters, full tensors under PEFT's names
+        (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`); collective.
+    sync_weights(models, mesh, engine, bucket_mb=0, merge_lora=True) -> SyncStats
         Streams the buckets into `engine.load_weights(list)` (any object with that method).
     SyncStats(bytes, seconds, gbps, num_buckets)
 
@@ -39,10 +46,12 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from megatron.core.utils import unwrap_model
 
 from parallel import cpu_compat
-from parallel.convert.mapping import ParamMapping, megatron_to_hf, param_mappings
+from parallel.convert.mapping import megatron_to_hf, param_mappings
 from parallel.cpu_compat import device
+from parallel.lora import adapter_params, lora_spec_of, peft_tensor_name
 from parallel.mesh import Mesh
 
 # The default bucket cap. Every bucket costs the engine one load call (vLLM: an RPC, a prefix
@@ -71,6 +80,8 @@ class _Entry:
     local_shape: tuple[int, ...]  # the shard on one TP rank
     partition_dim: int | None  # None: replicated across TP
     dtype: torch.dtype
+    module: str  # the unit of packing: a Megatron module and its LoRA adapters
+    lora: tuple[str, str] | None = None  # a LoRA tensor: (HF module, "A" | "B")
 
     def full_shape(self, tp: int) -> tuple[int, ...]:
         shape = list(self.local_shape)
@@ -89,14 +100,51 @@ class _Bucket:
     dtype: torch.dtype
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):  # megatron DDP / Float16Module wrappers
-        chunk = chunk.module
-    return chunk
-
-
 def _module_of(global_name: str) -> str:
     return global_name.rpartition(".")[0]
+
+
+def _base_entries(
+    chunks: list[torch.nn.Module], hf_config: Any, mesh: Mesh, lora: bool
+) -> tuple[list[_Entry], dict[str, torch.Tensor]]:
+    """The exported base parameters (with each adapted linear's adapters right after it when
+    `lora`) as (entries, {global_name: local tensor})."""
+    mappings = [
+        m for m in param_mappings(chunks, hf_config, mesh.tp, mesh.tp_rank) if not m.skip_export
+    ]
+    adapters: dict[str, list[_Entry]] = {}
+    tensors = {m.global_name: m.param for m in mappings}
+    for entry, param in _adapter_entries(chunks) if lora else ():
+        adapters.setdefault(entry.module, []).append(entry)
+        tensors[entry.global_name] = param
+    entries = []
+    for index, m in enumerate(mappings):
+        module = _module_of(m.global_name)
+        entries.append(
+            _Entry(m.global_name, tuple(m.param.shape), m.partition_dim, m.param.dtype, module)
+        )
+        if index + 1 == len(mappings) or _module_of(mappings[index + 1].global_name) != module:
+            entries += adapters.pop(module, [])
+    if adapters:
+        raise RuntimeError(f"LoRA adapters of unknown linears: {sorted(adapters)}")
+    return entries, tensors
+
+
+def _adapter_entries(chunks: list[torch.nn.Module]) -> list[tuple[_Entry, torch.Tensor]]:
+    return [
+        (
+            _Entry(
+                a.global_name,
+                tuple(a.param.shape),
+                a.partition_dim,
+                a.param.dtype,
+                a.linear_name,
+                (a.hf_module, a.matrix),
+            ),
+            a.param,
+        )
+        for a in adapter_params(chunks)
+    ]
 
 
 def _plan(mesh: Mesh, entries: list[_Entry], bucket_bytes: int) -> list[_Bucket]:
@@ -107,10 +155,10 @@ def _plan(mesh: Mesh, entries: list[_Entry], bucket_bytes: int) -> list[_Bucket]
         dist.all_gather_object(per_stage, entries, group=mesh.pp_group)
     buckets = []
     for stage, stage_entries in enumerate(per_stage):
-        # Modules (consecutive entries with the same prefix) are the unit of packing.
+        # Modules (consecutive entries of one module) are the unit of packing.
         modules: list[list[_Entry]] = []
         for entry in stage_entries:
-            if modules and _module_of(modules[-1][-1].global_name) == _module_of(entry.global_name):
+            if modules and modules[-1][-1].module == entry.module:
                 modules[-1].append(entry)
             else:
                 modules.append([entry])
@@ -129,13 +177,13 @@ def _plan(mesh: Mesh, entries: list[_Entry], bucket_bytes: int) -> list[_Bucket]
     return buckets
 
 
-def _gather_full(bucket: _Bucket, by_name: dict[str, ParamMapping], mesh: Mesh) -> torch.Tensor:
+def _gather_full(bucket: _Bucket, by_name: dict[str, torch.Tensor], mesh: Mesh) -> torch.Tensor:
     """On the bucket's own stage: the bucket's full tensors, flattened back to back."""
     tp = mesh.tp
     sharded = [e for e in bucket.entries if e.partition_dim is not None and tp > 1]
     gathered = None
     if sharded:
-        local = torch.cat([by_name[e.global_name].param.detach().reshape(-1) for e in sharded])
+        local = torch.cat([by_name[e.global_name].detach().reshape(-1) for e in sharded])
         gathered = torch.empty(tp * local.numel(), dtype=local.dtype, device=local.device)
         # One collective straight into one flat buffer (NCCL's native all-gather; a list of
         # outputs would cost NCCL an extra copy). gloo takes this flat form too.
@@ -153,73 +201,116 @@ def _gather_full(bucket: _Bucket, by_name: dict[str, ParamMapping], mesh: Mesh) 
             torch.cat([s.view(entry.local_shape) for s in shards], dim=entry.partition_dim, out=out)
             shard_offset += shard_numel
         else:
-            out.copy_(by_name[entry.global_name].param.detach())
+            out.copy_(by_name[entry.global_name].detach())
         offset += numel
     return flat
 
 
-@torch.no_grad()
-def iter_inference_buckets(
-    models: Sequence[torch.nn.Module], mesh: Mesh, bucket_mb: float = 0
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Every rank gets every bucket of full HF tensors (module docstring); collective.
-
-    Tensors are on `cpu_compat.device()` in the model's dtype; each bucket's tensors share one
-    buffer, freed when the caller drops them (at TP1 x PP1: views of the parameters; copy them
-    before the next optimizer step if they must be kept).
-    """
-    chunks = [_unwrap(chunk) for chunk in models]
-    hf_config: Any = chunks[0].hf_config
-    mappings = [
-        m for m in param_mappings(chunks, hf_config, mesh.tp, mesh.tp_rank) if not m.skip_export
-    ]
-    by_name = {m.global_name: m for m in mappings}
-    entries = [
-        _Entry(m.global_name, tuple(m.param.shape), m.partition_dim, m.param.dtype)
-        for m in mappings
-    ]
+def _iter_full(
+    mesh: Mesh, entries: list[_Entry], tensors: dict[str, torch.Tensor], bucket_mb: float
+) -> Iterator[tuple[list[tuple[_Entry, torch.Tensor]], bool]]:
+    """Per bucket: its (entry, full Megatron tensor) pairs, and whether the tensors are a fresh
+    buffer (False: views of this rank's parameters, which must not be written)."""
     bucket_bytes = max(1, int((bucket_mb if bucket_mb > 0 else AUTO_BUCKET_MB) * 2**20))
     for bucket in _plan(mesh, entries, bucket_bytes):
         if mesh.pp == 1 and all(e.partition_dim is None or mesh.tp == 1 for e in bucket.entries):
             # Nothing to gather or send: the parameters themselves (views, no copy; every
             # engine copies what it loads), which saves one pass over the model's bytes.
-            yield [
-                item
-                for e in bucket.entries
-                for item in megatron_to_hf(
-                    hf_config, mesh.tp, e.global_name, by_name[e.global_name].param.detach()
-                )
-            ]
+            yield [(e, tensors[e.global_name].detach()) for e in bucket.entries], False
             continue
         if bucket.stage == mesh.pp_rank:
-            flat = _gather_full(bucket, by_name, mesh)
+            flat = _gather_full(bucket, tensors, mesh)
         else:
             total = sum(e.full_numel(mesh.tp) for e in bucket.entries)
             flat = torch.empty(total, dtype=bucket.dtype, device=device())
         if mesh.pp > 1:
             source = dist.get_global_rank(mesh.pp_group, bucket.stage)
             dist.broadcast(flat, src=source, group=mesh.pp_group)
-        hf_tensors = []
-        offset = 0
+        pairs, offset = [], 0
         for entry in bucket.entries:
             numel = entry.full_numel(mesh.tp)
-            full = flat[offset : offset + numel].view(entry.full_shape(mesh.tp))
-            hf_tensors += megatron_to_hf(hf_config, mesh.tp, entry.global_name, full)
+            pairs.append((entry, flat[offset : offset + numel].view(entry.full_shape(mesh.tp))))
             offset += numel
-        yield hf_tensors
+        yield pairs, True
+
+
+def _merged(
+    hf_tensors: list[tuple[str, torch.Tensor]],
+    adapters: dict[tuple[str, str], torch.Tensor],
+    scaling: float,
+    owned: bool,
+) -> list[tuple[str, torch.Tensor]]:
+    """`hf_tensors` with W + scaling * B @ A for each HF module whose A and B are given: in
+    place in a bucket's own buffer, else (views of the trainer's parameters) a new tensor."""
+    merged = []
+    for name, weight in hf_tensors:
+        hf_module = name.removesuffix(".weight")
+        if name.endswith(".weight") and (hf_module, "A") in adapters:
+            a, b = adapters[(hf_module, "A")], adapters[(hf_module, "B")]
+            if owned:
+                weight = weight.addmm_(b, a, alpha=scaling)
+            else:
+                weight = torch.addmm(weight, b, a, alpha=scaling)
+        merged.append((name, weight))
+    return merged
+
+
+@torch.no_grad()
+def iter_inference_buckets(
+    models: Sequence[torch.nn.Module], mesh: Mesh, bucket_mb: float = 0, merge_lora: bool = True
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Every rank gets every bucket of full HF tensors (module docstring); collective.
+
+    Tensors are on `cpu_compat.device()` in the model's dtype; each bucket's tensors share one
+    buffer, freed when the caller drops them (at TP1 x PP1: views of the parameters, except
+    merged LoRA weights; copy them before the next optimizer step if they must be kept).
+    """
+    chunks = unwrap_model(list(models))  # megatron DDP / Float16Module wrappers
+    hf_config: Any = chunks[0].hf_config
+    spec = lora_spec_of(chunks) if merge_lora else None
+    entries, tensors = _base_entries(chunks, hf_config, mesh, lora=spec is not None)
+    for pairs, owned in _iter_full(mesh, entries, tensors, bucket_mb):
+        hf_tensors, adapters = [], {}
+        for entry, full in pairs:
+            if entry.lora is not None:
+                adapters[entry.lora] = full
+            else:
+                hf_tensors += megatron_to_hf(hf_config, mesh.tp, entry.global_name, full)
+        yield _merged(hf_tensors, adapters, spec.scaling, owned) if adapters else hf_tensors
+
+
+@torch.no_grad()
+def iter_adapter_buckets(
+    models: Sequence[torch.nn.Module], mesh: Mesh, bucket_mb: float = 0
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The LoRA adapters only, full tensors under PEFT's names; collective (module docstring).
+    At TP1 x PP1 the tensors are views of the adapter parameters."""
+    chunks = unwrap_model(list(models))  # megatron DDP / Float16Module wrappers
+    if lora_spec_of(chunks) is None:
+        raise ValueError("the model has no LoRA adapters (parallel.lora.apply_lora)")
+    pairs = _adapter_entries(chunks)
+    entries = [entry for entry, _ in pairs]
+    tensors = {entry.global_name: param for entry, param in pairs}
+    for bucket, _ in _iter_full(mesh, entries, tensors, bucket_mb):
+        yield [(peft_tensor_name(*entry.lora), full) for entry, full in bucket]
 
 
 def sync_weights(
-    models: Sequence[torch.nn.Module], mesh: Mesh, engine: WeightConsumer, bucket_mb: float = 0
+    models: Sequence[torch.nn.Module],
+    mesh: Mesh,
+    engine: WeightConsumer,
+    bucket_mb: float = 0,
+    merge_lora: bool = True,
 ) -> SyncStats:
-    """Stream the model into `engine.load_weights`, one bucket per call (collective)."""
+    """Stream the model into `engine.load_weights`, one bucket per call (collective); a LoRA
+    model's adapters merged unless merge_lora=False (see iter_inference_buckets)."""
     start = time.perf_counter()
     num_bytes, num_buckets = 0, 0
     # Gathering is plain torch and collectives, loading is the engine's: nothing here calls
     # megatron-core, and under the CPU device mode vLLM's per-layer reload took a detour through
     # Python for every torch call (a third of a CPU sync).
     with cpu_compat.suspended():
-        for bucket in iter_inference_buckets(models, mesh, bucket_mb):
+        for bucket in iter_inference_buckets(models, mesh, bucket_mb, merge_lora):
             engine.load_weights(bucket)
             num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
             num_buckets += 1

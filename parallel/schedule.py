@@ -163,10 +163,38 @@ def forward_log_probs(
     padding hold meaningless values; mask them with ``attention_mask[:, 1:]``. ``max_tokens``
     > 0 cuts micro-batches by a token budget instead of ``micro_batch_size`` (``micro_batches``).
     """
-    batch, seq_len = input_ids.shape
-    rows = torch.arange(batch)
+    return _forward_rows(
+        models, mesh, input_ids, attention_mask, micro_batch_size, temperature, max_tokens
+    )
+
+
+def forward_values(
+    models: list[torch.nn.Module],
+    mesh: Mesh,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    micro_batch_size: int,
+    max_tokens: int = 0,
+) -> torch.Tensor:
+    """A value model's outputs ``[b, S]`` (float32, on every model-parallel rank); as
+    ``forward_log_probs`` otherwise (values on padding are meaningless)."""
+    return _forward_rows(models, mesh, input_ids, attention_mask, micro_batch_size, 1.0, max_tokens)
+
+
+def _forward_rows(
+    models: list[torch.nn.Module],
+    mesh: Mesh,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    micro_batch_size: int,
+    temperature: float,
+    max_tokens: int,
+) -> torch.Tensor:
+    """The no-grad forward of a batch, micro-batched, each row's output put back at its row:
+    ``log_probs`` of a policy model or ``values`` of a value model, ``[b, <= S]`` on device()."""
+    batch = input_ids.shape[0]
     chunks = micro_batches(
-        {"input_ids": input_ids, "attention_mask": attention_mask, ROW_KEY: rows},
+        {"input_ids": input_ids, "attention_mask": attention_mask, ROW_KEY: torch.arange(batch)},
         micro_batch_size,
         equal_sizes=mesh.pp > 1,
         max_tokens=max_tokens,
@@ -174,12 +202,15 @@ def forward_log_probs(
     results = forward_backward(
         models, mesh, chunks, None, forward_only=True, temperature=temperature
     )
-    out = torch.zeros((batch, seq_len - 1), dtype=torch.float32, device=device())
+    out = None
     for chunk, result in zip(chunks, results, strict=True):
-        log_probs = result["log_probs"]
+        per_row = result["log_probs"] if "log_probs" in result else result["values"]
+        if out is None:  # log-probs score S-1 next tokens, values every one of the S positions
+            width = input_ids.shape[1] - (1 if "log_probs" in result else 0)
+            out = torch.zeros((batch, width), dtype=torch.float32, device=device())
         # Filler rows of an equal-size last micro-batch repeat a real row: writing it twice is
         # harmless (same input, same values).
-        out[chunk[ROW_KEY].to(out.device), : log_probs.shape[1]] = log_probs
+        out[chunk[ROW_KEY].to(out.device), : per_row.shape[1]] = per_row
     return out
 
 

@@ -11,17 +11,18 @@ from __future__ import annotations
 import torch
 
 import algorithms
+from rlcli.batch import RolloutBatch
 from rlcli.config import RLConfig
 from rlcli.dp_stats import DataParallelStats
 
 KLController = algorithms.FixedKLController | algorithms.AdaptiveKLController
 
 
-def token_level_scores(batch: dict[str, torch.Tensor], cfg: RLConfig) -> torch.Tensor:
-    """``[B, R]``: the outcome score on each response's last token (DAPO overlong shaping added)."""
-    mask = batch["response_mask"]
-    lengths = mask.sum(-1).long()
-    scores = batch["scores"].clone()
+def token_level_scores(batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
+    """``[B, R]``: the outcome score on each response's last generated token (DAPO overlong
+    shaping by the response's length added)."""
+    lengths = batch.response_mask.sum(-1).long()
+    scores = batch.scores.clone()
     if cfg.algorithm.overlong.enabled:
         scores += algorithms.overlong_penalty(
             lengths,
@@ -29,19 +30,23 @@ def token_level_scores(batch: dict[str, torch.Tensor], cfg: RLConfig) -> torch.T
             cfg.algorithm.overlong.buffer_len,
             cfg.algorithm.overlong.penalty_factor,
         )
-    token_scores = torch.zeros_like(mask)
-    last = (lengths - 1).clamp(min=0)
-    token_scores[torch.arange(len(lengths)), last] = scores * (lengths > 0)
+    generated = batch.loss_mask
+    token_scores = torch.zeros_like(generated)
+    # The last position whose loss mask is 1 (a multi-turn response may end with tool tokens).
+    positions = torch.arange(generated.shape[1], dtype=torch.float32)
+    last = (generated * (positions + 1)).argmax(-1)
+    has_generated = generated.sum(-1) > 0
+    token_scores[torch.arange(len(lengths)), last] = scores * has_generated
     return token_scores
 
 
 def compute_advantages(
-    batch: dict[str, torch.Tensor],
+    batch: RolloutBatch,
     cfg: RLConfig,
     kl_ctrl: KLController,
     stats: DataParallelStats,
 ) -> dict[str, float]:
-    """Adds ``token_level_rewards``, ``advantages`` and ``returns`` (``[B, R]``) to ``batch``,
+    """Fills ``token_level_rewards``, ``advantages`` and ``returns`` (``[B, R]``) of ``batch``,
     this rank's whole groups; returns batch-wide metrics."""
     algo = cfg.algorithm
     rewards = token_level_scores(batch, cfg)
@@ -49,9 +54,9 @@ def compute_advantages(
     if algo.use_kl_in_reward:
         rewards, kl_metrics = algorithms.apply_kl_penalty_to_rewards(
             rewards,
-            batch["old_log_probs"],
-            batch["ref_log_probs"],
-            batch["response_mask"],
+            batch.require("old_log_probs"),
+            batch.require("ref_log_probs"),
+            batch.loss_mask,
             kl_ctrl,
             algo.kl_penalty,
             batch_sum=stats.sum,
@@ -60,18 +65,18 @@ def compute_advantages(
     estimator = algorithms.get_advantage_estimator(algo.adv_estimator)
     advantages, returns = estimator(
         token_level_rewards=rewards,
-        response_mask=batch["response_mask"],
-        group_index=batch["group_index"],
-        values=batch.get("values"),
+        response_mask=batch.loss_mask,
+        group_index=batch.group_index,
+        values=batch.values,
         gamma=algo.gamma,
         lam=algo.lam,
-        reward_baselines=batch["reward_baselines"],
+        reward_baselines=batch.reward_baselines,
         epsilon=algo.epsilon,
         norm_adv_by_std=algo.norm_adv_by_std,
         batch_sum=stats.sum,
     )
-    batch.update(token_level_rewards=rewards, advantages=advantages, returns=returns)
-    mask = batch["response_mask"]
+    batch.token_level_rewards, batch.advantages, batch.returns = rewards, advantages, returns
+    mask = batch.loss_mask
     total = stats.sum(torch.stack([algorithms.masked_sum(advantages, mask), mask.sum()]))
     metrics["critic/advantages_mean"] = (total[0] / (total[1] + 1e-8)).item()
     metrics["critic/advantages_abs_max"] = stats.max((advantages.abs() * mask).max()).item()

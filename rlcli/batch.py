@@ -1,13 +1,10 @@
-"""The rollout batch: samples from the engine -> right-padded tensors the trainer feeds Megatron.
+"""The rollout batch: samples from the engine -> one typed batch of right-padded tensors.
 
-Layout (``B`` sequences, ``S`` = longest prompt + response, ``R`` = longest response):
-
-- ``input_ids [B, S]``: prompt then response, right-padded, so plain causal attention is exact
-  and position ids are ``arange(S)``.
-- ``attention_mask [B, S]``: 1 on real tokens.
-- ``response_index [B, R]``: for response token ``j`` of sequence ``b``, the position in the
-  Megatron log-prob output ``[B, S-1]`` that scores it (``prompt_len - 1 + j``); padding points at 0.
-- ``response_mask [B, R]``: 1 on real response tokens. Every algorithm works on ``[B, R]``.
+``RolloutBatch`` is the step's data: the fields the rollout fills, and the fields each later
+phase adds (old / reference log-probs, values, advantages, returns), each with its shape and
+meaning in one place. ``B`` sequences, ``S`` = longest prompt + response, ``R`` = longest
+response. Prompt then response, right-padded, so plain causal attention is exact and position
+ids are ``arange(S)``. Every algorithm works on ``[B, R]`` tensors.
 
 Groups (all ``n`` samples of one prompt) stay whole: data-parallel ranks receive whole groups,
 balanced by token count (``take_dp_share``), and mini-batches split along groups too.
@@ -15,6 +12,7 @@ balanced by token count (``take_dp_share``), and mini-batches split along groups
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,20 +28,93 @@ class Sample:
     group: int  # which prompt of this step it answers
     prompt_ids: list[int]
     response_ids: list[int]
-    engine_logprobs: list[float]
+    engine_log_probs: list[float]  # per response token (0.0 on tokens the model did not generate)
     finish_reason: str
     item: PromptItem | None  # data_source, ground_truth, extra_info (None for SFT pairs)
     score: float = 0.0
     extras: dict[str, Any] = field(default_factory=dict)  # the reward function's extra fields
     reward_baseline: float = 0.0  # ReMax: the score of this prompt's greedy answer
+    # Per response token: 1 where the model generated it, 0 where a tool or environment wrote it
+    # (multi-turn). None: every response token was generated (a single-turn answer).
+    loss_mask: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
 
 
-def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
-    """Tensors for a list of samples (see the module docstring for the layout)."""
+@dataclass
+class RolloutBatch:
+    """One step's samples (this rank's share) as tensors; see the module docstring.
+
+    Filled at collation (the rollout's results):
+
+    - ``input_ids [B, S]`` int64, ``attention_mask [B, S]`` int64 (1 on real tokens).
+    - ``response_index [B, R]`` int64: for response token ``j`` of row ``b``, the position in the
+      Megatron per-position output ``[B, S-1]`` that scores it (``prompt_len - 1 + j``; 0 on
+      padding).
+    - ``response_mask [B, R]`` float32: 1 on the response's positions (generated or not).
+    - ``loss_mask [B, R]`` float32: 1 on the tokens the model generated, the only ones that get a
+      loss, a KL term, an entropy bonus, an advantage or a log-prob check (equal to
+      ``response_mask`` for single-turn answers; 0 on tool / environment tokens).
+    - ``engine_log_probs [B, R]`` float32: the engine's log-probs of the sampled tokens (the
+      behaviour policy); 0 where ``loss_mask`` is 0.
+    - ``group_index [B]`` int64, ``scores [B]`` and ``reward_baselines [B]`` float32.
+
+    Filled by the phases (None until then; ``require`` names the missing phase):
+    ``old_log_probs`` (old_log_prob), ``ref_log_probs`` (ref), ``values`` (values),
+    ``token_level_rewards``, ``advantages``, ``returns`` (adv), all ``[B, R]`` float32.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_index: torch.Tensor
+    response_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    engine_log_probs: torch.Tensor
+    group_index: torch.Tensor
+    scores: torch.Tensor
+    reward_baselines: torch.Tensor
+    old_log_probs: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    token_level_rewards: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def require(self, name: str) -> torch.Tensor:
+        """The field ``name``; a clear error when the phase that fills it has not run."""
+        value = getattr(self, name)
+        if value is None:
+            raise RuntimeError(f"the batch has no {name}: the phase that computes it did not run")
+        return value
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The filled fields by name: what ``parallel``'s micro-batching cuts along rows (it
+        knows nothing of this class); ``from_tensors`` turns a micro-batch back into one."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None
+        }
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> RolloutBatch:
+        """A batch (e.g. one micro-batch) from ``tensors()``-style fields; other keys ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in tensors.items() if k in names})
+
+    def select(self, rows: torch.Tensor) -> RolloutBatch:
+        """The rows ``rows`` (a bool mask or indices over ``B``) of every filled field."""
+        return RolloutBatch.from_tensors({k: v[rows] for k, v in self.tensors().items()})
+
+
+def collate(samples: list[Sample], pad_id: int) -> RolloutBatch:
+    """The batch of a list of samples (see ``RolloutBatch`` for the layout)."""
     batch = len(samples)
     seq_len = max(s.num_tokens for s in samples)
     resp_len = max(1, max(len(s.response_ids) for s in samples))
@@ -51,7 +122,8 @@ def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
     attention_mask = torch.zeros((batch, seq_len), dtype=torch.long)
     response_index = torch.zeros((batch, resp_len), dtype=torch.long)
     response_mask = torch.zeros((batch, resp_len), dtype=torch.float32)
-    engine_logprobs = torch.zeros((batch, resp_len), dtype=torch.float32)
+    loss_mask = torch.zeros((batch, resp_len), dtype=torch.float32)
+    engine_log_probs = torch.zeros((batch, resp_len), dtype=torch.float32)
     for row, s in enumerate(samples):
         tokens = s.prompt_ids + s.response_ids
         input_ids[row, : len(tokens)] = torch.tensor(tokens)
@@ -59,19 +131,24 @@ def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
         n_resp = len(s.response_ids)
         response_index[row, :n_resp] = torch.arange(n_resp) + len(s.prompt_ids) - 1
         response_mask[row, :n_resp] = 1.0
-        engine_logprobs[row, :n_resp] = torch.tensor(
-            s.engine_logprobs[:n_resp], dtype=torch.float32
+        if s.loss_mask is None:
+            loss_mask[row, :n_resp] = 1.0
+        else:
+            loss_mask[row, :n_resp] = torch.tensor(s.loss_mask[:n_resp], dtype=torch.float32)
+        engine_log_probs[row, :n_resp] = torch.tensor(
+            s.engine_log_probs[:n_resp], dtype=torch.float32
         )
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "response_index": response_index,
-        "response_mask": response_mask,
-        "engine_logprobs": engine_logprobs,
-        "group_index": torch.tensor([s.group for s in samples], dtype=torch.long),
-        "scores": torch.tensor([s.score for s in samples], dtype=torch.float32),
-        "reward_baselines": torch.tensor([s.reward_baseline for s in samples], dtype=torch.float32),
-    }
+    return RolloutBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_index=response_index,
+        response_mask=response_mask,
+        loss_mask=loss_mask,
+        engine_log_probs=engine_log_probs,
+        group_index=torch.tensor([s.group for s in samples], dtype=torch.long),
+        scores=torch.tensor([s.score for s in samples], dtype=torch.float32),
+        reward_baselines=torch.tensor([s.reward_baseline for s in samples], dtype=torch.float32),
+    )
 
 
 def response_values(per_position: torch.Tensor, response_index: torch.Tensor) -> torch.Tensor:
@@ -108,6 +185,12 @@ def take_dp_share(samples: list[Sample], dp: int, dp_rank: int) -> tuple[list[Sa
     DP rank holds. Every rank holds the same samples, so every rank computes the same split."""
     parts = balance_groups(groups_of(samples), dp)
     return [s for group in parts[dp_rank] for s in group], min(len(part) for part in parts)
+
+
+def mini_batch_count(prompts: int, mini_batch_size: int | None) -> int:
+    """Optimizer steps per PPO epoch: a step's ``prompts`` over ``ppo_mini_batch_size`` prompts
+    each (None: the whole batch, one step). The one place it is computed."""
+    return prompts // (mini_batch_size or prompts)
 
 
 def split_evenly(items: list[Any], num_chunks: int) -> list[list[Any]]:

@@ -14,18 +14,23 @@ from typing import Any
 
 import algorithms
 from rlcli.advantages import KLController
-from rlcli.config import RLConfig, to_dict
+from rlcli.config import RLConfig, TrainedModelConfig, to_dict
 from rlcli.config_validation import uses_critic
-from rlcli.critic import MegatronCritic
 from rlcli.data import PromptLoader
 from rlcli.errors import UserError
 from rlcli.inputs import RunInputs, barrier, prepare_inputs
+from rlcli.lora import lora_spec
 from rlcli.metrics import MetricsLogger
-from rlcli.policy import MegatronPolicy, OptimizerSettings
 from rlcli.rewards import RewardManager
 from rlcli.rollout.base import RolloutEngine
 from rlcli.run_checkpoint import CheckpointManager, checkpoint_root, resume_run
 from rlcli.sampling import ReplicaInfo
+from rlcli.trained_model import (
+    LoraReference,
+    MicroBatching,
+    OptimizerSettings,
+    TrainedModel,
+)
 from rlcli.trainer import Trainer, say
 
 
@@ -48,14 +53,12 @@ def build_trainer(cfg: RLConfig, reference: bool | None = None, logger: bool = T
     actor = build_actor(inputs, total_steps=total)
     ref = None
     if needs_reference(cfg) if reference is None else reference:
-        ref = MegatronPolicy(
-            mesh, inputs.model_dir, cfg.model.dtype, model_options=model_options(cfg)
-        )
-        if cfg.ref.offload:
-            ref.offload(params=True)
+        ref = build_reference(inputs, actor)
     critic = build_critic(inputs, total_steps=total) if uses_critic(cfg) else None
     say(mesh, f"starting the {cfg.rollout.engine} engine (rollout.tp={cfg.rollout.tp})")
     engine, replica = build_engine(inputs)
+    from rlcli.rollout.transport import make_transport
+
     trainer = Trainer(
         cfg=cfg,
         mesh=mesh,
@@ -64,6 +67,7 @@ def build_trainer(cfg: RLConfig, reference: bool | None = None, logger: bool = T
         actor=actor,
         reference=ref,
         engine=engine,
+        transport=make_transport(cfg.rollout, engine, adapters=actor.lora is not None),
         replica=replica,
         rewards=rewards,
         loader=loader,
@@ -131,71 +135,72 @@ def warm_start(inputs: RunInputs, force: bool = False) -> Path:
     return out
 
 
-def build_actor(inputs: RunInputs, total_steps: int, sft: bool = False) -> MegatronPolicy:
+def build_actor(inputs: RunInputs, total_steps: int, sft: bool = False) -> TrainedModel:
+    """The policy, trainable: ``actor.*`` (the SFT warm start: its own lr, warmup and
+    micro-batch size)."""
     cfg = inputs.cfg
-    actor = cfg.actor
-    settings = OptimizerSettings(
-        lr=cfg.sft.lr if sft else actor.lr,
-        min_lr=actor.min_lr,
-        weight_decay=actor.weight_decay,
-        adam_beta1=actor.adam_beta1,
-        adam_beta2=actor.adam_beta2,
-        adam_eps=actor.adam_eps,
-        clip_grad=actor.grad_clip,
-        warmup_steps=cfg.sft.lr_warmup_steps if sft else actor.lr_warmup_steps,
+    settings = OptimizerSettings.of(
+        cfg.actor,
         total_steps=total_steps,
-        decay_style=actor.lr_decay_style,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        lr=cfg.sft.lr if sft else None,
+        warmup_steps=cfg.sft.lr_warmup_steps if sft else None,
     )
-    return MegatronPolicy(
+    micro_batching = MicroBatching(cfg.sft.micro_batch_size) if sft else MicroBatching.of(cfg.actor)
+    return TrainedModel(
         inputs.mesh,
         inputs.model_dir,
-        cfg.model.dtype,
+        dtype=cfg.model.dtype,
         optim=settings,
-        model_options=model_options(cfg, recompute=True),
+        micro_batching=micro_batching,
+        model_options=model_options(cfg, cfg.actor),
+        # The SFT warm start trains the whole model; RL then adapts what it left.
+        lora=None if sft else lora_spec(cfg.actor.lora, cfg.trainer.seed),
+        adapter_path=None if sft else cfg.actor.lora.adapter_path,
     )
 
 
-def build_critic(inputs: RunInputs, total_steps: int) -> MegatronCritic:
+def build_reference(inputs: RunInputs, actor: TrainedModel) -> TrainedModel | LoraReference:
+    """The frozen reference policy: the actor's start weights, a model of its own; or, for a
+    LoRA actor, the actor itself with its adapters switched off (the base it started from)."""
+    if actor.lora is not None:
+        return LoraReference(actor)
+    cfg = inputs.cfg
+    return TrainedModel(
+        inputs.mesh,
+        inputs.model_dir,
+        dtype=cfg.model.dtype,
+        micro_batching=MicroBatching.of(cfg.actor),
+        model_options=model_options(cfg),
+    )
+
+
+def build_critic(inputs: RunInputs, total_steps: int) -> TrainedModel:
     """PPO's value model in the actor's layout: from ``critic.model_path`` or the actor's start
-    weights (after any SFT warm start) with a fresh value head; its own optimizer and LR
-    schedule (``critic.*``; Adam betas / eps, recomputation and offloading as the actor's)."""
+    weights (after any SFT warm start) with a fresh value head; its own optimizer, LR schedule,
+    micro-batches, recomputation and offloading (``critic.*``)."""
     from parallel.convert import hf_model_dir_problem
 
     cfg, mesh = inputs.cfg, inputs.mesh
     c = cfg.critic
-    for key, value, actor in (("tp", c.tp, mesh.tp), ("pp", c.pp, mesh.pp)):
-        if value is not None and value != actor:  # one set of megatron groups per process
-            raise UserError(
-                f"critic.{key}={value} differs from the actor's {key}={actor}: the critic trains "
-                f"in the actor's layout; leave critic.{key} unset"
-            )
     hf_dir = c.model_path or inputs.model_dir
     if c.model_path:
         problem = hf_model_dir_problem(c.model_path)
         if problem is not None:
             raise UserError(f"critic.model_path={c.model_path}: {problem}")
     say(mesh, f"building critic (tp={mesh.tp} pp={mesh.pp} dp={mesh.dp}) from {hf_dir}")
-    a = cfg.actor
-    settings = OptimizerSettings(
-        lr=c.lr,
-        min_lr=c.min_lr,
-        weight_decay=c.weight_decay,
-        adam_beta1=a.adam_beta1,
-        adam_beta2=a.adam_beta2,
-        adam_eps=a.adam_eps,
-        clip_grad=c.grad_clip,
-        warmup_steps=c.lr_warmup_steps,
-        total_steps=total_steps,
-        decay_style=c.lr_decay_style,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-    )
-    critic = MegatronCritic(
+    critic = TrainedModel(
         mesh,
         hf_dir,
-        cfg.model.dtype,
-        optim=settings,
-        model_options=model_options(cfg, recompute=True),
+        dtype=cfg.model.dtype,
+        head="value",
+        optim=OptimizerSettings.of(
+            c,
+            total_steps=total_steps,
+            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        ),
+        micro_batching=MicroBatching.of(c),
+        model_options=model_options(cfg, c),
     )
     vocab = critic.hf_config.vocab_size
     actor_vocab = len(inputs.tokenizer)
@@ -207,19 +212,18 @@ def build_critic(inputs: RunInputs, total_steps: int) -> MegatronCritic:
     return critic
 
 
-def model_options(cfg: RLConfig, recompute: bool = False) -> dict[str, Any]:
-    """``parallel.model.build_model``'s layout options from the config (recomputation only
-    matters for a model that trains)."""
+def model_options(cfg: RLConfig, section: TrainedModelConfig | None = None) -> dict[str, Any]:
+    """``parallel.model.build_model``'s layout options from the config; a model that trains
+    adds its own activation recomputation (``section``: its ``actor`` / ``critic`` section)."""
     options: dict[str, Any] = {
         "sequence_parallel": cfg.parallel.sequence_parallel,
         "transformer_impl": cfg.model.transformer_impl,
     }
-    if recompute:
+    if section is not None:
         from parallel.memory_terms import recompute_options
 
-        a = cfg.actor
         options["recompute"] = recompute_options(
-            a.recompute, a.recompute_method, a.recompute_num_layers
+            section.recompute, section.recompute_method, section.recompute_num_layers
         )
     return options
 
@@ -240,18 +244,14 @@ def build_engine(inputs: RunInputs) -> tuple[RolloutEngine, ReplicaInfo]:
     cfg, mesh = inputs.cfg, inputs.mesh
     r = cfg.rollout
     index, count = rollout_replicas(mesh.world_size, mesh.rank, r.tp)
+    adapters = cfg.actor.lora.enable and r.lora_sync == "adapter"
     engine = make_engine(
-        r.engine,
+        r,
         inputs.model_dir,
-        tp=r.tp,
         dtype=cfg.model.dtype,
         seed=cfg.trainer.seed,  # engines space request seeds per replica themselves
-        gpu_memory_utilization=r.gpu_memory_utilization,
-        kv_cache_gb=r.kv_cache_gb,
-        enforce_eager=r.enforce_eager,
         max_model_len=r.max_model_len or (cfg.data.max_prompt_length + r.max_tokens),
-        sleep_level=r.sleep_level,
-        load_format=r.load_format,
+        max_lora_rank=cfg.actor.lora.rank if adapters else 0,
     )
     replica = ReplicaInfo(index=index, count=count, is_leader=mesh.rank % r.tp == 0)
     return engine, replica

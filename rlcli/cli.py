@@ -12,7 +12,7 @@ import sys
 
 import typer
 
-from rlcli.commands import config, convert, data, docs, launch, plan, plot, train
+from rlcli.commands import config, convert, data, docs, launch, plan, plot, rm, tool, train
 from rlcli.commands.relaunch import report_user_error_to_parent, stop_agent_restarts
 from rlcli.errors import USER_ERROR_EXIT_CODE, UserError
 
@@ -24,6 +24,7 @@ app = typer.Typer(
 )
 app.command()(train.train)
 app.command()(train.sft)
+app.command()(rm.rm)
 app.command()(convert.export)
 app.command("plan")(plan.plan_command)
 config.config_app.command("docs")(docs.config_docs)
@@ -32,6 +33,7 @@ app.add_typer(config.config_app, name="config")
 app.add_typer(data.data_app, name="data")
 app.add_typer(launch.launch_app, name="launch")
 app.add_typer(convert.convert_app, name="convert")
+app.add_typer(tool.tool_app, name="tool")
 
 
 def _quiet_third_party_noise() -> None:

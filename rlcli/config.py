@@ -9,7 +9,7 @@ recipe <- overrides, validates (``rlcli.config_validation``) and turns every mis
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Optional
+from typing import Any, Literal, Optional, get_args, get_origin, get_type_hints
 
 from omegaconf import OmegaConf
 
@@ -24,14 +24,15 @@ class DataConfig:
     train_batch_size: int = 8  # prompts per step (each sampled rollout.n times)
     shuffle: bool = True  # reshuffle the training prompts every epoch
     apply_chat_template: Optional[bool] = None  # None: when the tokenizer has a chat template
-    synthetic: Optional[str] = None  # "arith": write the quickstart task under trainer.output_dir
+    # "arith": write the quickstart task under trainer.output_dir
+    synthetic: Optional[Literal["arith"]] = None
 
 
 @dataclass
 class ModelBuildConfig:
     """A small random model built locally when ``model.build`` is true (quickstart, tests)."""
 
-    architecture: str = "qwen2"
+    architecture: Literal["qwen2", "llama"] = "qwen2"
     hidden_size: int = 256
     num_layers: int = 4
     num_heads: int = 4
@@ -46,11 +47,11 @@ class ModelBuildConfig:
 class ModelConfig:
     path: str = ""  # HuggingFace model directory (safetensors + config.json + tokenizer)
     tokenizer_path: Optional[str] = None  # defaults to model.path
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights and compute
     build: bool = False  # build model.spec locally into model.path when it does not exist yet
     # auto | transformer_engine | local. auto: TE where it imports; on CUDA without a working TE
     # startup fails unless local (memory-hungry attention) is chosen explicitly.
-    transformer_impl: str = "auto"
+    transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
     spec: ModelBuildConfig = field(default_factory=ModelBuildConfig)
 
 
@@ -67,8 +68,29 @@ class ParallelConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts: the model calls tools or talks to an environment over several turns
+    (docs/agentic.md). Each assistant turn generates up to ``rollout.max_tokens`` tokens."""
+
+    enable: bool = False  # multi-turn rollouts (false: one prompt, one completion)
+    max_assistant_turns: int = 4  # assistant turns per trajectory
+    max_tool_calls_per_turn: int = 4  # calls run per turn; each further one gets an error response
+    max_tool_response_tokens: int = 256  # a longer tool response is cut to this (marker included)
+    # which part of a long tool response is cut away
+    tool_response_truncate_side: Literal["left", "right", "middle"] = "middle"
+    # tokens after the prompt per trajectory: generated turns plus tool / environment messages
+    max_response_tokens: int = 1024
+    format: Literal["hermes"] = "hermes"  # how the model writes tool calls (hermes: Qwen2.5's tags)
+    tool_config: Optional[str] = None  # YAML file of the tools (docs/agentic.md); None: no tools
+    tool_timeout_s: float = 30.0  # per tool call; a call past it answers with a timeout error
+    # built-in name (running_sum), module:Class or path/file.py:Class; None: no environment
+    environment: Optional[str] = None
+    environment_kwargs: dict[str, Any] = field(default_factory=dict)  # the environment's config
+
+
+@dataclass
 class RolloutConfig:
-    engine: str = "vllm"  # vllm | hf
+    engine: Literal["vllm", "hf"] = "vllm"  # the rollout engine
     tp: int = 1  # inference tensor parallel size, independent of parallel.tp / parallel.pp
     n: int = 8  # samples per prompt
     temperature: float = 1.0  # sampling temperature (the trainer's log-probs use the same)
@@ -81,25 +103,37 @@ class RolloutConfig:
     kv_cache_gb: float = 1.0  # CPU only: resident KV cache per engine
     enforce_eager: bool = True  # GPU: no CUDA graphs (faster start, slower decoding)
     sync_bucket_mb: int = 0  # 0: parallel.reshard.AUTO_BUCKET_MB (small models: one bucket)
-    sleep_level: int = 1  # GPU vLLM: 1 offloads weights to host, 2 discards them (sync on wake)
+    sleep_level: Literal[1, 2] = (
+        1  # GPU vLLM: 1 offloads weights to host, 2 discards them (sync on wake)
+    )
     # vLLM start weights: dummy (no checkpoint read; the trainer syncs from Megatron right after
     # the engine starts, which also proves the sync path) | auto (read model.path)
-    load_format: str = "dummy"
+    load_format: Literal["dummy", "auto"] = "dummy"
+    # How a LoRA actor's weights reach the engine (actor.lora.enable): merged (every sync sends
+    # W + alpha/r * B A per tensor; any engine) | adapter (only the adapters move and the engine
+    # applies them as a LoRA adapter; vLLM only; the base is sent when the engine has none)
+    lora_sync: Literal["merged", "adapter"] = "merged"
     val_temperature: float = 0.0  # greedy validation
     val_n: int = 1  # samples per held-out prompt
     # Trainer-vs-engine agreement on the sampled tokens' log-probs (a broken weight sync shows
     # here): largest allowed MEAN |difference| per token (typically ~1e-7 in fp32 on CPU, ~0.01
     # in bf16; unsynced weights give whole nats), and what to do beyond it: warn | stop (exit 2).
     max_logprob_diff: float = 0.5
-    logprob_diff_action: str = "warn"
+    logprob_diff_action: Literal["warn", "stop"] = "warn"
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass
-class ActorConfig:
+class TrainedModelConfig:
+    """What every model trained with megatron-core (the actor, PPO's critic) is configured by:
+    its Adam(W) and LR schedule, how its update is cut into mini- and micro-batches, and where its
+    state lives between phases. ``actor.*`` and ``critic.*`` both have these keys."""
+
     lr: float = 1e-6  # peak learning rate
     min_lr: float = 0.0  # floor of the linear / cosine decay
     lr_warmup_steps: int = 0  # linear warmup from 0 (steps)
-    lr_decay_style: str = "constant"  # constant | linear | cosine
+    # the LR schedule after warmup
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "constant"
     weight_decay: float = 0.0  # AdamW weight decay
     adam_beta1: float = 0.9  # AdamW beta1
     adam_beta2: float = 0.999  # AdamW beta2
@@ -109,17 +143,49 @@ class ActorConfig:
     ppo_mini_batch_size: Optional[int] = None  # prompts per optimizer step; None: the whole batch
     micro_batch_size: int = 8  # sequences per forward/backward
     # Token budgets (0: fixed micro_batch_size): micro-batches of similar lengths whose padded size
-    # (rows x longest row) stays within the budget; the no-grad passes (old log-probs, reference)
-    # use max_tokens_per_forward (0: the training setting).
+    # (rows x longest row) stays within the budget; the no-grad passes (old log-probs, reference,
+    # values) use max_tokens_per_forward (0: the training setting).
     max_tokens_per_micro_batch: int = 0
     max_tokens_per_forward: int = 0
+    loss_agg_mode: str = "token-mean"  # how per-token losses become one (algorithms.LOSS_AGG_MODES)
+    # Memory (see `rlcli plan`): move state to pinned host memory while the engine generates
+    offload_params: bool = False  # weights: back before the model's first forward of the step
+    offload_grads: bool = False  # gradient buffers: back (zeroed) before the update
+    offload_optimizer: bool = False  # fp32 master weights + Adam moments: back before the update
+    recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation
+    recompute_method: Literal["uniform", "block"] = "uniform"  # full only (megatron-core's)
+    recompute_num_layers: int = 1  # full only: layers per group (uniform) / per stage (block)
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on the actor (``parallel.lora``): the base model is frozen and only the
+    adapters train (no base gradients or optimizer state); the reference policy is the same
+    model with its adapters switched off, so no second model is built."""
+
+    enable: bool = False  # LoRA on the actor (false: full fine-tuning)
+    rank: int = 32  # r: the adapters' inner dimension (A is [r, in], B is [out, r])
+    alpha: float = 32.0  # the update is alpha / rank * B A
+    dropout: float = 0.0  # on the adapters' input in training passes (off in no-grad passes)
+    # Megatron linears that get adapters: linear_qkv (HF q/k/v_proj), linear_proj (o_proj),
+    # linear_fc1 (gate/up_proj), linear_fc2 (down_proj); all: every one
+    target_modules: list[
+        Literal["all", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    ] = field(default_factory=lambda: ["all"])
+    # a PEFT adapter folder to start from (adapter_config.json + adapter_model.safetensors; its
+    # r, lora_alpha and modules must be these); None: A random, B zero (the base model)
+    adapter_path: Optional[str] = None
+
+
+@dataclass
+class ActorConfig(TrainedModelConfig):
+    """The policy: megatron-core GPT model(s) trained with the policy loss below."""
+
     # old log-probs of the PPO ratio: "actor" recomputes them (skipped when the update is
     # on-policy: one epoch, one mini-batch, no KL in the reward); "engine" takes the rollout
     # engine's sampled-token log-probs (rollout/logprob_diff_* still logged)
-    old_log_prob_source: str = "actor"
+    old_log_prob_source: Literal["actor", "engine"] = "actor"
     policy_loss: str = "vanilla"  # see algorithms.get_policy_loss
-    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
-    loss_agg_mode: str = "token-mean"
     clip_ratio_low: float = 0.2  # PPO clip below 1 (ratio >= 1 - low)
     clip_ratio_high: float = 0.2  # PPO clip above 1; DAPO's clip-higher: 0.28
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
@@ -127,13 +193,7 @@ class ActorConfig:
     use_kl_loss: bool = False  # KL to the reference as a loss term (GRPO style)
     kl_loss_coef: float = 0.001  # weight of that KL loss
     kl_loss_type: str = "low_var_kl"  # k1 | abs | k2 | k3 / low_var_kl (+ suffix: straight-through)
-    # Memory (see `rlcli plan`): move state to pinned host memory while vLLM generates
-    offload_params: bool = False  # weights: back before the log-prob forward
-    offload_grads: bool = False  # gradient buffers: back (zeroed) before the update
-    offload_optimizer: bool = False  # fp32 master weights + Adam moments: back before the update
-    recompute: str = "none"  # activation recomputation: none | selective | full
-    recompute_method: str = "uniform"  # full only: uniform | block (megatron-core's)
-    recompute_num_layers: int = 1  # full only: layers per group (uniform) / per stage (block)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -142,30 +202,19 @@ class RefConfig:
 
 
 @dataclass
-class CriticConfig:
+class CriticConfig(TrainedModelConfig):
     """The PPO value model (``algorithm.adv_estimator=gae``), trained with megatron-core on the
-    actor's ranks (colocated) and the actor's TP x PP layout; Adam betas / eps, recomputation
-    and offloading follow the actor's settings."""
+    actor's ranks (colocated) in the actor's TP x PP layout (megatron-core keeps one set of
+    process groups per process)."""
 
     model_path: Optional[str] = None  # HF directory; None: the actor's start weights (new head)
-    tp: Optional[int] = None  # None: parallel.tp (a different critic layout is not supported)
-    pp: Optional[int] = None  # None: parallel.pp (likewise)
-    lr: float = 1e-5
-    min_lr: float = 0.0
-    lr_warmup_steps: int = 0
-    lr_decay_style: str = "constant"  # constant | linear | cosine
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    ppo_epochs: int = 1
-    ppo_mini_batch_size: Optional[int] = None  # prompts per optimizer step; None: the whole batch
-    micro_batch_size: int = 8  # sequences per forward/backward
+    lr: float = 1e-5  # peak learning rate
     cliprange_value: float = 0.5  # value clipping around the rollout-time values
-    loss_agg_mode: str = "token-mean"
 
 
 @dataclass
 class KLControlConfig:
-    type: str = "fixed"  # fixed | adaptive
+    type: Literal["fixed", "adaptive"] = "fixed"  # the KL coefficient's controller
     kl_coef: float = 0.001  # (initial) KL coefficient
     target_kl: float = 0.1  # adaptive: KL the coefficient steers to
     horizon: int = 10000  # adaptive: samples over which it adapts
@@ -224,6 +273,38 @@ class SFTConfig:
 
 
 @dataclass
+class RewardModelTrainingConfig:
+    """``rlcli rm``: a reward model trained on preference pairs with the Bradley-Terry loss, in
+    the layout of ``parallel.*`` (the model settings are ``model.*``)."""
+
+    # JSONL / Parquet rows {"prompt", "chosen", "rejected"[, "margin"]} (rlcli.data.preferences)
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)  # held-out pairs: pairwise accuracy
+    # "arith": write the quickstart's preference pairs (the correct answer preferred) under
+    # trainer.output_dir/data and train and validate on them
+    synthetic: Optional[Literal["arith"]] = None
+    # HF folder to start from: a language model (its transformer, a fresh score head) or a
+    # reward model (trained further); its tokenizer and chat template are the reward model's.
+    # None: model.path
+    init_path: Optional[str] = None
+    # the trained model as an HF *ForSequenceClassification folder (replaced if it exists)
+    out_dir: str = "${trainer.output_dir}/reward_model"
+    steps: int = 100  # optimizer steps
+    batch_size: int = 32  # pairs per step, all data-parallel ranks together
+    micro_batch_size: int = 16  # pairs per forward/backward
+    max_tokens: int = 0  # > 0: micro-batches by this token budget (both sequences of a pair)
+    max_length: int = 512  # pairs with a longer sequence (prompt + response) are dropped
+    lr: float = 1e-5  # Adam learning rate (betas / eps as actor.*), constant after warmup
+    lr_warmup_steps: int = 0  # linear warmup steps
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # global gradient-norm clip (0: off)
+    val_freq: int = 50  # held-out accuracy every N steps, besides before and after (0: never)
+    # checkpoint every N steps into <trainer.output_dir>/rm_checkpoints (0: none); a run
+    # resumes from the newest one as trainer.resume says
+    save_freq: int = 0
+
+
+@dataclass
 class TrainerConfig:
     total_steps: Optional[int] = None  # None: total_epochs over the training data
     total_epochs: int = 1  # used when total_steps is None
@@ -247,8 +328,10 @@ class TrainerConfig:
 
 @dataclass
 class LoggingConfig:
-    # console | tensorboard | jsonl | wandb
-    backends: list[str] = field(default_factory=lambda: ["console", "tensorboard", "jsonl"])
+    # where each step's metrics go
+    backends: list[Literal["console", "tensorboard", "jsonl", "wandb"]] = field(
+        default_factory=lambda: ["console", "tensorboard", "jsonl"]
+    )
 
 
 @dataclass
@@ -272,9 +355,19 @@ class RLConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    rm: RewardModelTrainingConfig = field(default_factory=RewardModelTrainingConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+def choices(section: type, name: str) -> tuple[Any, ...]:
+    """The values a ``Literal``-typed field of a config section accepts (declared on the field;
+    for a list field, those of its items)."""
+    hint = get_type_hints(section)[name]
+    if get_origin(hint) is list:
+        hint = get_args(hint)[0]
+    return get_args(hint)
 
 
 def valid_keys(node: type = RLConfig, prefix: str = "") -> list[str]:

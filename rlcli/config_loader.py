@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -109,9 +110,16 @@ def _full_key(err: OmegaConfBaseException) -> str:
     return str(key)
 
 
+# OmegaConf's words for a value outside a Literal field's choices.
+_NOT_A_CHOICE = re.compile(r"Invalid value '(?P<value>.*)', expected one of \[(?P<choices>.*)\]")
+
+
 def _omegaconf_message(err: OmegaConfBaseException) -> str:
     msg = (getattr(err, "msg", None) or str(err)).splitlines()[0]
     key = _full_key(err)
+    choice = _NOT_A_CHOICE.match(msg)
+    if choice and key:  # the choices are the field's Literal type (rlcli.config)
+        return f"{key}={choice['value']!r} is not valid; choose one of: {choice['choices']}"
     return f"{key}: {msg}" if key else msg
 
 

@@ -1,14 +1,17 @@
-"""Checks on a loaded config that need more than types: choices, relations between keys, and the
-parallel layout for a given world size. Every failure is a UserError naming the key."""
+"""Checks on a loaded config that need more than types: relations between keys, names looked up in
+registries, and the parallel layout for a given world size. Every failure is a UserError naming
+the key. (Choices of a fixed set are declared on the fields themselves as ``Literal`` types in
+``rlcli.config`` and checked while the config loads.)"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import os
+from typing import TYPE_CHECKING
 
 from rlcli.errors import UserError
 
 if TYPE_CHECKING:
-    from rlcli.config import ParallelConfig, RLConfig
+    from rlcli.config import ParallelConfig, RLConfig, TrainedModelConfig
 
 
 def derive_dp(cfg: ParallelConfig, world_size: int) -> int:
@@ -32,44 +35,31 @@ def derive_dp(cfg: ParallelConfig, world_size: int) -> int:
 
 
 def validate(cfg: RLConfig, world_size: int | None = None) -> None:
-    """Check choices and relations between keys; ``world_size`` also checks the parallel layout."""
-    _choice("rollout.engine", cfg.rollout.engine, ["vllm", "hf"])
-    _choice("model.dtype", cfg.model.dtype, ["float32", "bfloat16", "float16"])
-    _choice("actor.lr_decay_style", cfg.actor.lr_decay_style, ["constant", "linear", "cosine"])
-    _choice("actor.recompute", cfg.actor.recompute, ["none", "selective", "full"])
-    _choice(
-        "model.transformer_impl",
-        cfg.model.transformer_impl,
-        ["auto", "transformer_engine", "local"],
-    )
-    _choice("rollout.sleep_level", cfg.rollout.sleep_level, [1, 2])
-    _choice("rollout.load_format", cfg.rollout.load_format, ["auto", "dummy"])
-    _choice("actor.recompute_method", cfg.actor.recompute_method, ["uniform", "block"])
-    _choice("algorithm.kl_ctrl.type", cfg.algorithm.kl_ctrl.type, ["fixed", "adaptive"])
-    _choice("data.synthetic", cfg.data.synthetic, [None, "arith"])
-    _choice("rollout.logprob_diff_action", cfg.rollout.logprob_diff_action, ["warn", "stop"])
+    """Check relations between keys; ``world_size`` also checks the parallel layout."""
     _check_reliability(cfg)
-    _choice(
-        "trainer.resume",
-        cfg.trainer.resume if cfg.trainer.resume in ("auto", "none") else "path",
-        ["auto", "none", "path"],
-    )
-    for backend in cfg.logging.backends:
-        _choice("logging.backends", backend, ["console", "tensorboard", "jsonl", "wandb"])
+    if cfg.trainer.resume not in ("auto", "none") and not cfg.trainer.resume:
+        raise UserError("trainer.resume is empty: use 'auto', 'none' or a checkpoint directory")
     _check_algorithm_names(cfg)
-    _check_critic(cfg)
-
+    _check_trained_model("actor", cfg.actor, cfg)
+    if uses_critic(cfg):  # other runs ignore the critic section
+        _check_trained_model("critic", cfg.critic, cfg)
+        if cfg.critic.cliprange_value <= 0:
+            raise UserError(f"critic.cliprange_value must be > 0, got {cfg.critic.cliprange_value}")
+    if cfg.trainer.critic_warmup < 0:
+        raise UserError(f"trainer.critic_warmup must be >= 0, got {cfg.trainer.critic_warmup}")
+    if cfg.trainer.critic_warmup and not uses_critic(cfg):
+        raise UserError(
+            f"trainer.critic_warmup={cfg.trainer.critic_warmup} needs a critic "
+            "(algorithm.adv_estimator=gae); set trainer.critic_warmup=0"
+        )
+    _check_multi_turn(cfg)
+    _check_lora(cfg)
     positive = {
         "data.train_batch_size": cfg.data.train_batch_size,
         "data.max_prompt_length": cfg.data.max_prompt_length,
         "rollout.n": cfg.rollout.n,
         "rollout.tp": cfg.rollout.tp,
         "rollout.max_tokens": cfg.rollout.max_tokens,
-        "actor.micro_batch_size": cfg.actor.micro_batch_size,
-        "actor.ppo_epochs": cfg.actor.ppo_epochs,
-        "actor.recompute_num_layers": cfg.actor.recompute_num_layers,
-        "critic.micro_batch_size": cfg.critic.micro_batch_size,
-        "critic.ppo_epochs": cfg.critic.ppo_epochs,
         "rollout.val_n": cfg.rollout.val_n,
         "sft.batch_size": cfg.sft.batch_size,
         "sft.micro_batch_size": cfg.sft.micro_batch_size,
@@ -82,37 +72,8 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
         raise UserError(
             f"rollout.sync_bucket_mb must be >= 0 (0: automatic), got {cfg.rollout.sync_bucket_mb}"
         )
-    for key in ("max_tokens_per_micro_batch", "max_tokens_per_forward"):
-        if getattr(cfg.actor, key) < 0:
-            raise UserError(
-                f"actor.{key} must be >= 0 (0: micro_batch_size rows), got "
-                f"{getattr(cfg.actor, key)}"
-            )
-    _choice("actor.old_log_prob_source", cfg.actor.old_log_prob_source, ["actor", "engine"])
     _check_schedules(cfg)
-    if cfg.rollout.temperature < 0:
-        raise UserError(f"rollout.temperature must be >= 0, got {cfg.rollout.temperature}")
-    if not 0 < cfg.rollout.top_p <= 1:
-        raise UserError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
-    if any(t < 0 for t in cfg.rollout.stop_token_ids):
-        raise UserError(
-            f"rollout.stop_token_ids must be token ids >= 0, got {cfg.rollout.stop_token_ids}"
-        )
-    if cfg.rollout.max_model_len is not None:
-        need = cfg.data.max_prompt_length + cfg.rollout.max_tokens
-        if cfg.rollout.max_model_len < need:
-            raise UserError(
-                f"rollout.max_model_len={cfg.rollout.max_model_len} is shorter than "
-                f"data.max_prompt_length + rollout.max_tokens = {need}"
-            )
-    mini = cfg.actor.ppo_mini_batch_size
-    if mini is not None and (mini < 1 or cfg.data.train_batch_size % mini):
-        raise UserError(
-            f"actor.ppo_mini_batch_size={mini} must divide data.train_batch_size="
-            f"{cfg.data.train_batch_size}"
-        )
-    if cfg.actor.clip_ratio_c <= 1:
-        raise UserError(f"actor.clip_ratio_c must be > 1 (dual-clip), got {cfg.actor.clip_ratio_c}")
+    _check_sampling(cfg)
     if not cfg.model.path and not cfg.model.build:
         raise UserError("model.path is empty: give a HuggingFace model directory (model.path=DIR)")
     if world_size is not None:
@@ -128,50 +89,126 @@ def uses_critic(cfg: RLConfig) -> bool:
     return cfg.algorithm.adv_estimator == "gae"
 
 
-def _check_critic(cfg: RLConfig) -> None:
-    """The critic section, checked only when a critic is trained (other runs ignore it)."""
-    c = cfg.critic
-    if not uses_critic(cfg):
-        if cfg.trainer.critic_warmup:
-            raise UserError(
-                f"trainer.critic_warmup={cfg.trainer.critic_warmup} needs a critic "
-                "(algorithm.adv_estimator=gae); set trainer.critic_warmup=0"
-            )
-        return
-    # megatron-core keeps ONE set of TP / PP process groups per process, so a colocated critic
-    # runs in the actor's layout.
-    for key, value, actor in (("tp", c.tp, cfg.parallel.tp), ("pp", c.pp, cfg.parallel.pp)):
-        if value is not None and value != actor:
-            raise UserError(
-                f"critic.{key}={value} differs from parallel.{key}={actor}: the critic trains on "
-                f"the actor's ranks in the actor's layout; leave critic.{key} unset (or equal)"
-            )
-    _choice("critic.lr_decay_style", c.lr_decay_style, ["constant", "linear", "cosine"])
-    if c.cliprange_value <= 0:
-        raise UserError(f"critic.cliprange_value must be > 0, got {c.cliprange_value}")
-    if c.lr_warmup_steps < 0:
-        raise UserError(f"critic.lr_warmup_steps must be >= 0, got {c.lr_warmup_steps}")
-    total = cfg.trainer.total_steps
-    if total is not None and c.lr_warmup_steps >= total:
-        raise UserError(
-            f"critic.lr_warmup_steps={c.lr_warmup_steps} must be smaller than "
-            f"trainer.total_steps={total}"
-        )
-    if cfg.trainer.critic_warmup < 0:
-        raise UserError(f"trainer.critic_warmup must be >= 0, got {cfg.trainer.critic_warmup}")
-    mini = c.ppo_mini_batch_size
-    if mini is not None and (mini < 1 or cfg.data.train_batch_size % mini):
-        raise UserError(
-            f"critic.ppo_mini_batch_size={mini} must divide data.train_batch_size="
-            f"{cfg.data.train_batch_size}"
-        )
+def _check_trained_model(key: str, section: TrainedModelConfig, cfg: RLConfig) -> None:
+    """The keys every trained model (``actor``, ``critic``) shares."""
     import algorithms
 
-    if c.loss_agg_mode not in algorithms.LOSS_AGG_MODES:
+    for name in ("micro_batch_size", "ppo_epochs", "recompute_num_layers"):
+        if getattr(section, name) < 1:
+            raise UserError(f"{key}.{name} must be >= 1, got {getattr(section, name)}")
+    for name in ("max_tokens_per_micro_batch", "max_tokens_per_forward", "lr_warmup_steps"):
+        if getattr(section, name) < 0:
+            raise UserError(f"{key}.{name} must be >= 0, got {getattr(section, name)}")
+    mini = section.ppo_mini_batch_size
+    if mini is not None and (mini < 1 or cfg.data.train_batch_size % mini):
         raise UserError(
-            f"critic.loss_agg_mode={c.loss_agg_mode!r} is not valid; choose one of: "
+            f"{key}.ppo_mini_batch_size={mini} must divide data.train_batch_size="
+            f"{cfg.data.train_batch_size}"
+        )
+    total = cfg.trainer.total_steps
+    if total is not None and section.lr_warmup_steps >= total:
+        raise UserError(
+            f"{key}.lr_warmup_steps={section.lr_warmup_steps} must be smaller than "
+            f"trainer.total_steps={total} (the warmup is part of the run)"
+        )
+    if section.loss_agg_mode not in algorithms.LOSS_AGG_MODES:
+        raise UserError(
+            f"{key}.loss_agg_mode={section.loss_agg_mode!r} is not valid; choose one of: "
             f"{', '.join(algorithms.LOSS_AGG_MODES)}"
         )
+
+
+def _check_lora(cfg: RLConfig) -> None:
+    """``actor.lora`` and ``rollout.lora_sync``: the adapters' settings (rank, alpha, dropout,
+    target modules: ``parallel.lora``'s own checks), the layers they need, the starting adapter's
+    folder, and an engine that can take adapters. Whether the adapter fits the model is checked
+    when it loads (``parallel.lora_io.load_peft_adapter``), against the model's shapes."""
+    lora, rollout = cfg.actor.lora, cfg.rollout
+    if not lora.enable:
+        if rollout.lora_sync == "adapter":
+            raise UserError(
+                "rollout.lora_sync=adapter syncs LoRA adapters, but actor.lora.enable=false: "
+                "set actor.lora.enable=true or rollout.lora_sync=merged"
+            )
+        return
+    from parallel.lora import LoraConfigError
+    from rlcli.lora import lora_spec
+
+    try:
+        lora_spec(lora, cfg.trainer.seed).targets()
+    except LoraConfigError as err:
+        raise UserError(str(err)) from None
+    if rollout.lora_sync == "adapter" and rollout.engine != "vllm":
+        raise UserError(
+            f"rollout.lora_sync=adapter: the {rollout.engine} engine cannot apply LoRA adapters "
+            "(only rollout.engine=vllm can); set rollout.lora_sync=merged"
+        )
+    if cfg.parallel.sequence_parallel:
+        raise UserError(
+            "actor.lora: the adapters do not support sequence-parallel linears; set "
+            "parallel.sequence_parallel=false"
+        )
+    if cfg.model.transformer_impl == "transformer_engine":
+        raise UserError(
+            "actor.lora needs megatron's local layers (Transformer Engine fuses the norm into "
+            "the linear the adapter reads): set model.transformer_impl=local"
+        )
+    if lora.adapter_path is not None and not os.path.isdir(lora.adapter_path):
+        raise UserError(
+            f"actor.lora.adapter_path={lora.adapter_path!r}: no such folder (a PEFT adapter "
+            "folder holds adapter_config.json and adapter_model.safetensors)"
+        )
+
+
+def _check_sampling(cfg: RLConfig) -> None:
+    r = cfg.rollout
+    if r.temperature < 0:
+        raise UserError(f"rollout.temperature must be >= 0, got {r.temperature}")
+    if not 0 < r.top_p <= 1:
+        raise UserError(f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    if any(t < 0 for t in r.stop_token_ids):
+        raise UserError(f"rollout.stop_token_ids must be token ids >= 0, got {r.stop_token_ids}")
+    if r.max_model_len is not None:
+        need = cfg.data.max_prompt_length + r.max_tokens
+        if r.max_model_len < need:
+            raise UserError(
+                f"rollout.max_model_len={r.max_model_len} is shorter than "
+                f"data.max_prompt_length + rollout.max_tokens = {need}"
+            )
+    if cfg.actor.clip_ratio_c <= 1:
+        raise UserError(f"actor.clip_ratio_c must be > 1 (dual-clip), got {cfg.actor.clip_ratio_c}")
+
+
+def _check_multi_turn(cfg: RLConfig) -> None:
+    """``rollout.multi_turn``, checked only when enabled: limits, and the tool config and the
+    environment resolved (an unknown tool, a class that is not a tool, an invalid JSON schema)
+    before anything starts. Tools are built (and the python sandbox probed) by the rollout."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return
+    for key in (
+        "max_assistant_turns",
+        "max_tool_calls_per_turn",
+        "max_tool_response_tokens",
+        "max_response_tokens",
+    ):
+        if getattr(mt, key) < 1:
+            raise UserError(f"rollout.multi_turn.{key} must be >= 1, got {getattr(mt, key)}")
+    if not mt.tool_timeout_s > 0:
+        raise UserError(f"rollout.multi_turn.tool_timeout_s must be > 0, got {mt.tool_timeout_s}")
+    if mt.tool_config is None and mt.environment is None:
+        raise UserError(
+            "rollout.multi_turn.enable=true needs tools (rollout.multi_turn.tool_config=FILE) or "
+            "an environment (rollout.multi_turn.environment=NAME)"
+        )
+    if mt.tool_config is not None:
+        from rlcli.tools.tool_config import load_tool_config
+
+        load_tool_config(mt.tool_config)
+    if mt.environment is not None:
+        from rlcli.environments.base import resolve_environment_class
+
+        resolve_environment_class(mt.environment)
 
 
 def _check_schedules(cfg: RLConfig) -> None:
@@ -181,17 +218,11 @@ def _check_schedules(cfg: RLConfig) -> None:
     if total is not None and total < 1:
         raise UserError(f"trainer.total_steps must be >= 1 (or null: epochs), got {total}")
     for key, value in (
-        ("actor.lr_warmup_steps", cfg.actor.lr_warmup_steps),
         ("sft.lr_warmup_steps", cfg.sft.lr_warmup_steps),
         ("sft.steps", cfg.sft.steps),
     ):
         if value < 0:
             raise UserError(f"{key} must be >= 0, got {value}")
-    if total is not None and cfg.actor.lr_warmup_steps >= total:
-        raise UserError(
-            f"actor.lr_warmup_steps={cfg.actor.lr_warmup_steps} must be smaller than "
-            f"trainer.total_steps={total} (the warmup is part of the run)"
-        )
     if cfg.sft.steps and cfg.sft.lr_warmup_steps >= cfg.sft.steps:
         raise UserError(
             f"sft.lr_warmup_steps={cfg.sft.lr_warmup_steps} must be smaller than "
@@ -213,13 +244,8 @@ def _check_schedules(cfg: RLConfig) -> None:
         raise UserError(f"algorithm.kl_ctrl.kl_coef must be >= 0, got {kl.kl_coef}")
 
 
-def _choice(key: str, value: Any, valid: list[Any]) -> None:
-    if value not in valid:
-        shown = ", ".join(repr(v) for v in valid)
-        raise UserError(f"{key}={value!r} is not valid; choose one of: {shown}")
-
-
 def _check_algorithm_names(cfg: RLConfig) -> None:
+    """Names the ``algorithms`` registries declare (estimators, policy losses, KL kinds)."""
     import algorithms
 
     checks = [
@@ -244,11 +270,6 @@ def _check_algorithm_names(cfg: RLConfig) -> None:
                 f"{key}={kind!r} is not valid; choose one of: "
                 f"{', '.join(algorithms.KL_PENALTY_KINDS)}"
             )
-    if cfg.actor.loss_agg_mode not in algorithms.LOSS_AGG_MODES:
-        raise UserError(
-            f"actor.loss_agg_mode={cfg.actor.loss_agg_mode!r} is not valid; choose one of: "
-            f"{', '.join(algorithms.LOSS_AGG_MODES)}"
-        )
 
 
 def _check_reliability(cfg: RLConfig) -> None:
@@ -265,3 +286,29 @@ def _check_reliability(cfg: RLConfig) -> None:
         )
     if not cfg.rollout.max_logprob_diff > 0:
         raise UserError(f"rollout.max_logprob_diff must be > 0, got {cfg.rollout.max_logprob_diff}")
+
+
+def check_reward_model_training(cfg: RLConfig, dp: int) -> None:
+    """The ``rm.*`` settings of ``rlcli rm`` (checked only when a reward model is trained, so a
+    recipe that never trains one is not held to them)."""
+    rm = cfg.rm
+    for key in ("steps", "batch_size", "micro_batch_size", "max_length"):
+        if getattr(rm, key) < 1:
+            raise UserError(f"rm.{key} must be >= 1, got {getattr(rm, key)}")
+    for key in ("max_tokens", "lr_warmup_steps", "val_freq", "save_freq", "grad_clip", "lr"):
+        if getattr(rm, key) < 0:
+            raise UserError(f"rm.{key} must be >= 0, got {getattr(rm, key)}")
+    if rm.lr_warmup_steps >= rm.steps:
+        raise UserError(
+            f"rm.lr_warmup_steps={rm.lr_warmup_steps} must be smaller than rm.steps={rm.steps}"
+        )
+    if rm.batch_size % dp:
+        raise UserError(
+            f"rm.batch_size={rm.batch_size} must divide evenly over the {dp} data-parallel "
+            "replicas (world size / (parallel.tp * parallel.pp))"
+        )
+    if not rm.synthetic and not rm.train_files:
+        raise UserError(
+            "rm.train_files is empty: give JSONL / Parquet preference rows "
+            "({prompt, chosen, rejected}) or set rm.synthetic=arith"
+        )

@@ -31,24 +31,25 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from rlcli.config import LoggingConfig, choices
 from rlcli.errors import UserError
 
-VALID_BACKENDS = ("console", "tensorboard", "jsonl", "wandb")
+VALID_BACKENDS = choices(LoggingConfig, "backends")
 METRICS_FILE_NAME = "metrics.jsonl"
 TENSORBOARD_DIR_NAME = "tensorboard"
 
-# What the console shows per step: (label, metric keys tried in order). The first key present in
-# a step's metrics is shown; a column with no key present is left out of that line.
-CONSOLE_COLUMNS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("reward", ("reward/score_mean", "reward/mean", "score/mean")),
-    ("acc", ("reward/accuracy", "accuracy", "val/accuracy")),
-    ("val_acc", ("val/reward/accuracy",)),
-    ("resp_len", ("response_length/mean",)),
-    ("pg_loss", ("actor/pg_loss",)),
-    ("grad_norm", ("actor/grad_norm",)),
-    ("step_s", ("timing/step",)),
-    ("tok/s", ("perf/tokens_per_s", "throughput/tokens_per_s")),
-    ("lp_diff", ("rollout/logprob_diff_max",)),
+# What the console shows per step: (label, metric key); a column whose key a step's metrics do not
+# have is left out of that line.
+CONSOLE_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("reward", "reward/score_mean"),
+    ("acc", "reward/accuracy"),
+    ("val_acc", "val/reward/accuracy"),
+    ("resp_len", "response_length/mean"),
+    ("pg_loss", "actor/pg_loss"),
+    ("grad_norm", "actor/grad_norm"),
+    ("step_s", "timing/step"),
+    ("tok/s", "perf/tokens_per_s"),
+    ("lp_diff", "rollout/logprob_diff_max"),
 )
 
 
@@ -70,6 +71,10 @@ class Timer:
         finally:
             self._seconds[phase] += time.perf_counter() - start
 
+    def add(self, phase: str, seconds: float) -> None:
+        """Count ``seconds`` (measured elsewhere) towards ``phase``."""
+        self._seconds[phase] += seconds
+
     def metrics(self) -> dict[str, float]:
         """``{"timing/<phase>": seconds}`` accumulated so far."""
         return {f"timing/{phase}": seconds for phase, seconds in self._seconds.items()}
@@ -87,11 +92,11 @@ def _format_value(value: float) -> str:
 
 def console_summary(metrics: Mapping[str, float]) -> str:
     """The short ``label value | ...`` text the console shows for one step."""
-    parts = []
-    for label, keys in CONSOLE_COLUMNS:
-        key = next((k for k in keys if k in metrics), None)
-        if key is not None:
-            parts.append(f"{label} {_format_value(float(metrics[key]))}")
+    parts = [
+        f"{label} {_format_value(float(metrics[key]))}"
+        for label, key in CONSOLE_COLUMNS
+        if key in metrics
+    ]
     return " | ".join(parts)
 
 

@@ -14,7 +14,8 @@ Layout under the checkpoint root::
 
 A run's checkpoint (``save_run``) holds ``model/`` (megatron dist_checkpointing: model, optimizer,
 scheduler), ``hf/`` (config and tokenizer, so it converts to HF on its own) and the trainer state
-(step, data position, KL coefficient, RNG states). A PPO run adds ``critic/model/`` (the value
+(step, data position, KL coefficient, RNG states). A LoRA actor's ``model/`` holds only its
+adapters and their optimizer state; the base is the run's HF model (``rlcli.lora``). A PPO run adds ``critic/model/`` (the value
 model, its optimizer and scheduler, same format) and ``critic/hf/`` (the config and tokenizer the
 critic was built from; ``rlcli export --critic`` turns the two into an HF model).
 
@@ -49,9 +50,8 @@ from rlcli.run_state import (
     write_text_atomically,
 )
 
-if TYPE_CHECKING:  # the policy pulls in megatron; `rlcli export` only needs the directory rules
-    from rlcli.critic import MegatronCritic
-    from rlcli.policy import MegatronPolicy
+if TYPE_CHECKING:  # the model pulls in megatron; `rlcli export` only needs the directory rules
+    from rlcli.trained_model import TrainedModel
 
 COMPLETE_MARKER = "COMPLETE"
 LATEST_POINTER = "latest"
@@ -295,14 +295,15 @@ def _why_not_a_checkpoint(path: Path) -> str:
 def save_run(
     ckpt: CheckpointManager,
     step: int,
-    actor: MegatronPolicy,
+    actor: TrainedModel,
     model_dir: str,
     state: Mapping[str, Any],
     save_optimizer: bool,
-    critic: MegatronCritic | None = None,
+    critic: TrainedModel | None = None,
 ) -> None:
     """Collective: commit ``step``'s checkpoint (model, optimizer, HF metadata, trainer state;
-    the critic's model and optimizer under ``critic/`` when there is one)."""
+    the critic's model and optimizer under ``critic/`` when there is one). Every kind of state
+    of both must be on the device (the trainer's ``checkpoint`` residency)."""
     from parallel.checkpoint import save_checkpoint
     from parallel.optim import all_weights_finite
 
@@ -322,11 +323,11 @@ def save_run(
             actor.mesh,
             optimizer=actor.optimizer if save_optimizer else None,
             scheduler=actor.scheduler,
+            adapters_only=actor.lora is not None,
         )
         if actor.mesh.rank == 0:
             copy_hf_metadata(model_dir, directory / "hf")
         if critic is not None:
-            critic.offloader.onload_all()  # the step may have left its state on the host
             save_checkpoint(
                 directory / "critic" / "model",
                 critic.models,
@@ -342,13 +343,14 @@ def save_run(
 def resume_run(
     ckpt: CheckpointManager,
     resume: str | None,
-    actor: MegatronPolicy,
+    actor: TrainedModel,
     load_optimizer: bool,
-    critic: MegatronCritic | None = None,
+    critic: TrainedModel | None = None,
 ) -> dict[str, Any] | None:
     """Load the checkpoint ``trainer.resume`` names into ``actor`` (and ``critic``); its trainer
     state, or None when the run starts fresh."""
     from parallel.checkpoint import load_checkpoint
+    from rlcli.lora import check_resumed_lora, lora_state
 
     path = ckpt.resolve_resume(resume)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
@@ -364,6 +366,7 @@ def resume_run(
             "from; it was written by a run without algorithm.adv_estimator=gae"
         )
     state = load_trainer_state(path)
+    check_resumed_lora(path, state.get("lora"), lora_state(actor.lora))
     for model, folder in ((actor, path / "model"), (critic, path / "critic" / "model")):
         if model is None:
             continue
@@ -373,6 +376,7 @@ def resume_run(
             model.mesh,
             optimizer=model.optimizer if load_optimizer else None,
             scheduler=model.scheduler,
+            adapters_only=model.lora is not None,
         )
         if changed and model.mesh.rank == 0:
             # The current config wins over the checkpoint's hyper-parameters; say what changed.

@@ -85,6 +85,10 @@ def load_trainer_state(
     return state
 
 
+# megatron's named RNG streams (parallel.mesh.rng_tracker_states) in the RNG file
+TRACKER_PREFIX = "megatron_tracker/"
+
+
 def _capture_rng_states() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     python_version, python_words, python_gauss = random.getstate()
     numpy_kind, numpy_keys, numpy_pos, numpy_has_gauss, numpy_gauss = np.random.get_state()
@@ -96,6 +100,7 @@ def _capture_rng_states() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     if torch.cuda.is_available():
         for index, cuda_state in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"torch_cuda_{index}"] = cuda_state
+    tensors.update({TRACKER_PREFIX + name: state for name, state in _tracker_states().items()})
     metadata = {
         "python": json.dumps({"version": python_version, "gauss_next": python_gauss}),
         "numpy": json.dumps(
@@ -135,6 +140,22 @@ def _restore_rng_states(path: Path) -> None:
     ]
     if cuda_states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda_states)
+    tracker = {
+        k.removeprefix(TRACKER_PREFIX): v
+        for k, v in tensors.items()
+        if k.startswith(TRACKER_PREFIX)
+    }
+    if tracker:
+        from parallel.mesh import set_rng_tracker_states
+
+        set_rng_tracker_states(tracker)
+
+
+def _tracker_states() -> dict[str, torch.Tensor]:
+    """megatron's named RNG streams (none before a model-parallel run set them up)."""
+    from parallel.mesh import rng_tracker_states
+
+    return rng_tracker_states()
 
 
 def _cuda_index(key: str) -> int:

@@ -61,7 +61,7 @@ def generate_samples(
                     group=group_offset + position,
                     prompt_ids=list(item.prompt_token_ids),
                     response_ids=list(completion.token_ids),
-                    engine_logprobs=list(completion.logprobs),
+                    engine_log_probs=list(completion.logprobs),
                     finish_reason=completion.finish_reason,
                     item=item,
                 )

@@ -14,11 +14,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rlcli.batch import Sample, collate, response_values, split_evenly
+from rlcli.batch import RolloutBatch, Sample, collate, response_values, split_evenly
 from rlcli.data import read_sft_pairs
 from rlcli.errors import UserError
 from rlcli.inputs import RunInputs
-from rlcli.policy import MegatronPolicy
+from rlcli.trained_model import TrainedModel
 
 
 def tokenize_pairs(pairs: list[tuple[str, str]], tokenizer) -> list[Sample]:
@@ -30,7 +30,7 @@ def tokenize_pairs(pairs: list[tuple[str, str]], tokenizer) -> list[Sample]:
             group=i,
             prompt_ids=p,
             response_ids=r + [eos],
-            engine_logprobs=[0.0] * (len(r) + 1),
+            engine_log_probs=[0.0] * (len(r) + 1),
             finish_reason="stop",
             item=None,
         )
@@ -39,9 +39,10 @@ def tokenize_pairs(pairs: list[tuple[str, str]], tokenizer) -> list[Sample]:
 
 
 def make_sft_loss(denominator: float):
-    def loss_fn(outputs: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]):
-        mask = mb["response_mask"].to(outputs["log_probs"].device)
-        log_prob = response_values(outputs["log_probs"], mb["response_index"])
+    def loss_fn(outputs: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]):
+        mb = RolloutBatch.from_tensors(tensors)
+        mask = mb.loss_mask.to(outputs["log_probs"].device)
+        log_prob = response_values(outputs["log_probs"], mb.response_index)
         nll = -(log_prob * mask).sum() / denominator
         return nll, {"sft/loss": nll.item()}
 
@@ -50,7 +51,7 @@ def make_sft_loss(denominator: float):
 
 def sft_warm_start(
     c: RunInputs,
-    build_actor: Callable[[], MegatronPolicy],
+    build_actor: Callable[[], TrainedModel],
     files: list[str],
     out_dir: Path,
     log: Callable[[str], None] = print,
@@ -75,7 +76,7 @@ def sft_warm_start(
         local = split_evenly(chosen, mesh.dp)[mesh.dp_rank]
         batch = collate(local, c.tokenizer.pad_token_id)
         tokens = sum(len(s.response_ids) for s in chosen)  # of the whole batch, all DP ranks
-        result = actor.train_step(batch, cfg.sft.micro_batch_size, make_sft_loss(tokens / mesh.dp))
+        result = actor.train_step(batch.tensors(), make_sft_loss(tokens / mesh.dp))
         if step % 50 == 0 or step == cfg.sft.steps:
             loss = sum(m["sft/loss"] for m in result["micro_batch_metrics"])
             log(

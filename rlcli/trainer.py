@@ -1,11 +1,12 @@
 """The RL trainer: every rank runs the same code (SPMD under torchrun).
 
-``rl_step`` is the whole algorithm on one screen, one timed phase per call, in the order a batch
-travels: rollout -> reward -> distribute -> old_log_prob -> ref -> values -> adv ->
+``rl_step`` is the whole algorithm on one screen, one phase per call, in the order a batch
+travels: rollout (gen + reward) -> distribute -> old_log_prob -> ref -> values -> adv ->
 update_critic -> update -> sync (values and update_critic only with PPO's critic; during
-``trainer.critic_warmup`` steps only the critic learns).
-``Trainer.fit`` repeats it, evaluates on held-out prompts and commits checkpoints. The trainer is
-built from the config by ``rlcli.build.build_trainer``.
+``trainer.critic_warmup`` steps only the critic learns). Each phase is entered through
+``rlcli.residency.StepPhases``, which first gives it the device residency its row of the plan
+declares, then times it. ``Trainer.fit`` repeats the step, evaluates on held-out prompts and
+commits checkpoints. The trainer is built from the config by ``rlcli.build.build_trainer``.
 """
 
 from __future__ import annotations
@@ -20,27 +21,24 @@ import torch
 import torch.distributed as dist
 
 from parallel.mesh import Mesh
-from rlcli.actor_update import (
-    kl_metric_kind,
-    logprob_agreement,
-    logprob_metrics,
-    old_log_probs_from_update,
-    update_actor,
-)
+from rlcli.actor_update import agreement_of_actor_pass, old_log_prob_plan, update_actor
 from rlcli.advantages import KLController, compute_advantages
-from rlcli.batch import collate, take_dp_share
+from rlcli.batch import RolloutBatch, collate, take_dp_share
 from rlcli.config import RLConfig
-from rlcli.critic import MegatronCritic, update_critic, value_metrics
+from rlcli.critic import update_critic, value_metrics
 from rlcli.data import PromptDataset, PromptLoader
 from rlcli.dp_stats import DataParallelStats
 from rlcli.errors import UserError
+from rlcli.lora import lora_state
 from rlcli.machine import device_summary, format_duration, seconds_since_process_start
-from rlcli.metrics import MetricsLogger, Timer
-from rlcli.policy import MegatronPolicy
+from rlcli.metrics import MetricsLogger
+from rlcli.residency import Residency, StepPhases, residency_plan
 from rlcli.rewards import RewardManager
 from rlcli.rollout.base import RolloutEngine
+from rlcli.rollout.transport import WeightTransport
 from rlcli.run_checkpoint import CheckpointManager, save_run
 from rlcli.sampling import ReplicaInfo, collect_rollouts, evaluate
+from rlcli.trained_model import LoraReference, TrainedModel
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -56,9 +54,11 @@ class Trainer:
     mesh: Mesh
     tokenizer: PreTrainedTokenizerBase  # pad / eos ids, decoding responses for rewards
     model_dir: str  # the HF directory the run starts from (after any SFT warm start)
-    actor: MegatronPolicy
-    reference: MegatronPolicy | None  # frozen; only when a KL term needs it
+    actor: TrainedModel
+    # frozen; only when a KL term needs it (a LoRA actor's: the actor with its adapters off)
+    reference: TrainedModel | LoraReference | None
     engine: RolloutEngine
+    transport: WeightTransport  # how the actor's new weights reach the engine
     replica: ReplicaInfo
     rewards: RewardManager
     loader: PromptLoader
@@ -67,13 +67,18 @@ class Trainer:
     checkpoints: CheckpointManager
     logger: MetricsLogger | None
     total_steps: int
-    critic: MegatronCritic | None = None  # PPO's value model (algorithm.adv_estimator=gae)
+    critic: TrainedModel | None = None  # PPO's value model (algorithm.adv_estimator=gae)
     step: int = 0
     resumed_from: int | None = None  # the checkpoint step this run continues from
     stats: DataParallelStats = field(init=False)
+    residency: Residency = field(init=False)
 
     def __post_init__(self) -> None:
         self.stats = DataParallelStats(self.mesh)
+        # A LoRA actor's reference is the actor itself: its residency is the actor's.
+        reference = self.reference if isinstance(self.reference, TrainedModel) else None
+        models = {"actor": self.actor, "reference": reference, "critic": self.critic}
+        self.residency = Residency(residency_plan(self.cfg), models)
         # Warmup, decay and total are counted in RL steps: fit() steps the schedule once per
         # step, whatever the number of mini-batches (optimizer steps) in it.
         self.actor.schedule_per_update = False
@@ -92,6 +97,7 @@ class Trainer:
             if self.logger is not None:
                 self.logger.close()
             self.rewards.close()
+            self.transport.close()
             self.engine.close()
 
     def _fit(self, stop: StopRequest) -> dict[str, float]:
@@ -178,11 +184,15 @@ class Trainer:
         )
 
     def save(self) -> None:
+        self.residency.enter("checkpoint")
         state = {
             "step": self.step,
             "loader": self.loader.state_dict(),
             "kl_coef": float(self.kl_ctrl.value),
             "model_dir": self.model_dir,
+            # A LoRA run saves only the adapters: resume and export rebuild the base from
+            # model_dir and need the adapters' shape.
+            "lora": lora_state(self.actor.lora),
         }
         save_run(
             self.checkpoints,
@@ -200,83 +210,61 @@ class Trainer:
 
 
 def rl_step(t: Trainer) -> dict[str, float]:
-    """One training step: each phase one call, timed, named after what it does."""
-    cfg, timer = t.cfg, Timer()
-    mbs, temperature = cfg.actor.micro_batch_size, cfg.rollout.temperature or 1.0
-    # The no-grad passes: their own token budget, else the training one.
-    forward_tokens = cfg.actor.max_tokens_per_forward or cfg.actor.max_tokens_per_micro_batch
-    moved = {"offload": 0, "onload": 0}
-    with timer("step"):
-        with timer("offload"):  # the engine generates in the device memory the actor frees
-            moved["offload"] += t.actor.offload(**actor_offload(cfg)).bytes
-            if t.critic is not None:  # the critic follows the actor's offload settings
-                moved["offload"] += t.critic.offload(**actor_offload(cfg)).bytes
-        # rollout + reward (timed inside): every rank ends with ALL scored samples, exchanged once
-        samples, metrics = collect_rollouts(
-            cfg, t.engine, t.replica, t.loader, t.rewards, t.tokenizer, t.step, timer
-        )
-        with timer("distribute"):  # this DP rank's whole groups; from here on nothing moves
+    """One training step: each phase one call, named after what it does."""
+    cfg, phases = t.cfg, StepPhases(t.residency)
+    with phases.step():
+        # gen + reward (timed inside): every rank ends with ALL scored samples, exchanged once
+        with phases("rollout", timed=False):
+            samples, metrics = collect_rollouts(
+                cfg, t.engine, t.replica, t.loader, t.rewards, t.tokenizer, t.step, phases.timer
+            )
+        with phases("distribute"):  # this DP rank's whole groups; from here on nothing moves
             mine, fewest_groups = take_dp_share(samples, t.mesh.dp, t.mesh.dp_rank)
-            if fewest_groups == 0:  # DAPO kept fewer informative groups than there are DP ranks
-                t.actor.onload(params=True, grads=True, optimizer=True)
-                if t.critic is not None:
-                    t.critic.onload(params=True, grads=True, optimizer=True)
-                return {**metrics, **timer.metrics(), "actor/skipped_update": 1.0}
-            batch = collate(mine, t.tokenizer.pad_token_id)
-        with timer("onload"):
-            moved["onload"] += t.actor.onload(params=True).bytes
-        if cfg.actor.old_log_prob_source == "engine":
-            batch["old_log_probs"] = batch["engine_logprobs"]
-        elif not old_log_probs_from_update(cfg):  # else: the update forward's own, detached
-            with timer("old_log_prob"):
-                batch["old_log_probs"] = t.actor.log_probs(batch, mbs, temperature, forward_tokens)
-        if t.reference is not None:
-            with timer("ref"):
-                t.reference.onload(params=True)
-                batch["ref_log_probs"] = t.reference.log_probs(
-                    batch, mbs, temperature, forward_tokens
-                )
-                if cfg.ref.offload:
-                    t.reference.offload(params=True)
-        if t.critic is not None:
-            with timer("onload"):
-                moved["onload"] += t.critic.onload(params=True).bytes
-            with timer("values"):
-                batch["values"] = t.critic.forward_values(batch, cfg.critic.micro_batch_size)
-        with timer("adv"):
-            metrics.update(compute_advantages(batch, cfg, t.kl_ctrl, t.stats))
-        if t.critic is not None:
-            metrics.update(value_metrics(batch, t.stats))
-            with timer("onload"):
-                moved["onload"] += t.critic.onload(grads=True, optimizer=True).bytes
-            with timer("update_critic"):
-                metrics.update(update_critic(t.critic, batch, cfg, t.mesh, fewest_groups))
-            with timer("offload"):  # the actor's update gets the memory the critic held
-                moved["offload"] += t.critic.offload(**actor_offload(cfg)).bytes
-        with timer("onload"):
-            moved["onload"] += t.actor.onload(grads=True, optimizer=True).bytes
-        if t.critic is not None and t.step <= cfg.trainer.critic_warmup:  # the critic learns first
+            batch = collate(mine, t.tokenizer.pad_token_id) if fewest_groups else None
+        if batch is None:  # DAPO kept fewer informative groups than there are DP ranks
             metrics["actor/skipped_update"] = 1.0
-            if t.engine.needs_weight_sync:  # a level-2 sleep discarded the (unchanged) weights
-                with timer("sync"):
-                    metrics.update(sync_rollout_weights(t))
         else:
-            with timer("update"):
-                metrics.update(update_actor(t.actor, batch, cfg, t.mesh, fewest_groups))
-            with timer("sync"):
-                metrics.update(sync_rollout_weights(t))
-    metrics.update(batch_metrics(batch, t))
-    metrics.update(timer.metrics())
-    metrics.update({f"{kind}/bytes_gb": nbytes / 1e9 for kind, nbytes in moved.items()})
-    metrics["perf/tokens_per_s"] = metrics.pop("perf/tokens") / max(metrics["timing/step"], 1e-9)
+            metrics.update(learn(t, batch, fewest_groups, phases))
+    metrics.update(phases.metrics())
+    tokens = float(sum(s.num_tokens for s in samples))  # every rank holds every sample
+    metrics["perf/tokens_per_s"] = tokens / max(metrics["timing/step"], 1e-9)
     metrics["perf/peak_memory_gb"] = peak_memory_gb()
     return metrics
 
 
-def actor_offload(cfg: RLConfig) -> dict[str, bool]:
-    """What of the actor leaves the device while the engine generates (``actor.offload_*``)."""
-    a = cfg.actor
-    return {"params": a.offload_params, "grads": a.offload_grads, "optimizer": a.offload_optimizer}
+def learn(t: Trainer, batch: RolloutBatch, fewest_groups: int, phases: StepPhases) -> dict:
+    """The step's phases after the rollout, on this DP rank's whole groups."""
+    cfg, temperature, metrics = t.cfg, t.cfg.rollout.temperature or 1.0, {}
+    old_log_probs = old_log_prob_plan(cfg)
+    if old_log_probs == "engine":
+        batch.old_log_probs = batch.engine_log_probs
+    elif old_log_probs == "actor_pass":
+        with phases("old_log_prob"):
+            batch.old_log_probs = t.actor.forward(batch, temperature)
+    if t.reference is not None:
+        with phases("ref"):
+            batch.ref_log_probs = t.reference.forward(batch, temperature)
+    if t.critic is not None:
+        with phases("values"):
+            batch.values = t.critic.forward(batch)
+    with phases("adv"):
+        metrics.update(compute_advantages(batch, cfg, t.kl_ctrl, t.stats))
+    if t.critic is not None:
+        metrics.update(value_metrics(batch, t.stats))
+        with phases("update_critic"):
+            metrics.update(update_critic(t.critic, batch, cfg, fewest_groups))
+    actor_learns = t.critic is None or t.step > cfg.trainer.critic_warmup
+    if actor_learns:
+        with phases("update"):
+            metrics.update(update_actor(t.actor, batch, cfg, fewest_groups))
+    else:  # PPO's critic warmup: the critic learns first
+        metrics["actor/skipped_update"] = 1.0
+    if actor_learns or t.engine.needs_weight_sync:  # (a level-2 sleep discarded the weights)
+        with phases("sync"):
+            metrics.update(sync_rollout_weights(t))
+    if old_log_probs == "actor_pass":  # else the update's first forward measured it
+        metrics.update(agreement_of_actor_pass(batch, cfg, t.stats))
+    return metrics
 
 
 def check_logprob_diff(t: Trainer, metrics: dict[str, float]) -> None:
@@ -335,32 +323,13 @@ class StopRequest:
 
 
 def sync_rollout_weights(t: Trainer) -> dict[str, float]:
-    """Stream the actor's new weights into the engine's layout (``parallel.reshard``)."""
-    from parallel.reshard import sync_weights
-
-    stats = sync_weights(t.actor.models, t.mesh, t.engine, t.cfg.rollout.sync_bucket_mb)
+    """Stream the actor's new weights into the engine's layout (``t.transport``)."""
+    stats = t.transport.sync(t.actor.models, t.mesh)
     return {
         "sync/bytes_gb": stats.bytes / 1e9,
         "sync/gbps": stats.gbps,
         "sync/buckets": float(stats.num_buckets),
     }
-
-
-def batch_metrics(batch: dict[str, torch.Tensor], t: Trainer) -> dict[str, float]:
-    """Whole-batch metrics from this rank's share: the token count and, when the old log-probs
-    came from a separate actor pass, trainer-vs-engine log-prob agreement on the sampled tokens
-    and KL to the reference (otherwise the update reported those from its own forward)."""
-    metrics = {"perf/tokens": t.stats.sum(batch["attention_mask"].sum().double()).item()}
-    if t.cfg.actor.old_log_prob_source == "actor" and "old_log_probs" in batch:
-        sums, largest = logprob_agreement(
-            batch["old_log_probs"],
-            batch["engine_logprobs"],
-            batch.get("ref_log_probs"),
-            batch["response_mask"],
-            kl_metric_kind(t.cfg),
-        )
-        metrics.update(logprob_metrics(sums, largest, t.stats, t.reference is not None))
-    return metrics
 
 
 def peak_memory_gb() -> float:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -216,11 +216,15 @@ def save_hf_checkpoint(
     out_dir: str | Path,
     hf_config: Any,
     tokenizer_dir: str | Path | None = None,
+    tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> None:
-    """Write the model as an HF checkpoint into `out_dir` on rank 0 (collective)."""
+    """Write the model as an HF checkpoint into `out_dir` on rank 0 (collective). `tensors`: the
+    full HF tensors to write, every rank iterating them (default: `iter_hf_weights`)."""
     out_dir = Path(out_dir)
     writer = _ShardWriter(out_dir) if mesh.rank == 0 else None
-    for name, tensor in iter_hf_weights(models, mesh, hf_config):
+    if tensors is None:
+        tensors = iter_hf_weights(models, mesh, hf_config)
+    for name, tensor in tensors:
         if writer is not None:
             writer.add(name, tensor.cpu())
     if writer is not None:

@@ -18,6 +18,7 @@ Public API (stable; the bucketed resharder in rlcli builds on it):
                       tensors; read(hf_name, dim, start, stop) returns rows/cols [start, stop)
                       along dim (dim=None: the whole tensor).
     param_mappings(models, hf_config, tp, tp_rank) -> list[ParamMapping]
+        (the base weights only: LoRA adapters, parameters marked `is_lora_adapter`, are skipped)
     hf_rule(hf_config, global_name) -> (Rule, skip_export)
     megatron_to_hf(hf_config, tp, global_name, full) -> list[(hf_name, tensor)]
         (works on ranks that do not hold the parameter: needs only its global name)
@@ -221,6 +222,8 @@ def param_mappings(
     for chunk_index, chunk in enumerate(models):
         chunk = unwrap_chunk(chunk)
         for local_name, param in chunk.named_parameters():
+            if getattr(param, "is_lora_adapter", False):
+                continue  # parallel.lora's adapters are not HF weights (parallel.lora_io)
             global_name = _global_name(chunk, local_name)
             rule, skip_export = hf_rule(hf_config, global_name)
             dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None

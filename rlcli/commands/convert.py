@@ -8,6 +8,8 @@ inputs, start torchrun when needed and print.
     rlcli convert verify      --model HF_DIR --tp T --pp P [--tolerance X]
     rlcli export CHECKPOINT --out HF_DIR          (a training checkpoint; mcore-to-hf at TP1)
     rlcli export CHECKPOINT --out HF_DIR --critic (PPO's value model, see ``export_critic``)
+    rlcli export CHECKPOINT --out DIR --lora      (a LoRA run's adapters as a PEFT folder)
+    rlcli export CHECKPOINT --out HF_DIR --merge  (a LoRA run's base with the adapters merged)
 
 Multi-process: when tp * pp > 1 and the command is not already running under torchrun, it
 runs itself again under torchrun with tp * pp processes on this machine
@@ -132,17 +134,87 @@ def export(
     critic: bool = typer.Option(
         False, "--critic", help="Export PPO's critic (value model) instead of the policy."
     ),
+    lora: bool = typer.Option(
+        False, "--lora", help="A LoRA run's adapters as a PEFT adapter folder (peft loads it)."
+    ),
+    merge: bool = typer.Option(
+        False, "--merge", help="A LoRA run's policy as a full HF model, the adapters merged."
+    ),
+    base_model: Optional[Path] = typer.Option(
+        None,
+        "--base-model",
+        help="LoRA: the HF model the run trained from (default: the one trainer_state.json names).",
+    ),
 ) -> None:
     """Write a training checkpoint's policy (or, with --critic, its value model) as a
-    HuggingFace model directory."""
+    HuggingFace model directory; a LoRA run's policy as a PEFT adapter (--lora) or merged into
+    its base model (--merge)."""
+    from rlcli.lora import spec_of_state
     from rlcli.run_checkpoint import is_complete_checkpoint
+    from rlcli.run_state import load_trainer_state
 
     if not is_complete_checkpoint(checkpoint):
         raise UserError(f"{checkpoint} is not a complete rlcli checkpoint (no COMPLETE marker)")
+    state = load_trainer_state(checkpoint, rank=0, restore_rng=False)
+    spec = spec_of_state(state)
+    if lora and merge:
+        raise UserError("--lora and --merge: choose one (adapters only, or merged into the base)")
+    if critic and (lora or merge):
+        raise UserError("--critic: the critic has no LoRA adapters; drop --lora / --merge")
+    if (lora or merge) and spec is None:
+        raise UserError(
+            f"{checkpoint} holds a fully fine-tuned policy, not LoRA adapters: export it "
+            "without --lora / --merge"
+        )
     if critic:
         export_critic(checkpoint, out)
+    elif spec is not None:
+        if not (lora or merge):
+            raise UserError(
+                f"{checkpoint} holds only the LoRA adapters (actor.lora; the base is "
+                f"{state['model_dir']}): export them with --lora (a PEFT adapter folder) or "
+                "--merge (a full HF model, the adapters merged into the base)"
+            )
+        export_lora(checkpoint, out, spec, Path(base_model or state["model_dir"]), merge=merge)
     else:
         mcore_to_hf(ckpt=checkpoint, out=out, tp=1, pp=1, hf_config_dir=None)
+
+
+def export_lora(checkpoint: Path, out: Path, spec, base: Path, *, merge: bool) -> None:
+    """A LoRA run's checkpoint (its adapters; the base is the HF model ``base``): the adapters as
+    a PEFT folder (``adapter_config.json`` through peft's LoraConfig, ``base_model_name_or_path``
+    the base; ``peft.PeftModel.from_pretrained(base_model, out)`` loads it), or with ``merge``
+    the base with W + (alpha/r) B A in every adapted tensor, as a plain HF model."""
+    from transformers import AutoConfig
+
+    from parallel.checkpoint import load_checkpoint
+    from parallel.convert import hf_model_dir_problem
+    from parallel.hf_model import load_hf_model
+    from parallel.lora import apply_lora
+    from parallel.lora_io import save_merged_hf_checkpoint, save_peft_adapter
+    from parallel.mesh import destroy_parallel, init_parallel
+    from parallel.model import build_model
+
+    problem = hf_model_dir_problem(base) if merge else None
+    if problem is not None:
+        raise UserError(
+            f"--merge needs the base model the run trained from, {base} ({checkpoint}/"
+            f"trainer_state.json's model_dir, or --base-model DIR): {problem}"
+        )
+    mesh = init_parallel(tp=1, pp=1)
+    hf_config = AutoConfig.from_pretrained(checkpoint / "hf")
+    # The adapters alone need no base weights: only --merge reads them.
+    models = load_hf_model(base, mesh) if merge else build_model(hf_config, mesh)
+    apply_lora(models, spec)
+    load_checkpoint(checkpoint / "model", models, mesh, adapters_only=True)
+    if merge:
+        save_merged_hf_checkpoint(models, mesh, out, hf_config, tokenizer_dir=checkpoint / "hf")
+    else:
+        save_peft_adapter(models, mesh, out, base_model_name_or_path=str(base))
+    if mesh.rank == 0:
+        kind = "HF model (LoRA merged)" if merge else "PEFT adapter"
+        typer.echo(f"wrote {kind} {out} (base {base})")
+    destroy_parallel()
 
 
 def export_critic(checkpoint: Path, out: Path) -> None:

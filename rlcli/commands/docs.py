@@ -97,7 +97,15 @@ def _section(cls: type, prefix: str, sources: dict, out: list[str], missing: lis
         if dataclasses.is_dataclass(default):
             nested.append((type(default), key))
             continue
-        info = sources.get(cls.__name__, {}).get(f.name, {"type": str(f.type), "meaning": ""})
+        # A field declared by a shared base section (e.g. TrainedModelConfig) is documented there.
+        info = next(
+            (
+                sources[base.__name__][f.name]
+                for base in cls.__mro__
+                if f.name in sources.get(base.__name__, {})
+            ),
+            {"type": str(f.type), "meaning": ""},
+        )
         if not info["meaning"]:
             missing.append(key)
         rows.append(

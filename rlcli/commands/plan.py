@@ -67,7 +67,9 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
     from parallel.memory_plan import PlanInputs, RolloutEngine
     from parallel.memory_terms import TrainedModel
     from parallel.reshard import AUTO_BUCKET_MB
-    from rlcli.config_validation import derive_dp, validate
+    from rlcli.batch import mini_batch_count
+    from rlcli.config_validation import derive_dp, uses_critic, validate
+    from rlcli.lora import lora_spec
 
     validate(cfg, world_size=world_size)
     par = cfg.parallel
@@ -84,31 +86,40 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
     seq_len = cfg.data.max_prompt_length + cfg.rollout.max_tokens
     sequences = cfg.data.train_batch_size * cfg.rollout.n
 
-    def micro_batches_per_step(section) -> int:
-        """Micro-batches per optimizer step on one DP rank, for `actor` or `critic` settings."""
-        mini = (section.ppo_mini_batch_size or cfg.data.train_batch_size) * cfg.rollout.n
-        return max(1, mini // dp // section.micro_batch_size)
+    lora = lora_spec(cfg.actor.lora, cfg.trainer.seed)
 
-    actor = TrainedModel(
-        shape,
-        dtype=cfg.model.dtype,
-        tp=par.tp,
-        pp=par.pp,
-        vpp=par.vpp,
-        dp=dp,
-        distributed_optimizer=par.use_distributed_optimizer,
-        micro_batch_size=cfg.actor.micro_batch_size,
-        seq_len=seq_len,
-        num_micro_batches=micro_batches_per_step(cfg.actor),
-        recompute=cfg.actor.recompute,
-        recompute_method=cfg.actor.recompute_method,
-        recompute_num_layers=cfg.actor.recompute_num_layers,
-        sequence_parallel=par.sequence_parallel,
-        flash_attention=flash_attention,
-        offload_params=cfg.actor.offload_params,
-        offload_grads=cfg.actor.offload_grads,
-        offload_optimizer=cfg.actor.offload_optimizer,
-    )
+    def trained(section, critic: bool = False) -> TrainedModel:
+        """The memory terms of the model an ``actor`` / ``critic`` section trains: the run's
+        layout, the section's micro-batches per optimizer step, recomputation and offloading
+        (the actor's LoRA adapters: only they have gradients and optimizer state)."""
+        adapters = lora if not critic else None
+        prompts = cfg.data.train_batch_size
+        mini = prompts // mini_batch_count(prompts, section.ppo_mini_batch_size) * cfg.rollout.n
+        return TrainedModel(
+            shape,
+            dtype=cfg.model.dtype,
+            tp=par.tp,
+            pp=par.pp,
+            vpp=par.vpp,
+            dp=dp,
+            distributed_optimizer=par.use_distributed_optimizer,
+            micro_batch_size=section.micro_batch_size,
+            seq_len=seq_len,
+            num_micro_batches=max(1, mini // dp // section.micro_batch_size),
+            recompute=section.recompute,
+            recompute_method=section.recompute_method,
+            recompute_num_layers=section.recompute_num_layers,
+            sequence_parallel=par.sequence_parallel,
+            flash_attention=flash_attention,
+            offload_params=section.offload_params,
+            offload_grads=section.offload_grads,
+            offload_optimizer=section.offload_optimizer,
+            critic=critic,
+            lora_rank=adapters.rank if adapters is not None else 0,
+            lora_target_modules=adapters.targets() if adapters is not None else (),
+        )
+
+    actor = trained(cfg.actor)
     engines = world_size // cfg.rollout.tp
     rollout = RolloutEngine(
         tp=cfg.rollout.tp,
@@ -118,20 +129,13 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float, flas
         dtype=cfg.model.dtype,
         sync_bucket_bytes=(cfg.rollout.sync_bucket_mb or AUTO_BUCKET_MB) * 1024**2,
     )
-    critic = None
-    if cfg.algorithm.adv_estimator == "gae":  # PPO: a critic with the actor's layout
-        # The actor's layout, recomputation and offloading; its own micro- and mini-batches.
-        critic = dataclasses.replace(
-            actor,
-            critic=True,
-            micro_batch_size=cfg.critic.micro_batch_size,
-            num_micro_batches=micro_batches_per_step(cfg.critic),
-        )
+    critic = trained(cfg.critic, critic=True) if uses_critic(cfg) else None
     return PlanInputs(
         actor=actor,
         rollout=rollout,
         gpu_memory_bytes=int(gpu_memory_gb * GB),
-        ref=cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward,
+        # a LoRA actor's reference is the actor itself, adapters off: no weights of its own
+        ref=(cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and lora is None,
         ref_offload=cfg.ref.offload,
         critic=critic,
     )
@@ -141,14 +145,14 @@ def _candidates(cfg, shape, gpus_per_node: int, world_size: int, plan) -> list[l
     """Single changes, cheapest first: offload, distributed optimizer, recompute, smaller
     micro-batches, less vLLM memory, more TP, more PP."""
     a, par = cfg.actor, cfg.parallel
+    # Each trained model has its own offload keys (PPO: the critic's too).
+    trained = ["actor", "critic"] if plan.inputs.critic is not None else ["actor"]
+    state = [f"{m}.offload_{kind}=true" for m in trained for kind in ("grads", "optimizer")]
     out = []
     if not (a.offload_grads and a.offload_optimizer):
-        out.append(["actor.offload_grads=true", "actor.offload_optimizer=true"])
+        out.append(state)
     if not (a.offload_params and cfg.ref.offload):
-        out.append(
-            ["actor.offload_params=true", "actor.offload_grads=true"]
-            + ["actor.offload_optimizer=true", "ref.offload=true"]
-        )
+        out.append([f"{m}.offload_params=true" for m in trained] + state + ["ref.offload=true"])
     if not par.use_distributed_optimizer and world_size // (par.tp * par.pp) > 1:
         out.append(["parallel.use_distributed_optimizer=true"])
     for mode in ("selective", "full"):
@@ -216,7 +220,6 @@ def plan_command(
     ),
 ) -> None:
     """Per-GPU memory of each phase (generate, log-probs, update, sync): does the layout fit?"""
-    import dataclasses
 
     from parallel.memory_plan import plan_memory
     from rlcli.config_loader import load_config
@@ -236,11 +239,12 @@ def plan_command(
 
     plan = plan_for([])
     actor = plan.inputs.actor
+    offloaded = dict(offload_params=True, offload_grads=True, offload_optimizer=True)
+    critic = plan.inputs.critic
     everything = dataclasses.replace(
         plan.inputs,
-        actor=dataclasses.replace(
-            actor, offload_params=True, offload_grads=True, offload_optimizer=True
-        ),
+        actor=dataclasses.replace(actor, **offloaded),
+        critic=dataclasses.replace(critic, **offloaded) if critic is not None else None,
         ref_offload=True,
     )
     echo = typer.echo
@@ -279,6 +283,8 @@ def plan_command(
             + ("" if held >= plan.inputs.rollout.sequences else ": vLLM will queue the rest")
             + ")"
         )
+    if actor.lora_rank:
+        _lora_gains(plan, plan_for, cfg, echo)
     verdict = "fits" if plan.fits else "does NOT fit"
     echo(
         f"peak: {plan.peak_phase} at {plan.peak / GB:.2f} GiB of {gpu_memory_gb:g} GiB -> {verdict}"
@@ -288,6 +294,48 @@ def plan_command(
     _recommend(plan, plan_for, cfg, shape, gpus_per_node, world, echo)
     # not typer.Exit: the CLI runs click with standalone_mode=False, which returns its code
     sys.exit(1)
+
+
+def _lora_gains(plan, plan_for, cfg, echo) -> None:
+    """A LoRA actor against full fine-tuning of the same recipe: the memory the adapters free
+    (no base gradients, Adam moments, master weights or reference), and the smaller TP and the
+    larger micro-batch that fit thanks to it."""
+    actor = plan.inputs.actor
+    full = plan_for(["actor.lora.enable=false", "rollout.lora_sync=merged"])
+    echo(
+        f"LoRA rank {actor.lora_rank} on {', '.join(actor.lora_target_modules)}: "
+        f"{actor.lora_params / 1e6:.1f} M trainable params per GPU "
+        f"({actor.lora_params / actor.params:.2%} of the base's {actor.params / 1e9:.2f} B); "
+        "the reference is the actor with its adapters off (no weights of its own)"
+    )
+    echo(
+        "  vs full fine-tuning: "
+        + ", ".join(
+            f"{phase} {full.phases[phase].total / GB:.2f} -> {plan.phases[phase].total / GB:.2f}"
+            for phase in plan.phases
+        )
+        + f" GiB; peak {full.peak / GB:.2f} -> {plan.peak / GB:.2f} GiB "
+        f"({(full.peak - plan.peak) / GB:.2f} GiB freed per GPU)"
+    )
+    full_ft = ["actor.lora.enable=false", "rollout.lora_sync=merged"]
+    smaller_tp = [f"parallel.tp={tp}" for tp in (2**k for k in range(8)) if tp < cfg.parallel.tp]
+    larger_mbs = [f"actor.micro_batch_size={cfg.actor.micro_batch_size * 2**k}" for k in (1, 2, 3)]
+    gains = []
+    for change in [*reversed(smaller_tp), *larger_mbs]:
+        try:
+            with_lora, without = plan_for([change]), plan_for([*full_ft, change])
+        except UserError:  # a layout the model or the batch cannot take
+            continue
+        if with_lora.fits:
+            verdict = "fits" if without.fits else "does NOT fit"
+            gains.append(
+                f"{change}: peak {with_lora.peak / GB:.2f} GiB (full fine-tuning "
+                f"{without.peak / GB:.2f} GiB, {verdict})"
+            )
+    if gains:
+        echo("  with LoRA these fit too:")
+        for line in gains:
+            echo(f"    {line}")
 
 
 def _recommend(plan, plan_for, cfg, shape, gpus_per_node, world, echo) -> None:

@@ -1,10 +1,17 @@
-"""Prompt data: verl-schema datasets (JSONL / Parquet), a resumable loader, task converters."""
+"""Prompt data: verl-schema datasets (JSONL / Parquet), a resumable loader, task converters;
+preference pairs for reward models are ``rlcli.data.preferences``."""
 
 from rlcli.data.dataset import PromptDataset, PromptItem, load_prompt_dataset
 from rlcli.data.gsm8k import convert_gsm8k
 from rlcli.data.loader import PromptLoader
 from rlcli.data.rows import read_rows, write_jsonl
-from rlcli.data.synthetic import ArithExample, arith_split, read_sft_pairs, write_arith_dataset
+from rlcli.data.synthetic import (
+    ArithExample,
+    arith_split,
+    read_sft_pairs,
+    write_arith_dataset,
+    write_arith_preferences,
+)
 
 __all__ = [
     "ArithExample",
@@ -17,5 +24,6 @@ __all__ = [
     "read_rows",
     "read_sft_pairs",
     "write_arith_dataset",
+    "write_arith_preferences",
     "write_jsonl",
 ]

@@ -35,7 +35,9 @@ class PromptItem:
     """One tokenized prompt.
 
     ``index`` is the item's position in its ``PromptDataset`` (after length filtering);
-    ``origin`` says where the row came from (``file, line N`` / ``file, row N``).
+    ``origin`` says where the row came from (``file, line N`` / ``file, row N``);
+    ``prompt_messages`` are the row's chat messages (a reward model with another tokenizer
+    renders them with its own chat template).
     """
 
     index: int
@@ -45,6 +47,7 @@ class PromptItem:
     extra_info: dict[str, Any] = field(default_factory=dict)
     prompt_text: str = ""
     origin: str = ""
+    prompt_messages: list[dict[str, str]] = field(default_factory=list)
 
 
 class PromptDataset(Sequence[PromptItem]):
@@ -149,6 +152,7 @@ def load_prompt_dataset(
                 extra_info=row.extra_info,
                 prompt_text=text,
                 origin=str(row.location),
+                prompt_messages=row.messages,
             )
         )
     if num_dropped:
@@ -173,7 +177,7 @@ def _parse_row(location: RowLocation, row: dict[str, Any], prompt_key: str) -> _
             f"{location}: missing key {prompt_key!r} (the chat messages "
             f'[{{"role": "user", "content": ...}}]); keys present: {sorted(row)}'
         )
-    messages = _as_messages(row[prompt_key], location, prompt_key)
+    messages = parse_messages(row[prompt_key], location, prompt_key)
 
     data_source = row.get("data_source")
     if not isinstance(data_source, str) or not data_source:
@@ -199,7 +203,9 @@ def _parse_row(location: RowLocation, row: dict[str, Any], prompt_key: str) -> _
     return _ParsedRow(location, messages, data_source, reward_model["ground_truth"], extra_info)
 
 
-def _as_messages(value: Any, location: RowLocation, prompt_key: str) -> list[dict[str, str]]:
+def parse_messages(value: Any, location: RowLocation, prompt_key: str) -> list[dict[str, str]]:
+    """A row's prompt as chat messages: a string is one user message; UserError naming the row
+    and `prompt_key` for anything else than a non-empty list of {role, content} strings."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:

@@ -3,8 +3,10 @@
 All ordered pairs (A, B) with A, B in ``0 .. num_max-1`` are shuffled with ``seed``; the first
 ``num_val`` are held out. The same split is written as RL prompt rows in the verl schema
 (``data_source: "arith"``, scored by the ``arith`` reward) and as supervised pairs
-``{"prompt": ..., "response": ...}`` for the warm start. The tokenizer of the quickstart has no
-chat template, so the prompt text the model sees is exactly ``Question: A + B = ? Answer:``.
+``{"prompt": ..., "response": ...}`` for the warm start, and as preference pairs for a reward
+model (``write_arith_preferences``: the correct answer preferred). The tokenizer of the
+quickstart has no chat template, so the prompt text the model sees is exactly
+``Question: A + B = ? Answer:``.
 """
 
 from __future__ import annotations
@@ -97,3 +99,38 @@ def read_sft_pairs(path: str) -> list[tuple[str, str]]:
     if not pairs:
         raise UserError(f"{path} has no SFT pairs")
     return pairs
+
+
+def _wrong_response(example: ArithExample, rng: np.random.Generator) -> str:
+    """A dispreferred answer: half the time a near miss (the sum off by 1..10, as a policy that
+    almost knows the sum errs), else a malformed one (no ``####``, or no number)."""
+    if rng.random() < 0.5:
+        offsets = [d for d in range(-10, 11) if d and example.answer + d >= 0]
+        return f" #### {example.answer + int(rng.choice(offsets))}"
+    if rng.random() < 0.5:
+        return f" {example.answer}"
+    return " #### "
+
+
+def arith_preference_row(example: ArithExample, rng: np.random.Generator) -> dict:
+    """One preference row: the correct answer preferred over a wrong one."""
+    return {
+        "prompt": [{"role": "user", "content": example.prompt_text}],
+        "chosen": example.response_text,
+        "rejected": _wrong_response(example, rng),
+    }
+
+
+def write_arith_preferences(
+    out_dir: str, num_max: int = 50, num_val: int = 200, seed: int = 0
+) -> dict[str, str]:
+    """Write ``rm_train.jsonl`` / ``rm_val.jsonl`` (preference rows on the same train / held-out
+    split as ``write_arith_dataset``) into ``out_dir``; return their paths keyed ``rm_train``,
+    ``rm_val``."""
+    rng = np.random.default_rng(seed)
+    splits = dict(zip(("train", "val"), arith_split(num_max, num_val, seed), strict=True))
+    paths: dict[str, str] = {}
+    for split, examples in splits.items():
+        paths[f"rm_{split}"] = os.path.join(out_dir, f"rm_{split}.jsonl")
+        write_jsonl(paths[f"rm_{split}"], [arith_preference_row(e, rng) for e in examples])
+    return paths

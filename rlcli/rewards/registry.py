@@ -12,14 +12,11 @@ Specs accepted by ``resolve_reward_fn``: a registered name (``gsm8k``, ``math``,
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib
-import importlib.util
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from rlcli.errors import UserError
+from rlcli.plugins import is_user_spec, load_user_object
 
 RewardFn = Callable[..., Any]
 
@@ -120,47 +117,12 @@ def resolve_reward_fn(spec: str, reward_kwargs: Mapping[str, Any] | None = None)
     """
     if spec in _REGISTRY:
         return RewardFunction(spec, _REGISTRY[spec], reward_kwargs)
-    if ":" not in spec:
+    if not is_user_spec(spec):
         raise UserError(
             f"unknown reward function {spec!r}; registered: {', '.join(registered_reward_names())}"
             ", or 'module:function', or 'path/to/file.py:function'"
         )
-    module_part, function_name = spec.rsplit(":", 1)
-    if module_part.endswith(".py") or os.sep in module_part:
-        module = _load_file(spec, module_part)
-        # Workers re-resolve the spec, possibly from another working directory.
-        spec = f"{os.path.abspath(module_part)}:{function_name}"
-    else:
-        try:
-            module = importlib.import_module(module_part)
-        except Exception as error:
-            raise UserError(
-                f"reward function {spec!r}: cannot import module {module_part!r}: "
-                f"{type(error).__name__}: {error}"
-            ) from error
-    fn = getattr(module, function_name, None)
+    fn, spec = load_user_object(spec, "reward function", "function")
     if not callable(fn):
-        raise UserError(
-            f"reward function {spec!r}: {module_part!r} has no function {function_name!r}"
-        )
+        raise UserError(f"reward function {spec!r} is not a function")
     return RewardFunction(spec, fn, reward_kwargs)
-
-
-def _load_file(spec: str, path: str) -> Any:
-    if not os.path.isfile(path):
-        raise UserError(f"reward function {spec!r}: file not found: {path}")
-    absolute = os.path.abspath(path)
-    # A distinct, stable module name per file, so two user files named reward.py do not clash.
-    digest = hashlib.sha1(absolute.encode()).hexdigest()[:12]
-    module_name = f"rlcli_user_reward_{digest}"
-    module_spec = importlib.util.spec_from_file_location(module_name, absolute)
-    if module_spec is None or module_spec.loader is None:
-        raise UserError(f"reward function {spec!r}: {path} cannot be loaded as a Python file")
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as error:
-        raise UserError(
-            f"reward function {spec!r}: importing {path} failed: {type(error).__name__}: {error}"
-        ) from error
-    return module

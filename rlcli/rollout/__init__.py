@@ -1,21 +1,22 @@
-"""Rollout engines: the interface, the factory and the trainer-vs-engine log-prob metric."""
+"""Rollout engines: the interface, the factory and the weight transports."""
 
 from rlcli.rollout.base import (
-    ENGINE_KINDS,
     Completion,
+    GenerationRequest,
     RolloutEngine,
     SamplingConfig,
     rollout_replicas,
 )
 from rlcli.rollout.factory import make_engine
-from rlcli.rollout.metrics import logprob_mismatch
+from rlcli.rollout.transport import WeightTransport, make_transport
 
 __all__ = [
-    "ENGINE_KINDS",
     "Completion",
+    "GenerationRequest",
     "RolloutEngine",
     "SamplingConfig",
-    "logprob_mismatch",
+    "WeightTransport",
     "make_engine",
+    "make_transport",
     "rollout_replicas",
 ]

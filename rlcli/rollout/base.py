@@ -1,15 +1,19 @@
-"""The rollout-engine interface: what the trainer asks of an inference engine, and one factory.
+"""The rollout-engine interface: what the trainer asks of an inference engine.
 
-An engine samples `n` completions per prompt (token ids in, token ids + sampled-token log-probs
-out), sleeps between rollout phases, and takes new weights as `(hf_name, tensor)` lists streamed
-by `parallel.reshard`. Two engines implement it: colocated vLLM (`vllm_engine.py`) and HF
-transformers `generate` (`hf_engine.py`, the reference and the fallback when vLLM is absent).
+An engine answers requests (token ids + sampling parameters in; `n` completions of token ids +
+sampled-token log-probs out; `generate_requests`, which a multi-turn loop calls turn by turn),
+sleeps between rollout phases, and takes new weights as `(hf_name, tensor)` lists streamed by
+`parallel.reshard` through a weight transport (`rlcli.rollout.transport`). Two engines implement
+it: colocated vLLM (`vllm_engine.py`) and HF transformers `generate` (`hf_engine.py`, the
+reference and the fallback when vLLM is absent); `rlcli.rollout.factory` builds them from the
+`rollout` config section.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -19,8 +23,6 @@ from typing import Literal
 import torch
 
 from rlcli.errors import UserError
-
-ENGINE_KINDS = ("vllm", "hf")
 
 
 @dataclass
@@ -47,6 +49,17 @@ class Completion:
     finish_reason: Literal["stop", "length"]
 
 
+@dataclass
+class GenerationRequest:
+    """One prompt to continue: its exact token ids (never re-tokenized), how to sample, how many
+    completions, and the seed of the first (completion i uses `seed + i`, as vLLM does)."""
+
+    prompt_token_ids: list[int]
+    sampling: SamplingConfig
+    n: int = 1
+    seed: int | None = None  # None: drawn from the engine's seeded stream
+
+
 def copies(completion: Completion, n: int) -> list[Completion]:
     """`n` independent copies (greedy decoding samples one completion per prompt)."""
     return [
@@ -56,13 +69,32 @@ def copies(completion: Completion, n: int) -> list[Completion]:
 
 
 class RolloutEngine(ABC):
-    """A colocated inference engine holding one replica (or one TP shard) of the policy."""
+    """A colocated inference engine holding one replica (or one TP shard) of the policy.
 
-    @abstractmethod
+    `replica_index`: which replica this rank's engine is (`rollout_replicas`); `seed`: the
+    run's seed, from which requests without a seed draw theirs (the same stream on every rank,
+    so the ranks of one TP replica agree)."""
+
+    def __init__(self, seed: int, replica_index: int) -> None:
+        self.replica_index = replica_index
+        self._seeds = random.Random(seed)
+
     def generate(
         self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingConfig
     ) -> list[list[Completion]]:
-        """Sample `n` completions for each prompt; returns [len(prompts)][n]."""
+        """Sample `n` completions for each prompt; returns [len(prompts)][n]. Each (replica,
+        prompt) gets its own block of `n` seeds (`request_seed`) from `sampling.seed`."""
+        base_seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(31)
+        requests = [
+            GenerationRequest(ids, sampling, n, request_seed(base_seed, self.replica_index, i, n))
+            for i, ids in enumerate(prompt_token_ids)
+        ]
+        return self.generate_requests(requests)
+
+    @abstractmethod
+    def generate_requests(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
+        """Answer each request with `request.n` completions, in order. Every rank of one TP
+        replica calls it with the same requests (an empty list included)."""
 
     @abstractmethod
     def sleep(self) -> None:

@@ -1,44 +1,45 @@
 """The rollout engine factory: the one place that knows every engine implementation.
 
 Kept apart from ``rlcli.rollout.base`` (the interface every engine imports) so that the interface
-does not import its implementations back. Add an engine by subclassing
-``rlcli.rollout.base.RolloutEngine`` in its own module and adding a branch here.
+does not import its implementations back. An engine is built from its config section (the
+``rollout`` section for the policy's engine): add an option by adding a field to that section and
+reading it in the engine. Add an engine by subclassing ``rlcli.rollout.base.RolloutEngine`` in
+its own module, adding its name to ``RolloutConfig.engine``'s choices and a branch here.
 """
 
 from __future__ import annotations
 
 import importlib.util
 
+from rlcli.config import RolloutConfig, choices
 from rlcli.errors import UserError
-from rlcli.rollout.base import ENGINE_KINDS, RolloutEngine, read_hf_config
+from rlcli.rollout.base import RolloutEngine, read_hf_config
 
 
 def make_engine(
-    kind: str,
+    rollout: RolloutConfig,
     model_dir: str,
     *,
-    tp: int = 1,
     dtype: str = "float32",
     seed: int = 0,
-    gpu_memory_utilization: float = 0.5,
-    kv_cache_gb: float = 1.0,
-    enforce_eager: bool = True,
     max_model_len: int | None = None,
-    sleep_level: int = 1,
-    load_format: str | None = None,
+    max_lora_rank: int = 0,
 ) -> RolloutEngine:
-    """Build the rollout engine `kind` ("vllm" or "hf") for the model in `model_dir`.
+    """The engine ``rollout.engine`` for the model in ``model_dir``, configured by ``rollout``;
+    ``max_lora_rank`` > 0 makes it take LoRA adapters of that rank (``rollout.lora_sync=adapter``).
 
-    Under torchrun every rank calls this: ranks form replicas of `tp` ranks (see
-    `rollout_replicas`); `seed` is the run's seed, engines space their request seeds per replica.
-    vLLM only: `sleep_level` (rollout.sleep_level, 1 or 2) and `load_format` (rollout.load_format;
-    None: "dummy" on GPU, "auto" on CPU): see `vllm_engine`. With level 2 or dummy weights, sync
-    whenever `engine.needs_weight_sync` before `generate`.
+    Under torchrun every rank calls this: ranks form replicas of ``rollout.tp`` ranks (see
+    ``rollout_replicas``); ``seed`` is the run's seed, engines space their request seeds per
+    replica. With ``rollout.sleep_level=2`` or dummy start weights, sync whenever
+    ``engine.needs_weight_sync`` before ``generate``.
     """
-    if kind not in ENGINE_KINDS:
-        raise UserError(f"rollout.engine={kind!r} is not an engine; choose one of {ENGINE_KINDS}")
+    if rollout.engine not in choices(RolloutConfig, "engine"):
+        raise UserError(
+            f"rollout.engine={rollout.engine!r} is not an engine; choose one of "
+            f"{choices(RolloutConfig, 'engine')}"
+        )
     read_hf_config(model_dir)
-    if kind == "vllm":
+    if rollout.engine == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise UserError(
                 "rollout.engine='vllm' but vLLM is not installed; install it "
@@ -48,19 +49,20 @@ def make_engine(
 
         return VLLMEngine(
             model_dir,
-            tp=tp,
+            rollout,
             dtype=dtype,
             seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_gb=kv_cache_gb,
-            enforce_eager=enforce_eager,
             max_model_len=max_model_len,
-            sleep_level=sleep_level,
-            load_format=load_format,
+            max_lora_rank=max_lora_rank,
         )
-    if tp != 1:
+    if max_lora_rank > 0:
         raise UserError(
-            f"rollout.engine=hf runs one full model per rank; set rollout.tp=1 (got {tp})"
+            "rollout.lora_sync=adapter: the hf engine cannot apply LoRA adapters (only "
+            "rollout.engine=vllm can); set rollout.lora_sync=merged"
+        )
+    if rollout.tp != 1:
+        raise UserError(
+            f"rollout.engine=hf runs one full model per rank; set rollout.tp=1 (got {rollout.tp})"
         )
     from rlcli.rollout.hf_engine import HFEngine
 

@@ -3,24 +3,23 @@ engine and the fallback where vLLM is not installed. One full model per rank (ro
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterable
-from dataclasses import replace
+from itertools import groupby
 
 import torch
 
+from parallel.dtypes import DTYPES
 from rlcli.errors import UserError
 from rlcli.rollout.base import (
     Completion,
+    GenerationRequest,
     RolloutEngine,
     SamplingConfig,
     copies,
     current_replica,
     model_eos_token_ids,
-    request_seed,
 )
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_SEQUENCES_PER_CALL = 64  # bounds the padded [batch, len, vocab] scores kept by generate
 
 
@@ -35,8 +34,7 @@ class HFEngine(RolloutEngine):
     ) -> None:
         from transformers import AutoModelForCausalLM
 
-        if dtype not in DTYPES:
-            raise UserError(f"model.dtype={dtype!r} is not one of {sorted(DTYPES)}")
+        super().__init__(seed, current_replica(1)[0])
         try:
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
         except OSError as error:
@@ -48,28 +46,26 @@ class HFEngine(RolloutEngine):
         )
         self.model = model.to(device or "cpu").eval()
         self.max_model_len = max_model_len
-        self.replica_index, _ = current_replica(1)
         self._stop_ids = model_eos_token_ids(model_dir)
-        self._seeds = random.Random(seed)
 
     @torch.no_grad()
-    def generate(
-        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingConfig
-    ) -> list[list[Completion]]:
-        if not prompt_token_ids:  # a replica may get no prompts in a ragged last batch
-            return []
-        base_seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(31)
-        stops = sorted(set(self._stop_ids) | set(sampling.stop_token_ids))
-        if sampling.temperature == 0 and n > 1:  # greedy: one completion per prompt, n copies
-            results = self.generate(prompt_token_ids, 1, replace(sampling, seed=base_seed))
-            return [copies(samples[0], n) for samples in results]
-        prompts_per_call = max(1, MAX_SEQUENCES_PER_CALL // n)
+    def generate_requests(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
+        """Runs of requests with the same sampling and `n` go through `generate` together, up
+        to MAX_SEQUENCES_PER_CALL sequences a call, seeded from the run's first request (so a
+        rank's results do not depend on other ranks)."""
         results: list[list[Completion]] = []
-        for start in range(0, len(prompt_token_ids), prompts_per_call):
-            chunk = prompt_token_ids[start : start + prompts_per_call]
-            # Seeded per chunk from its first prompt, so results do not depend on other ranks.
-            seed = request_seed(base_seed, self.replica_index, start, n)
-            results += self._generate_chunk(chunk, n, sampling, stops, seed)
+        for (_, n), same in groupby(requests, key=lambda r: (_key(r.sampling), r.n)):
+            run = list(same)
+            stops = sorted(set(self._stop_ids) | set(run[0].sampling.stop_token_ids))
+            greedy = run[0].sampling.temperature == 0
+            per_call = 1 if greedy else n  # greedy: one completion per prompt, n copies
+            prompts_per_call = max(1, MAX_SEQUENCES_PER_CALL // per_call)
+            for start in range(0, len(run), prompts_per_call):
+                chunk = run[start : start + prompts_per_call]
+                seed = chunk[0].seed if chunk[0].seed is not None else self._seeds.getrandbits(31)
+                prompts = [r.prompt_token_ids for r in chunk]
+                done = self._generate_chunk(prompts, per_call, chunk[0].sampling, stops, seed)
+                results += [copies(c[0], n) for c in done] if greedy else done
         return results
 
     def _generate_chunk(
@@ -142,6 +138,18 @@ class HFEngine(RolloutEngine):
 
     def close(self) -> None:
         self.model = None
+
+
+def _key(sampling: SamplingConfig) -> tuple:
+    """What must be equal for requests to share one `generate` call."""
+    return (
+        sampling.temperature,
+        sampling.top_p,
+        sampling.top_k,
+        sampling.max_tokens,
+        tuple(sampling.stop_token_ids),
+        sampling.logprobs,
+    )
 
 
 def _completion(

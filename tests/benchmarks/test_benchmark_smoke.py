@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
+from benchmarks.formatting import PHASE_LABELS
 from benchmarks.hardware import peak_bf16_flops
 from benchmarks.memory import measure_peak_memory
-from benchmarks.report import PHASE_LABELS
 from benchmarks.run import SECTIONS, run_benchmark
 from benchmarks.workload import QWEN2_05B, QWEN2_15B, SMOKE, ensure_model, workload_for
 
@@ -112,6 +112,19 @@ def test_smoke_benchmark_writes_json_markdown_and_chart(tmp_path):
     # Sorting by length never pads more than cutting in order.
     assert mixed["token_budget"]["padded_fraction"] <= mixed["fixed"]["padded_fraction"]
 
+    lora = results["lora"]
+    # The same model as the train section; rank-r adapters on every linear are all it trains.
+    assert lora["params"] == train["params"] + lora["trainable_params"]
+    shape, r = workload.train_model, lora["rank"]
+    kv_out = shape.hidden_size // shape.num_heads * shape.num_kv_heads
+    q = shape.hidden_size  # heads x head_dim
+    h, f = shape.hidden_size, shape.intermediate_size
+    per_layer = r * (h + q) + 2 * r * (h + kv_out) + r * (q + h) + 2 * r * (h + f) + r * (f + h)
+    assert lora["trainable_params"] == shape.num_layers * per_layer
+    assert lora["sync"]["adapter"]["bytes"] == 4 * lora["trainable_params"]  # fp32 A and B only
+    assert lora["sync"]["merged"]["bytes"] == 4 * train["params"]  # every HF tensor once
+    assert len(lora["update"]["step_seconds"]) == workload.train_steps
+
     grpo = results["grpo"]
     assert grpo["steps"] == workload.grpo_steps
     assert {"gen", "reward", "update", "sync", "other"} <= set(grpo["phases"])
@@ -123,7 +136,8 @@ def test_smoke_benchmark_writes_json_markdown_and_chart(tmp_path):
 
     table = outputs.files["md"].read_text()
     for fragment in ("rollout new tokens/s", "weight sync", "actor update tokens/s", "GRPO step",
-                     "Peak memory per phase"):  # fmt: skip
+                     "Peak memory per phase", "actor update with LoRA",
+                     "LoRA weight sync into vLLM"):  # fmt: skip
         assert fragment in table, fragment
 
 

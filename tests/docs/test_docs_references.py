@@ -10,7 +10,8 @@ from rlcli.config import valid_keys
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SECTIONS = (
-    "data|model|parallel|rollout|actor|ref|algorithm|reward|sft|trainer|logging|checkpoint|critic"
+    "data|model|parallel|rollout|actor|ref|algorithm|reward|sft|rm|"
+    "trainer|logging|checkpoint|critic"
 )
 KEY = re.compile(rf"^(?:{SECTIONS})\.[A-Za-z0-9_.*]+$")
 # Keys the docs describe that land with work being merged (reliability, throughput, PPO). When

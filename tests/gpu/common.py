@@ -112,11 +112,17 @@ class Context:
         torch.distributed's default group, so it is closed only at the very end."""
         if self._engine is None:
             from rlcli import rollout
+            from rlcli.config import RolloutConfig
 
-            options = dict(dtype="bfloat16", seed=0, max_model_len=256)
-            if self.engine == "vllm":
-                options.update(gpu_memory_utilization=0.3, kv_cache_gb=0.25)
-            self._engine = rollout.make_engine(self.engine, str(self.small_model_dir), **options)
+            section = RolloutConfig(
+                engine=self.engine,
+                gpu_memory_utilization=0.3,
+                kv_cache_gb=0.25,
+                load_format="auto",
+            )
+            self._engine = rollout.make_engine(
+                section, str(self.small_model_dir), dtype="bfloat16", seed=0, max_model_len=256
+            )
         return self._engine
 
     def close(self) -> None:

@@ -12,12 +12,14 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from rlcli.config import RolloutConfig
 from rlcli.rollout import SamplingConfig, make_engine
 
 
 def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    engine = make_engine("vllm", sys.argv[1], tp=2, kv_cache_gb=0.05, max_model_len=128)
+    section = RolloutConfig(engine="vllm", tp=2, kv_cache_gb=0.05, load_format="auto")
+    engine = make_engine(section, sys.argv[1], max_model_len=128)
     replica = engine.replica_index
     sampling = SamplingConfig(temperature=1.0, max_tokens=6, seed=3)
     lengths = []

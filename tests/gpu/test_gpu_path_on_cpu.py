@@ -16,6 +16,7 @@ import torch
 
 from parallel import model as pmodel
 from parallel.mesh import Mesh
+from rlcli.config import RolloutConfig
 from rlcli.rollout import SamplingConfig, make_engine
 from tests.parallel.dist_utils import make_tiny_hf_model
 
@@ -69,9 +70,10 @@ def test_vllm_sleep_level_2_needs_a_sync_after_every_sleep_and_records_the_order
 
     weights = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     greedy = SamplingConfig(temperature=0, max_tokens=6)
-    engine = make_engine("vllm", str(model_dir), kv_cache_gb=0.05, max_model_len=128, sleep_level=2)
+    section = RolloutConfig(engine="vllm", kv_cache_gb=0.05, sleep_level=2, load_format="auto")
+    engine = make_engine(section, str(model_dir), max_model_len=128)
     try:
-        assert not engine.needs_weight_sync  # CPU default: real weights at start
+        assert not engine.needs_weight_sync  # load_format=auto: real weights at start
         first = engine.generate(PROMPTS, 1, greedy)
         engine.sleep()
         assert engine.needs_weight_sync  # level 2 discarded the weights
@@ -107,12 +109,11 @@ def test_vllm_dummy_start_then_first_sync_equals_the_checkpoint(model_dir):
 
     weights = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     greedy = SamplingConfig(temperature=0, max_tokens=8)
-    hf = make_engine("hf", str(model_dir))
+    hf = make_engine(RolloutConfig(engine="hf"), str(model_dir))
     expected = hf.generate(PROMPTS, 1, greedy)
     hf.close()
-    engine = make_engine(
-        "vllm", str(model_dir), kv_cache_gb=0.05, max_model_len=128, load_format="dummy"
-    )
+    section = RolloutConfig(engine="vllm", kv_cache_gb=0.05, load_format="dummy")
+    engine = make_engine(section, str(model_dir), max_model_len=128)
     try:
         assert engine.needs_weight_sync
         with pytest.raises(RuntimeError, match="sync the weights"):
@@ -128,15 +129,14 @@ def test_vllm_dummy_start_then_first_sync_equals_the_checkpoint(model_dir):
         )
 
 
-def test_bad_sleep_level_and_load_format_name_the_key(model_dir):
+def test_bad_sleep_level_and_load_format_name_the_key():
+    from rlcli.config_loader import load_config
     from rlcli.errors import UserError
 
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("no vLLM")
-    with pytest.raises(UserError, match="rollout.sleep_level"):
-        make_engine("vllm", str(model_dir), sleep_level=3)
+    with pytest.raises(UserError, match=r"rollout\.sleep_level=.*choose one of: 1, 2"):
+        load_config(None, ["model.path=/m", "rollout.sleep_level=3"])
     with pytest.raises(UserError, match="rollout.load_format"):
-        make_engine("vllm", str(model_dir), load_format="safetensors-ish")
+        load_config(None, ["model.path=/m", "rollout.load_format=safetensors-ish"])
 
 
 # ---- point 4: Transformer Engine detection, sequence parallelism, fused kernels ----------

@@ -1,8 +1,11 @@
 """Shared helpers for tests/parallel: tiny HF checkpoints and torchrun launches.
 
-    make_tiny_hf_model(out_dir, family="qwen2", tie_word_embeddings=False, seed=0, **config_overrides)
-        -> Path   (random transformers model saved as safetensors + config.json, fp32)
-    run_torchrun(script, nproc, *args, timeout_s=600) -> str   (combined output; raises on failure)
+    make_tiny_hf_model(out_dir, family="qwen2", tie_word_embeddings=False, seed=0,
+                       head="causal_lm", **config_overrides)
+        -> Path   (random transformers model saved as safetensors + config.json, fp32;
+                   head="sequence_classification": a one-label reward model)
+    run_torchrun(script, nproc, *args, timeout_s=600) -> str   (combined output; raises on failure
+        with the first worker traceback, i.e. the failing assertion and its values, up front)
 
 The tiny models are deliberately awkward: vocab 251 (odd, so TP padding is exercised), 4 layers
 (2 per stage at PP2, 1 per virtual stage at PP2 x VPP2), GQA (4 heads, 2 KV groups), and a
@@ -39,13 +42,20 @@ def make_tiny_hf_model(
     family: str = "qwen2",
     tie_word_embeddings: bool = False,
     seed: int = 0,
+    head: str = "causal_lm",
     **config_overrides,
 ) -> Path:
-    """Save a randomly initialised fp32 `family` ("qwen2" or "llama") model to `out_dir`."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """Save a randomly initialised fp32 `family` ("qwen2" or "llama") model to `out_dir`: a
+    causal LM, or with `head="sequence_classification"` a reward model (num_labels 1)."""
+    import transformers
+    from transformers import LlamaConfig, Qwen2Config
 
-    classes = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
-    config_cls, model_cls = classes[family]
+    configs = {"qwen2": Qwen2Config, "llama": LlamaConfig}
+    suffix = {"causal_lm": "ForCausalLM", "sequence_classification": "ForSequenceClassification"}
+    config_cls = configs[family]
+    model_cls = getattr(transformers, config_cls.__name__.removesuffix("Config") + suffix[head])
+    if head == "sequence_classification":
+        config_overrides = {"num_labels": 1, **config_overrides}
     options = {**TINY_CONFIG, "tie_word_embeddings": tie_word_embeddings, **config_overrides}
     rope_theta = options.pop("rope_theta")
     config = config_cls(
@@ -101,5 +111,23 @@ def run_torchrun(script: str | os.PathLike, nproc: int, *args: str, timeout_s: i
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc_per_node={nproc}", str(script), *map(str, args)]
     returncode, output = run_process_group(cmd, env=env, cwd=REPO_ROOT, timeout_s=timeout_s)
-    assert returncode == 0, f"{' '.join(cmd)} failed ({returncode}):\n{output[-6000:]}"
+    if returncode != 0:
+        error = first_traceback(output) or "(no Python traceback in the output)"
+        raise AssertionError(
+            f"{Path(script).name} failed under torchrun ({returncode}); the first worker error:\n"
+            f"{error}\n--- the output's end ---\n{output[-3000:]}"
+        )
     return output
+
+
+def first_traceback(output: str) -> str | None:
+    """The first Python traceback in ``output``: its frames and the exception line(s) after them
+    (for a failed ``assert x < tol, (name, values)`` that line shows the values)."""
+    lines = output.splitlines()
+    for start, line in enumerate(lines):
+        if line.strip() == "Traceback (most recent call last):":
+            end = start + 1
+            while end < len(lines) and (lines[end].startswith(" ") or not lines[end].strip()):
+                end += 1  # the frames are indented; the exception line is not
+            return "\n".join(lines[start : end + 1])
+    return None

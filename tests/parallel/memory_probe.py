@@ -132,7 +132,7 @@ def probe(name: str, mesh) -> None:
     before = torch.cuda.memory_allocated() if CUDA else 0
     out = offloader.offload(params=True, grads=True, optimizer=True)
     freed = before - (torch.cuda.memory_allocated() if CUDA else 0)
-    back = offloader.onload_all()
+    back = offloader.onload(params=True, grads=True, optimizer=True)
     h2d, d2h = pinned_floor(out.bytes)
     print(
         f"PROBE {name} offload {out.bytes / 1e9:.2f} GB freed {freed / 1e9:.2f} GB in "

@@ -32,6 +32,7 @@ from parallel.mesh import destroy_parallel, init_parallel
 from parallel.model import build_model
 from parallel.reshard import iter_inference_buckets, sync_weights
 from parallel.schedule import forward_log_probs
+from rlcli.config import RolloutConfig
 from rlcli.rollout import SamplingConfig, make_engine
 
 TEMPERATURE = 0.8
@@ -124,10 +125,10 @@ def run_layout(model_dir, tp, pp, engine, hf_engine, replica_index) -> None:
     all_samples = [s for index in sorted(replicas) for s in replicas[index]]
     trainer = megatron_logprobs(models, mesh, [p + c for p, c, _ in all_samples])
     worst = 0.0
-    for row, (prompt, completion, engine_logprobs) in enumerate(all_samples):
+    for row, (prompt, completion, engine_log_probs) in enumerate(all_samples):
         start = len(prompt) - 1
         expected = trainer[row, start : start + len(completion)]
-        worst = max(worst, (torch.tensor(engine_logprobs) - expected).abs().max().item())
+        worst = max(worst, (torch.tensor(engine_log_probs) - expected).abs().max().item())
     assert worst < 1e-3, f"tp={tp} pp={pp}: engine vs Megatron log-prob diff {worst}"
 
     greedy = SamplingConfig(temperature=0, max_tokens=12)
@@ -151,8 +152,9 @@ def main() -> None:
     layouts = [tuple(int(x) for x in layout.split("x")) for layout in layouts]
     mesh = init_parallel(tp=layouts[0][0], pp=layouts[0][1], seed=1234)  # the process group
     parallel_state.destroy_model_parallel()
-    engine = make_engine("vllm", model_dir, tp=rollout_tp, kv_cache_gb=0.03, max_model_len=64)
-    hf_engine = make_engine("hf", model_dir) if mesh.rank == 0 else None
+    section = RolloutConfig(engine="vllm", tp=rollout_tp, kv_cache_gb=0.03, load_format="auto")
+    engine = make_engine(section, model_dir, max_model_len=64)
+    hf_engine = make_engine(RolloutConfig(engine="hf"), model_dir) if mesh.rank == 0 else None
     for tp, pp in layouts:
         run_layout(model_dir, tp, pp, engine, hf_engine, engine.replica_index)
     engine.close()

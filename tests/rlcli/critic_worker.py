@@ -44,9 +44,9 @@ def check_loop(model_dir: str, out: str) -> None:
     from rlcli.batch import collate, take_dp_share
     from rlcli.build import build_kl_controller
     from rlcli.config_loader import load_config
-    from rlcli.critic import MegatronCritic, update_critic
+    from rlcli.critic import update_critic
     from rlcli.dp_stats import DataParallelStats
-    from rlcli.policy import OptimizerSettings
+    from rlcli.trained_model import MicroBatching, OptimizerSettings, TrainedModel
     from tests.rlcli.dp_step_worker import random_samples, with_log_probs
 
     mesh = init_parallel(1, 1)
@@ -66,28 +66,19 @@ def check_loop(model_dir: str, out: str) -> None:
             "critic.cliprange_value=100.0",  # the test checks the plain regression loss
         ],
     )
-    critic = MegatronCritic(
+    critic = TrainedModel(  # as rlcli.build.build_critic builds it, with the lr this test wants
         mesh,
         model_dir,
-        "float32",
-        optim=OptimizerSettings(
-            lr=2e-5,
-            min_lr=0.0,
-            weight_decay=0.0,
-            adam_beta1=0.9,
-            adam_beta2=0.999,
-            adam_eps=1e-8,
-            clip_grad=1.0,
-            warmup_steps=0,
-            total_steps=10,
-            decay_style="constant",
-            use_distributed_optimizer=False,
+        head="value",
+        optim=OptimizerSettings.of(
+            cfg.critic, total_steps=10, use_distributed_optimizer=False, lr=2e-5
         ),
+        micro_batching=MicroBatching.of(cfg.critic),
     )
     samples = random_samples(seed=5)
     mine, fewest = take_dp_share(samples, mesh.dp, mesh.dp_rank)
     batch = with_log_probs(collate(mine, pad_id=0), mine)
-    batch["values"] = critic.forward_values(batch, cfg.critic.micro_batch_size)
+    batch.values = critic.forward(batch)
 
     worst = {"values_alone": 0.0, "advantages": 0.0, "returns": 0.0, "rewards": 0.0}
     for row, s in enumerate(mine):  # each sequence alone, whole-sequence output
@@ -100,7 +91,7 @@ def check_loop(model_dir: str, out: str) -> None:
             forward_only=True,
         )[0]["values"][0].cpu()
         n, p = len(s.response_ids), len(s.prompt_ids)
-        diff = (batch["values"][row, :n] - alone[p - 1 : p - 1 + n]).abs().max().item()
+        diff = (batch.values[row, :n] - alone[p - 1 : p - 1 + n]).abs().max().item()
         worst["values_alone"] = max(worst["values_alone"], diff)
 
     kl_ctrl = build_kl_controller(cfg)
@@ -112,11 +103,11 @@ def check_loop(model_dir: str, out: str) -> None:
     raw_advantages, expected = [], []
     for row, s in enumerate(mine):
         n = len(s.response_ids)
-        old = batch["old_log_probs"][row, :n].tolist()
-        ref = batch["ref_log_probs"][row, :n].tolist()
+        old = batch.old_log_probs[row, :n].tolist()
+        ref = batch.ref_log_probs[row, :n].tolist()
         rewards = [-beta * (o - r) for o, r in zip(old, ref, strict=True)]
         rewards[-1] += s.score
-        values = batch["values"][row, :n].tolist()
+        values = batch.values[row, :n].tolist()
         advantages, returns = plain_gae(rewards, values)
         raw_advantages += advantages
         expected.append((row, n, rewards, advantages, returns))
@@ -128,21 +119,21 @@ def check_loop(model_dir: str, out: str) -> None:
     for row, n, rewards, advantages, returns in expected:
         whitened = [(a - mean) / (var + 1e-8) ** 0.5 for a in advantages]
         for key, want in (("rewards", rewards), ("advantages", whitened), ("returns", returns)):
-            got = batch["token_level_rewards" if key == "rewards" else key][row, :n]
+            got = getattr(batch, "token_level_rewards" if key == "rewards" else key)[row, :n]
             diff = (got.double() - torch.tensor(want, dtype=torch.float64)).abs().max().item()
             worst[key] = max(worst[key], diff)
 
     # The first step's loss before any update: 0.5 * token-mean of (values - returns)^2 over the
     # whole batch (the rank's metric is its share times dp; the ranks' mean is the whole).
-    mask = batch["response_mask"].bool()
+    mask = batch.loss_mask.bool()
     sums = torch.tensor(
-        [((batch["values"] - batch["returns"])[mask] ** 2).sum().item(), mask.sum().item()],
+        [((batch.values - batch.returns)[mask] ** 2).sum().item(), mask.sum().item()],
         dtype=torch.float64,
     )
     dist.all_reduce(sums)
     losses, grad_norms = [], []
     for _ in range(6):
-        metrics = update_critic(critic, batch, cfg, mesh, fewest)
+        metrics = update_critic(critic, batch, cfg, fewest)
         loss = torch.tensor([metrics["critic/vf_loss"]], dtype=torch.float64)
         dist.all_reduce(loss)
         losses.append(loss.item() / mesh.dp)

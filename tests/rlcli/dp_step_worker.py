@@ -43,7 +43,7 @@ def random_samples(seed: int):
                     group=group,
                     prompt_ids=[1] * rng.randrange(2, 6),
                     response_ids=response,
-                    engine_logprobs=[-rng.random() for _ in response],
+                    engine_log_probs=[-rng.random() for _ in response],
                     finish_reason="stop",
                     item=None,
                     score=float(rng.choice([0.0, 0.0, 1.0, 0.5])),
@@ -53,9 +53,9 @@ def random_samples(seed: int):
     return samples
 
 
-def with_log_probs(batch: dict[str, torch.Tensor], samples) -> dict[str, torch.Tensor]:
+def with_log_probs(batch, samples):
     """Old / reference log-probs that depend only on the sample (its tokens), not its row."""
-    mask = batch["response_mask"]
+    mask = batch.response_mask
     old = torch.zeros_like(mask)
     ref = torch.zeros_like(mask)
     for row, s in enumerate(samples):
@@ -63,7 +63,7 @@ def with_log_probs(batch: dict[str, torch.Tensor], samples) -> dict[str, torch.T
         n = len(s.response_ids)
         old[row, :n] = -torch.rand(n, generator=gen)
         ref[row, :n] = -torch.rand(n, generator=gen)
-    batch.update(old_log_probs=old, ref_log_probs=ref)
+    batch.old_log_probs, batch.ref_log_probs = old, ref
     return batch
 
 
@@ -104,10 +104,10 @@ def check_advantages() -> dict:
             row_of = {id(s): row for row, s in enumerate(samples)}
             diff = 0.0
             for row, s in enumerate(mine):
-                width = local["response_mask"].shape[1]
+                width = local.response_mask.shape[1]
                 for key in ("advantages", "returns", "token_level_rewards"):
-                    expected = whole[key][row_of[id(s)], :width]
-                    diff = max(diff, (local[key][row] - expected).abs().max().item())
+                    expected = getattr(whole, key)[row_of[id(s)], :width]
+                    diff = max(diff, (getattr(local, key)[row] - expected).abs().max().item())
             for key, value in whole_metrics.items():
                 diff = max(diff, abs(local_metrics[key] - value) / max(1.0, abs(value)))
             diff = max(diff, abs(local_kl.value - whole_kl.value))

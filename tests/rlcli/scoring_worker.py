@@ -32,7 +32,7 @@ def main() -> None:
             group=i // 2,
             prompt_ids=[1],
             response_ids=[1] * (i + 1),
-            engine_logprobs=[0.0] * (i + 1),
+            engine_log_probs=[0.0] * (i + 1),
             finish_reason="stop",
             item=PromptItem(index=i, prompt_token_ids=[1], data_source="t", ground_truth="x"),
         )

@@ -59,9 +59,10 @@ def test_config_show_prints_resolved_override():
         (["algorithm.adv_estimator=nope"], ["algorithm.adv_estimator", "grpo"]),
         (["actor.ppo_mini_batch_size=3"], ["actor.ppo_mini_batch_size=3 must divide"]),
         (
-            ["algorithm.adv_estimator=gae", "critic.tp=2"],
-            ["critic.tp=2 differs from parallel.tp=1", "the actor's layout"],
+            ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=3"],
+            ["critic.ppo_mini_batch_size=3 must divide"],
         ),
+        (["rollout.sleep_level=3"], ["rollout.sleep_level='3' is not valid", "1, 2"]),
         (["trainer.critic_warmup=3"], ["trainer.critic_warmup=3 needs a critic"]),
         (
             ["algorithm.adv_estimator=gae", "critic.loss_agg_mode=nope"],

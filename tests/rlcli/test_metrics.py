@@ -104,13 +104,13 @@ def test_console_prints_one_plain_line_per_step_when_not_a_terminal(tmp_path, ca
         logger.log(
             7,
             {
-                "reward/mean": 0.375,
+                "reward/score_mean": 0.375,
                 "reward/accuracy": 0.4,
                 "response_length/mean": 12.0,
                 "actor/pg_loss": -0.0123,
                 "actor/grad_norm": 1.5,
                 "timing/step": 0.21,
-                "throughput/tokens_per_s": 2345.0,
+                "perf/tokens_per_s": 2345.0,
                 "not/shown": 99.0,
             },
         )
@@ -126,7 +126,7 @@ def test_console_shows_a_progress_bar_on_a_terminal(tmp_path):
     terminal = Console(file=buffer, force_terminal=True, width=160, color_system=None)
     with MetricsLogger(tmp_path, backends=("console",), total_steps=4, console=terminal) as logger:
         for step in range(1, 5):
-            logger.log(step, {"reward/mean": step / 4})
+            logger.log(step, {"reward/score_mean": step / 4})
     output = buffer.getvalue()
     assert "4/4" in output and "reward 1" in output
 

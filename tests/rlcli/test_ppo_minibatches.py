@@ -1,4 +1,5 @@
-"""How update_actor (rlcli.actor_update) cuts a DP rank's batch into whole-group mini-batches."""
+"""How the one mini-batch loop (``TrainedModel.update``, run by ``update_actor``) cuts a DP rank's
+batch into whole-group mini-batches."""
 
 from __future__ import annotations
 
@@ -8,21 +9,22 @@ import pytest
 import torch
 
 from rlcli.actor_update import update_actor
-from rlcli.batch import Sample, collate
+from rlcli.batch import RolloutBatch, Sample, collate
 from rlcli.config_loader import load_config
+from rlcli.trained_model import TrainedModel
 
 
-class RecordingPolicy:
-    """Stands in for MegatronPolicy.train_step: records the groups of each optimizer step."""
+class RecordingModel(TrainedModel):
+    """The real mini-batch loop with no Megatron model under it: each optimizer step only
+    records the groups it was given."""
 
-    def __init__(self, refuse: tuple[int, ...] = ()) -> None:
+    def __init__(self, refuse: tuple[int, ...] = ()) -> None:  # no Megatron model to build
+        self.mesh = SimpleNamespace(dp=1)
         self.steps: list[list[int]] = []
         self.refuse = refuse  # optimizer steps that report skipped=True
 
-    def train_step(
-        self, batch, micro_batch_size, loss_fn, temperature=1.0, compute_entropy=False, max_tokens=0
-    ):
-        groups = batch["group_index"].tolist()
+    def train_step(self, tensors, loss_fn, temperature=1.0, compute_entropy=False):
+        groups = tensors["group_index"].tolist()
         skipped = len(self.steps) in self.refuse
         self.steps.append(groups)
         return {
@@ -33,15 +35,15 @@ class RecordingPolicy:
         }
 
 
-def batch_of(num_groups: int, n: int = 2) -> dict[str, torch.Tensor]:
+def batch_of(num_groups: int, n: int = 2) -> RolloutBatch:
     samples = [
         Sample(g, [1, 2], [3, 4], [-0.5, -0.5], "stop", item=None)
         for g in range(num_groups)
         for _ in range(n)
     ]
     batch = collate(samples, pad_id=0)
-    batch["old_log_probs"] = torch.zeros_like(batch["response_mask"])
-    batch["advantages"] = torch.zeros_like(batch["response_mask"])
+    batch.old_log_probs = torch.zeros_like(batch.response_mask)
+    batch.advantages = torch.zeros_like(batch.response_mask)
     return batch
 
 
@@ -58,11 +60,11 @@ def test_mini_batches_are_whole_groups_and_never_empty(num_groups, fewest, expec
     cfg = load_config(
         None, ["model.path=/m", "data.train_batch_size=8", "actor.ppo_mini_batch_size=2"]
     )
-    policy = RecordingPolicy()
-    update_actor(policy, batch_of(num_groups), cfg, SimpleNamespace(dp=1), fewest)
-    steps = [sorted(set(groups)) for groups in policy.steps]
+    model = RecordingModel()
+    update_actor(model, batch_of(num_groups), cfg, fewest)
+    steps = [sorted(set(groups)) for groups in model.steps]
     assert steps == expected
-    for groups in policy.steps:  # both samples of every group travel together
+    for groups in model.steps:  # both samples of every group travel together
         assert all(groups.count(g) == 2 for g in set(groups))
 
 
@@ -70,8 +72,6 @@ def test_skipped_optimizer_steps_are_counted():
     cfg = load_config(
         None, ["model.path=/m", "data.train_batch_size=8", "actor.ppo_mini_batch_size=2"]
     )
-    metrics = update_actor(
-        RecordingPolicy(refuse=(1, 3)), batch_of(8), cfg, SimpleNamespace(dp=1), 8
-    )
+    metrics = update_actor(RecordingModel(refuse=(1, 3)), batch_of(8), cfg, 8)
     assert metrics["actor/optimizer_steps"] == 4.0
     assert metrics["actor/skipped_steps"] == 2.0

@@ -8,13 +8,9 @@ import importlib.util
 import pytest
 import torch
 
+from rlcli.config import RolloutConfig
 from rlcli.errors import UserError
-from rlcli.rollout import (
-    SamplingConfig,
-    logprob_mismatch,
-    make_engine,
-    rollout_replicas,
-)
+from rlcli.rollout import GenerationRequest, SamplingConfig, make_engine, rollout_replicas
 from tests.parallel.dist_utils import make_tiny_hf_model
 
 # vLLM's CPU attention needs head_dim >= 32: hidden 128 over 4 heads.
@@ -33,6 +29,13 @@ def tied_model_dir(tmp_path_factory):
     return make_tiny_hf_model(
         tmp_path_factory.mktemp("qwen2_tied"), "qwen2", tie_word_embeddings=True, **VLLM_SHAPE
     )
+
+
+def engine_for(kind, model_dir, max_model_len=None, **rollout):
+    """An engine built as the trainer builds it: from a `rollout` section (weights read from
+    the folder; the trainer's default is dummy weights plus a sync)."""
+    section = RolloutConfig(engine=kind, load_format="auto", **rollout)
+    return make_engine(section, str(model_dir), max_model_len=max_model_len)
 
 
 def hf_reference_logprobs(model, prompt, completion, temperature):
@@ -60,14 +63,14 @@ def perturbed_weights(model_dir, seed=1):
 
 def test_unknown_engine_kind_lists_the_choices(model_dir):
     with pytest.raises(UserError, match="rollout.engine") as error:
-        make_engine("sglang", str(model_dir))
+        engine_for("sglang", model_dir)
     assert "'vllm'" in str(error.value) and "'hf'" in str(error.value)
 
 
 @pytest.mark.parametrize("kind", ["hf", "vllm"])
 def test_bad_model_path_names_model_path(tmp_path, kind):
     with pytest.raises(UserError, match="model.path"):
-        make_engine(kind, str(tmp_path / "no_such_model"))
+        engine_for(kind, tmp_path / "no_such_model")
 
 
 def test_vllm_missing_suggests_hf(model_dir, monkeypatch):
@@ -78,7 +81,7 @@ def test_vllm_missing_suggests_hf(model_dir, monkeypatch):
         lambda name, *a: None if name == "vllm" else real_find_spec(name, *a),
     )
     with pytest.raises(UserError, match="rollout.engine=hf"):
-        make_engine("vllm", str(model_dir))
+        engine_for("vllm", model_dir)
 
 
 def test_rollout_replicas():
@@ -89,22 +92,13 @@ def test_rollout_replicas():
         rollout_replicas(6, 0, 4)
 
 
-def test_logprob_mismatch_counts_only_response_tokens():
-    engine = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, 9.0]])
-    trainer = torch.tensor([[-1.1, -2.0, -2.0], [-0.5, -0.7, 0.0]])
-    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
-    stats = logprob_mismatch(engine, trainer, mask)
-    assert stats["rollout/logprob_diff_max"] == pytest.approx(0.2)
-    assert stats["rollout/logprob_diff_mean"] == pytest.approx((0.1 + 0 + 0 + 0.2) / 4)
-
-
 # ---- HF engine ------------------------------------------------------------------------
 
 
-def test_hf_engine_logprobs_match_forward_and_stop_tokens(model_dir):
+def test_hf_engine_log_probs_match_forward_and_stop_tokens(model_dir):
     from transformers import AutoModelForCausalLM
 
-    engine = make_engine("hf", str(model_dir))
+    engine = engine_for("hf", model_dir)
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     sampling = SamplingConfig(temperature=0.7, max_tokens=12, seed=3)
     assert engine.generate([], 3, sampling) == []
@@ -129,7 +123,7 @@ def test_hf_engine_logprobs_match_forward_and_stop_tokens(model_dir):
 
 
 def test_hf_engine_load_weights_with_tied_embeddings(tied_model_dir):
-    engine = make_engine("hf", str(tied_model_dir))
+    engine = engine_for("hf", tied_model_dir)
     new_model = perturbed_weights(tied_model_dir)
     # Send only the input embedding name for the tied pair, as a resharder may.
     weights = [(k, v) for k, v in new_model.state_dict().items() if k != "lm_head.weight"]
@@ -163,14 +157,14 @@ def test_vllm_start_errors_name_the_setting(model_dir, options, key):
     if torch.cuda.is_available() and key == "rollout.kv_cache_gb":
         key = "rollout.gpu_memory_utilization"
     with pytest.raises(UserError, match=key.replace(".", r"\.")):
-        make_engine("vllm", str(model_dir), **options)
+        engine_for("vllm", model_dir, **options)
 
 
 @needs_vllm
 @pytest.mark.vllm
 def test_vllm_reload_with_tied_embeddings(tied_model_dir):
     """Only model.embed_tokens is sent (as the resharder does): the LM head must follow it."""
-    engine = make_engine("vllm", str(tied_model_dir), kv_cache_gb=0.05, max_model_len=256)
+    engine = engine_for("vllm", tied_model_dir, kv_cache_gb=0.05, max_model_len=256)
     try:
         reference = perturbed_weights(tied_model_dir)
         weights = [(k, v) for k, v in reference.state_dict().items() if k != "lm_head.weight"]
@@ -189,7 +183,7 @@ def test_vllm_reload_with_tied_embeddings(tied_model_dir):
 
 @pytest.fixture(scope="module")
 def vllm_engine(model_dir):
-    engine = make_engine("vllm", str(model_dir), kv_cache_gb=0.05, max_model_len=256)
+    engine = engine_for("vllm", model_dir, kv_cache_gb=0.05, max_model_len=256)
     yield engine
     engine.close()
 
@@ -199,7 +193,7 @@ def vllm_engine(model_dir):
 def test_vllm_matches_hf_greedy_and_logprobs_before_and_after_reload(vllm_engine, model_dir):
     from transformers import AutoModelForCausalLM
 
-    hf_engine = make_engine("hf", str(model_dir))
+    hf_engine = engine_for("hf", model_dir)
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     greedy = SamplingConfig(temperature=0, max_tokens=16)
     sampled = SamplingConfig(temperature=0.8, top_p=1.0, max_tokens=16, seed=11)
@@ -254,6 +248,30 @@ def test_vllm_seeds_stop_tokens_and_sleep(vllm_engine):
 
 @needs_vllm
 @pytest.mark.vllm
+def test_vllm_requests_are_answered_alike_alone_or_together(vllm_engine):
+    """What a multi-turn loop relies on: each request's completions follow from its own token
+    ids, sampling and seed, not from the other requests of the call."""
+    sampling = SamplingConfig(temperature=1.0, max_tokens=8)
+    requests = [GenerationRequest(p, sampling, n=2, seed=100 + i) for i, p in enumerate(PROMPTS)]
+    together = vllm_engine.generate_requests(requests)
+    alone = [vllm_engine.generate_requests([r])[0] for r in requests]
+    assert [[c.token_ids for c in r] for r in together] == [[c.token_ids for c in r] for r in alone]
+    # generate() is the same requests with per-(replica, prompt) seed blocks
+    base = SamplingConfig(temperature=1.0, max_tokens=8, seed=7)
+    from rlcli.rollout.base import request_seed
+
+    by_prompt = vllm_engine.generate(PROMPTS, 2, base)
+    seeded = [
+        GenerationRequest(p, base, 2, request_seed(7, 0, i, 2)) for i, p in enumerate(PROMPTS)
+    ]
+    explicit = vllm_engine.generate_requests(seeded)
+    assert [[c.token_ids for c in r] for r in by_prompt] == [
+        [c.token_ids for c in r] for r in explicit
+    ]
+
+
+@needs_vllm
+@pytest.mark.vllm
 def test_second_vllm_engine_in_one_process_is_refused(vllm_engine, model_dir):
     with pytest.raises(RuntimeError, match="one vLLM engine per process"):
-        make_engine("vllm", str(model_dir), kv_cache_gb=0.05, max_model_len=256)
+        engine_for("vllm", model_dir, kv_cache_gb=0.05, max_model_len=256)

@@ -165,14 +165,12 @@ def _resume_equals_uninterrupted(tmp_path: Path, *overrides: str, sigterm: bool)
     assert a.keys() == b.keys()
     for key in a:
         assert torch.allclose(a[key].double(), b[key].double(), rtol=0, atol=1e-6), key
-    for run in (whole, split):
-        state = json.loads((run / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
-        assert (
-            state["loader"]
-            == json.loads(
-                (whole / "checkpoints" / "step_000003" / "trainer_state.json").read_text()
-            )["loader"]
-        )
+    whole_state, split_state = (
+        json.loads((run / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
+        for run in (whole, split)
+    )
+    assert split_state["step"] == whole_state["step"] == 3
+    assert split_state["loader"] == whole_state["loader"]
 
 
 def test_sigterm_checkpoints_and_grpo_resume_equals_uninterrupted(tmp_path):

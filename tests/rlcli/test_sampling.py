@@ -11,12 +11,19 @@ from __future__ import annotations
 import pytest
 
 from rlcli.build import build_rewards
+from rlcli.config import RolloutConfig
 from rlcli.config_loader import load_config
 from rlcli.data import PromptLoader, load_prompt_dataset, read_sft_pairs, write_arith_dataset
 from rlcli.metrics import Timer
 from rlcli.model_builder import build_model_dir
 from rlcli.rollout.factory import make_engine
-from rlcli.sampling import ReplicaInfo, collect_rollouts, generate_samples, sampling_params
+from rlcli.sampling import (
+    ReplicaInfo,
+    collect_rollouts,
+    generate_samples,
+    sampling_params,
+    score_samples,
+)
 
 OVERRIDES = [
     "model.spec.hidden_size=64",
@@ -42,7 +49,7 @@ def setup(tmp_path_factory):
 
     tokenizer = AutoTokenizer.from_pretrained(root / "model")
     data = load_prompt_dataset(paths["train"], tokenizer, max_prompt_length=32)
-    engine = CountingEngine(make_engine("hf", str(root / "model")))
+    engine = CountingEngine(make_engine(RolloutConfig(engine="hf"), str(root / "model")))
     rewards = build_rewards(cfg)
     yield cfg, tokenizer, data, engine, rewards
     rewards.close()
@@ -91,7 +98,13 @@ def test_all_sampling_rounds_run_in_one_awake_block(setup, overrides):
     generates = len(engine.calls) - 2
     if cfg.algorithm.adv_estimator == "remax":
         assert generates == 2  # the sampled answers and the greedy baselines
-        assert len({s.reward_baseline for s in samples}) >= 1
+        # Each sample's baseline is the score of its prompt's greedy answer, recomputed here.
+        items = {s.group: s.item for s in samples}
+        greedy = sampling_params(cfg, tokenizer.eos_token_id, 1, train=False)
+        answers = generate_samples(engine, list(items.values()), 1, greedy, replica)
+        score_samples(answers, rewards, tokenizer)
+        expected = {g: a.score for g, a in zip(items, answers, strict=True)}
+        assert [s.reward_baseline for s in samples] == [expected[s.group] for s in samples]
     else:
         assert generates == metrics["dapo/gen_batches"] == 3, metrics
 

@@ -6,9 +6,10 @@
    trainer's ``make_actor_loss`` with its global denominator) summed over token-budget
    micro-batches, and the gradients of that sum (after megatron's DP all-reduce), against fixed
    micro-batches of 2 rows of the same DP share.
-2. The on-policy update without the old-log-prob pass (``update_actor`` on a batch without
-   ``old_log_probs``) against the full path (a separate ``log_probs`` pass first): the weights
-   after the step, from two policies with the same initial weights.
+2. The on-policy update without the old-log-prob pass (``update_actor`` with the
+   ``update_forward`` plan) against the full path (a separate log-prob pass first, the
+   ``actor_pass`` plan): the weights after the step, from two policies with the same initial
+   weights.
 Writes the largest differences (rank 0).
 """
 
@@ -40,17 +41,17 @@ def random_samples(seed: int, vocab: int):
     return samples
 
 
-def make_batch(samples, mesh, seed: int) -> dict[str, torch.Tensor]:
+def make_batch(samples, mesh, seed: int):
     from rlcli.batch import collate, take_dp_share
 
     mine, _ = take_dp_share(samples, mesh.dp, mesh.dp_rank)
     batch = collate(mine, 0)
     gen = torch.Generator().manual_seed(seed + mesh.dp_rank)
-    mask = batch["response_mask"]
+    mask = batch.loss_mask
     # Old log-probs near the engine's, so some PPO ratios clip and some do not.
-    batch["old_log_probs"] = (-torch.rand(mask.shape, generator=gen) * 2) * mask
-    batch["ref_log_probs"] = (-torch.rand(mask.shape, generator=gen) * 2) * mask
-    batch["advantages"] = torch.randn(mask.shape, generator=gen) * mask
+    batch.old_log_probs = (-torch.rand(mask.shape, generator=gen) * 2) * mask
+    batch.ref_log_probs = (-torch.rand(mask.shape, generator=gen) * 2) * mask
+    batch.advantages = torch.randn(mask.shape, generator=gen) * mask
     return batch
 
 
@@ -70,8 +71,8 @@ def config(mode: str, extra: list[str] = ()):
     )
 
 
-def policy(mesh, hf_dir: str):
-    from rlcli.policy import MegatronPolicy, OptimizerSettings
+def policy(mesh, hf_dir: str, max_tokens: int = 0):
+    from rlcli.trained_model import MicroBatching, OptimizerSettings, TrainedModel
 
     # adam_eps = 1 and lr = 1: the first Adam step is g / (|g| + 1), nearly linear in the
     # gradient, so gradient differences show in the weights (a tiny eps would turn rounding
@@ -81,19 +82,25 @@ def policy(mesh, hf_dir: str):
         clip_grad=0.0, warmup_steps=0, total_steps=10, decay_style="constant",
         use_distributed_optimizer=False,
     )  # fmt: skip
-    return MegatronPolicy(mesh, hf_dir, "float32", optim=settings)
+    return TrainedModel(mesh, hf_dir, optim=settings, micro_batching=MicroBatching(2, max_tokens))
 
 
 def loss_and_grads(actor, batch, cfg, mesh, max_tokens: int):
     """Summed actor loss over this rank's micro-batches and every parameter's gradient."""
+    import algorithms
     from parallel.micro_batches import micro_batches
     from parallel.schedule import forward_backward
-    from rlcli.actor_update import _global_denominator, make_actor_loss
+    from rlcli.actor_update import make_actor_loss
+    from rlcli.dp_stats import DataParallelStats
 
     for chunk in actor.models:
         chunk.zero_grad_buffer()
-    parts = micro_batches(batch, 2, equal_sizes=mesh.pp > 1, max_tokens=max_tokens)
-    denominator = _global_denominator(batch["response_mask"], cfg, mesh)
+    parts = micro_batches(batch.tensors(), 2, equal_sizes=mesh.pp > 1, max_tokens=max_tokens)
+    # This rank's share of the global denominator (DDP averages gradients over DP).
+    denominator = algorithms.agg_loss_denominator(
+        batch.loss_mask, cfg.actor.loss_agg_mode, norm_length=cfg.rollout.max_tokens
+    ).double()
+    denominator = (DataParallelStats(mesh).sum(denominator) / mesh.dp).float()
     results = forward_backward(
         actor.models, mesh, parts, make_actor_loss(cfg, denominator),
         forward_only=False, compute_entropy=True,
@@ -138,14 +145,20 @@ def main() -> None:
             "micro_batches": [len(fixed_sizes), len(budget_sizes)],
         }
 
-    # On-policy: the same update with and without the separate old-log-prob pass.
-    cfg = config("token-mean", ["actor.max_tokens_per_micro_batch=60"])
-    batch.pop("old_log_probs")
-    full, skip = policy(mesh, hf_dir), policy(mesh, hf_dir)
+    # On-policy: the same update with and without the separate old-log-prob pass (KL in the
+    # reward, which the update does not read, makes the plan take the separate pass).
+    from dataclasses import replace
+
+    from rlcli.actor_update import old_log_prob_plan
+
+    cfg = config("token-mean")
+    cfg_full = config("token-mean", ["algorithm.use_kl_in_reward=true"])
+    assert (old_log_prob_plan(cfg), old_log_prob_plan(cfg_full)) == ("update_forward", "actor_pass")
+    full, skip = policy(mesh, hf_dir, 60), policy(mesh, hf_dir, 60)
     before = weights(full)
-    full_batch = dict(batch, old_log_probs=full.log_probs(batch, 2))
-    metrics_full = update_actor(full, full_batch, cfg, mesh, fewest_groups=1)
-    metrics_skip = update_actor(skip, dict(batch), cfg, mesh, fewest_groups=1)
+    full_batch = replace(batch, old_log_probs=full.forward(batch))
+    metrics_full = update_actor(full, full_batch, cfg_full, fewest_groups=1)
+    metrics_skip = update_actor(skip, replace(batch, old_log_probs=None), cfg, fewest_groups=1)
     result["on_policy"] = {
         "weight_diff": max_diff(weights(full), weights(skip)),
         "weight_change": max_diff(weights(full), before),

@@ -1,0 +1,197 @@
+"""The benchmark's train section: the Megatron actor update (rlcli.trained_model) against a plain HF +
+torch AdamW loop on the same model, batch and loss, and the update on rows of mixed lengths
+(fixed micro-batches against a token budget)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from benchmarks.common import (
+    SEED,
+    device,
+    free_memory,
+    len_unique_params,
+    random_token_ids,
+    time_steps,
+)
+from benchmarks.memory import measure_peak_memory
+from benchmarks.workload import Workload, ensure_model
+
+if TYPE_CHECKING:
+    from parallel.lora import LoraSpec
+    from parallel.mesh import Mesh
+    from rlcli.trained_model import TrainedModel
+
+
+def nll_loss(outputs: dict[str, torch.Tensor], micro_batch: dict[str, torch.Tensor]):
+    """Mean next-token negative log-likelihood of one micro-batch: outputs["log_probs"] is
+    [mb, S-1], the log-prob of token t+1 given tokens <= t."""
+    loss = -outputs["log_probs"].mean()
+    return loss, {"loss": loss.item()}
+
+
+def throughput(seconds: list[float], tokens_per_step: int, params: int) -> dict:
+    mean = sum(seconds) / len(seconds)
+    tokens_per_s = tokens_per_step / mean
+    # 6 FLOPs per parameter per token: 2 forward, 4 backward (attention scores not counted).
+    return {
+        "step_seconds": seconds,
+        "tokens_per_s": tokens_per_s,
+        "flops_per_s": 6 * params * tokens_per_s,
+    }
+
+
+def train_section(workload: Workload, work_dir: Path) -> dict:
+    w = workload
+    model_dir = ensure_model(w.train_model, work_dir / "models", w.dtype)
+    rows = w.train_micro_batches * w.train_micro_batch_size
+    ids = random_token_ids(rows, w.train_seq_len, w.train_model.vocab_size, SEED).to(device())
+    micro_batches = [
+        {"input_ids": chunk, "attention_mask": torch.ones_like(chunk)}
+        for chunk in ids.split(w.train_micro_batch_size)
+    ]
+    tokens_per_step = rows * w.train_seq_len
+    result: dict = {
+        "model": w.train_model.name,
+        "tokens_per_step": tokens_per_step,
+        "micro_batches": w.train_micro_batches,
+        "micro_batch_size": w.train_micro_batch_size,
+        "seq_len": w.train_seq_len,
+        "dtype": w.dtype,
+    }
+
+    with measure_peak_memory() as memory:
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        seconds, params = megatron_training_steps(
+            model_dir, w.dtype, batch, w.train_micro_batch_size, w.train_steps
+        )
+        free_memory()
+    result["params"] = params
+    result["megatron"] = {**throughput(seconds, tokens_per_step, params),
+                          "memory": memory.to_dict()}  # fmt: skip
+
+    with measure_peak_memory() as memory:
+        seconds, hf_params = _hf_training_steps(model_dir, micro_batches, w.train_steps)
+        free_memory()
+    result["hf_baseline"] = {**throughput(seconds, tokens_per_step, hf_params),
+                             "memory": memory.to_dict()}  # fmt: skip
+    result["megatron_over_hf"] = (
+        result["megatron"]["tokens_per_s"] / result["hf_baseline"]["tokens_per_s"]
+    )
+    result["mixed_lengths"] = _mixed_length_update(w, model_dir)
+    return result
+
+
+def _mixed_length_update(w: Workload, model_dir: Path) -> dict:
+    """The actor update on rows of mixed lengths (uniform in [S/8, S]): fixed micro-batches of
+    `train_micro_batch_size` rows against a token budget of the same padded size
+    (`actor.max_tokens_per_micro_batch` = rows x S). Tokens/s counts real tokens only."""
+    from parallel.schedule import micro_batches
+
+    rows = 4 * w.train_micro_batches * w.train_micro_batch_size
+    ids = random_token_ids(rows, w.train_seq_len, w.train_model.vocab_size, SEED + 1)
+    generator = torch.Generator().manual_seed(SEED)
+    lengths = torch.randint(w.train_seq_len // 8, w.train_seq_len + 1, (rows,), generator=generator)
+    mask = (torch.arange(w.train_seq_len)[None] < lengths[:, None]).long()
+    batch = {"input_ids": (ids * mask).to(device()), "attention_mask": mask.to(device())}
+    real = int(mask.sum())
+    out: dict = {"rows": rows, "seq_len": w.train_seq_len, "real_tokens": real}
+    for name, budget in (
+        ("fixed", 0),
+        ("token_budget", w.train_micro_batch_size * w.train_seq_len),
+    ):
+        parts = micro_batches(batch, w.train_micro_batch_size, max_tokens=budget)
+        computed = sum(p["input_ids"].numel() for p in parts)
+        seconds, _ = megatron_training_steps(
+            model_dir, w.dtype, batch, w.train_micro_batch_size, w.train_steps, max_tokens=budget
+        )
+        free_memory()
+        out[name] = {
+            "micro_batches": len(parts),
+            "computed_tokens": computed,
+            "padded_fraction": 1 - real / computed,
+            "step_seconds": seconds,
+            # The median step: on a shared machine one slow step would skew a mean.
+            "tokens_per_s": real / statistics.median(seconds),
+        }
+    # Before per-micro-batch trimming every micro-batch kept the batch-wide S.
+    out["batch_wide_padded_fraction"] = 1 - real / (rows * w.train_seq_len)
+    out["budget_over_fixed"] = out["token_budget"]["tokens_per_s"] / out["fixed"]["tokens_per_s"]
+    return out
+
+
+def megatron_actor(
+    mesh: Mesh,
+    model_dir: Path,
+    dtype: str,
+    micro_batch_size: int,
+    steps: int,
+    max_tokens: int = 0,
+    lora: LoraSpec | None = None,
+) -> TrainedModel:
+    """rlcli's actor (`rlcli.trained_model.TrainedModel`: megatron-core GPTModel, DDP,
+    distributed optimizer off, Adam, clipping at 1.0; `lora`: adapters on the frozen base)."""
+    from rlcli.trained_model import MicroBatching, OptimizerSettings, TrainedModel
+
+    settings = OptimizerSettings(
+        lr=1e-5, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
+        clip_grad=1.0, warmup_steps=0, total_steps=steps + 1, decay_style="constant",
+        use_distributed_optimizer=False,
+    )  # fmt: skip
+    return TrainedModel(
+        mesh,
+        str(model_dir),
+        dtype=dtype,
+        optim=settings,
+        micro_batching=MicroBatching(micro_batch_size, max_tokens),
+        lora=lora,
+    )
+
+
+def megatron_training_steps(
+    model_dir: Path,
+    dtype: str,
+    batch: dict[str, torch.Tensor],
+    micro_batch_size: int,
+    steps: int,
+    max_tokens: int = 0,
+) -> tuple[list[float], int]:
+    """`megatron_actor`'s update on one process: seconds of each timed step, params."""
+    from parallel.mesh import destroy_parallel, init_parallel
+
+    mesh = init_parallel(tp=1, pp=1, seed=SEED)
+    actor = megatron_actor(mesh, model_dir, dtype, micro_batch_size, steps, max_tokens)
+    seconds = time_steps(lambda: actor.train_step(batch, nll_loss), steps)
+    params = len_unique_params(actor.models)
+    destroy_parallel()
+    return seconds, params
+
+
+def _hf_training_steps(
+    model_dir: Path, micro_batches: list[dict[str, torch.Tensor]], steps: int
+) -> tuple[list[float], int]:
+    """The loop a user writes without a framework: HF model, torch AdamW, gradient accumulation
+    over the same micro-batches and loss (sum of per-micro-batch mean NLL), clipping at 1.0.
+    On GPU: fp32 weights and optimizer under bf16 autocast (as Megatron keeps fp32 main
+    parameters)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device())
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
+    on_gpu = torch.cuda.is_available()
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        for micro in micro_batches:
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu):
+                loss = model(input_ids=micro["input_ids"], labels=micro["input_ids"]).loss
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+    return time_steps(step, steps), len_unique_params([model])

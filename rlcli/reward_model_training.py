@@ -1,0 +1,260 @@
+"""``rlcli rm``: train a reward model on pairwise preference rows with the Bradley-Terry loss on
+Megatron (the trainer's TP / PP / DP layout), report its held-out pairwise accuracy, checkpoint,
+and write it as an HF ``*ForSequenceClassification`` folder.
+
+    report = train_reward_model(cfg, mesh, log=print)        # collective; every rank calls it
+
+The model starts from ``rm.init_path`` (default ``model.path``): a language model (the SFT
+policy, typically) gives its transformer and a fresh score head; a reward model is trained
+further. Its tokenizer and chat template tokenise the pairs (``rlcli.data.preferences``). Each
+step draws ``rm.batch_size`` pairs (a seeded permutation per epoch, the same on every rank; each
+DP rank takes its share). Checkpoints (``rm.save_freq``) go to
+``<trainer.output_dir>/rm_checkpoints`` through ``rlcli.run_checkpoint`` and a run resumes from
+the newest as ``trainer.resume`` says. The result lands in ``rm.out_dir`` (replaced whole, never
+left half-written) and a JSON report in ``<trainer.output_dir>/reward_model_report.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+from parallel.mesh import Mesh
+from parallel.preference_pairs import TokenizedPairs
+from rlcli.config import RLConfig
+from rlcli.errors import UserError
+
+REPORT_FILE = "reward_model_report.json"
+
+
+@dataclass
+class RewardModelReport:
+    """What a reward-model training did; accuracies are held-out pairwise accuracies (None
+    without ``rm.val_files``)."""
+
+    out_dir: str
+    steps: int
+    train_pairs: int
+    val_pairs: int
+    dropped_too_long: int
+    val_accuracy_before: float | None
+    val_accuracy_after: float | None
+    final_loss: float | None
+    seconds: float
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _preference_files(cfg: RLConfig, mesh: Mesh) -> tuple[list[str], list[str]]:
+    rm = cfg.rm
+    if rm.synthetic != "arith":
+        return list(rm.train_files), list(rm.val_files)
+    from rlcli.data import write_arith_preferences
+
+    data_dir = Path(cfg.trainer.output_dir) / "data"
+    if mesh.rank == 0 and not (data_dir / "rm_val.jsonl").exists():
+        write_arith_preferences(str(data_dir))
+    _barrier()
+    train = list(rm.train_files) or [str(data_dir / "rm_train.jsonl")]
+    return train, list(rm.val_files) or [str(data_dir / "rm_val.jsonl")]
+
+
+def batch_indices(step: int, num_pairs: int, batch_size: int, seed: int) -> list[int]:
+    """The pairs of step `step` (from 1): consecutive slices of a per-epoch permutation (the
+    pairs left over at an epoch's end wait for the next one)."""
+    per_epoch = num_pairs // batch_size
+    epoch, position = divmod(step - 1, per_epoch)
+    order = np.random.default_rng((seed, epoch)).permutation(num_pairs)
+    return order[position * batch_size : (position + 1) * batch_size].tolist()
+
+
+def _load_pairs(
+    files: list[str], key: str, tokenizer: Any, cfg: RLConfig
+) -> tuple[TokenizedPairs, int]:
+    from rlcli.data.preferences import read_preference_rows, tokenize_preferences
+
+    rows = read_preference_rows(files, key)
+    pairs, dropped = tokenize_preferences(
+        rows,
+        tokenizer,
+        max_length=cfg.rm.max_length,
+        apply_chat_template=cfg.data.apply_chat_template,
+    )
+    if not len(pairs):
+        raise UserError(
+            f"{key}: every pair of {', '.join(files)} is longer than rm.max_length="
+            f"{cfg.rm.max_length} tokens; raise rm.max_length"
+        )
+    return pairs, dropped
+
+
+def _init_dir(cfg: RLConfig) -> tuple[str, bool]:
+    """The folder to start from and whether it is a reward model already."""
+    from parallel.reward_model import reward_model_problem
+
+    key, path = (
+        ("rm.init_path", cfg.rm.init_path) if cfg.rm.init_path else ("model.path", cfg.model.path)
+    )
+    problem = reward_model_problem(path, from_language_model=True)
+    if problem is not None:
+        raise UserError(
+            f"{key}={path}: {problem} (a reward model starts from an HF language or reward "
+            "model; for the RLHF quickstart run the SFT stage first)"
+        )
+    return path, reward_model_problem(path) is None
+
+
+def _build(cfg: RLConfig, mesh: Mesh, init_dir: str, is_reward_model: bool, pad_token_id: int):
+    from parallel.dtypes import DTYPES
+    from parallel.optim import build_optimizer, wrap_for_training
+    from parallel.reward_model import load_reward_model
+    from rlcli.build import model_options
+
+    rm, actor = cfg.rm, cfg.actor
+    models = load_reward_model(
+        init_dir,
+        mesh,
+        dtype=DTYPES[cfg.model.dtype],
+        from_language_model=not is_reward_model,
+        pad_token_id=None if is_reward_model else pad_token_id,
+        **model_options(cfg, actor),
+    )
+    hf_config = models[0].hf_config
+    distributed = cfg.parallel.use_distributed_optimizer
+    models = wrap_for_training(models, mesh, use_distributed_optimizer=distributed)
+    optimizer, scheduler = build_optimizer(
+        models,
+        lr=rm.lr,
+        weight_decay=rm.weight_decay,
+        adam_beta1=actor.adam_beta1,
+        adam_beta2=actor.adam_beta2,
+        adam_eps=actor.adam_eps,
+        clip_grad=rm.grad_clip,
+        use_distributed_optimizer=distributed,
+        warmup_steps=rm.lr_warmup_steps,
+        total_steps=rm.steps,
+    )
+    return models, optimizer, scheduler, hf_config
+
+
+def train_reward_model(
+    cfg: RLConfig, mesh: Mesh, log: Callable[[str], None] | None = None
+) -> RewardModelReport:
+    """Train, evaluate, checkpoint and export a reward model as ``cfg.rm`` says (module
+    docstring). Collective: every rank of `mesh` calls it with the same config."""
+    from transformers import AutoTokenizer
+
+    from parallel.checkpoint import load_checkpoint, save_checkpoint
+    from parallel.convert import save_hf_checkpoint
+    from parallel.reward_training import bradley_terry_step, pairwise_accuracy
+    from rlcli.config_validation import check_reward_model_training
+    from rlcli.run_checkpoint import CheckpointManager
+    from rlcli.run_state import load_trainer_state, save_trainer_state
+
+    say = log if log is not None and mesh.rank == 0 else (lambda message: None)
+    rm = cfg.rm
+    check_reward_model_training(cfg, mesh.dp)
+    start = time.perf_counter()
+    init_dir, is_reward_model = _init_dir(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(init_dir)
+    pad_token_id = (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    )
+    if pad_token_id is None:
+        raise UserError(f"the tokenizer of {init_dir} has neither a pad nor an EOS token")
+    train_files, val_files = _preference_files(cfg, mesh)
+    train, dropped = _load_pairs(train_files, "rm.train_files", tokenizer, cfg)
+    val, val_dropped = (
+        _load_pairs(val_files, "rm.val_files", tokenizer, cfg) if val_files else (None, 0)
+    )
+    if rm.batch_size > len(train):
+        raise UserError(f"rm.batch_size={rm.batch_size} exceeds the {len(train)} training pairs")
+    say(
+        f"reward model from {init_dir} ({'reward model' if is_reward_model else 'fresh score head'}"
+        f", tp={mesh.tp} pp={mesh.pp} dp={mesh.dp}): {len(train)} training pairs, "
+        f"{len(val) if val else 0} held-out"
+    )
+    models, optimizer, scheduler, hf_config = _build(
+        cfg, mesh, init_dir, is_reward_model, pad_token_id
+    )
+    sizes = {"micro_batch_size": rm.micro_batch_size, "max_tokens": rm.max_tokens}
+
+    def held_out() -> float | None:
+        return None if val is None else pairwise_accuracy(models, mesh, val, **sizes)["accuracy"]
+
+    checkpoints = CheckpointManager(
+        Path(cfg.trainer.output_dir) / "rm_checkpoints", keep_last=cfg.checkpoint.keep_last
+    )
+    resume_from = checkpoints.resolve_resume(cfg.trainer.resume)
+    state: dict[str, Any] = {"step": 0, "history": [], "val_accuracy_before": None}
+    if resume_from is not None:
+        load_checkpoint(
+            resume_from / "model", models, mesh, optimizer=optimizer, scheduler=scheduler
+        )
+        state = load_trainer_state(resume_from)
+        say(f"resumed the reward model from {resume_from} (step {state['step']})")
+    else:
+        state["val_accuracy_before"] = held_out()
+        say(f"held-out pairwise accuracy before training: {state['val_accuracy_before']}")
+    log_every = max(1, rm.steps // 20)
+    for step in range(state["step"] + 1, rm.steps + 1):
+        batch = train.select(batch_indices(step, len(train), rm.batch_size, cfg.trainer.seed))
+        metrics = bradley_terry_step(
+            models, mesh, optimizer, scheduler, batch.share(mesh), num_pairs=rm.batch_size, **sizes
+        )
+        entry = {"step": step, **{k: metrics[k] for k in ("loss", "accuracy", "grad_norm", "lr")}}
+        if rm.val_freq and step % rm.val_freq == 0 and step != rm.steps:
+            entry["val_accuracy"] = held_out()
+        state["history"].append(entry)
+        state["step"] = step
+        if step % log_every == 0 or step == rm.steps or "val_accuracy" in entry:
+            shown = ", ".join(
+                f"{k} {v:.4g}" for k, v in entry.items() if k != "step" and v is not None
+            )
+            say(f"rm step {step}/{rm.steps}: {shown} ({time.perf_counter() - start:.1f} s)")
+        if rm.save_freq and step % rm.save_freq == 0:
+            with checkpoints.saving(step, subdirs=("model",)) as directory:
+                save_checkpoint(directory / "model", models, mesh, optimizer, scheduler)
+                save_trainer_state(directory, state)
+    after = held_out()
+    say(f"held-out pairwise accuracy after training: {after}")
+    out_dir = Path(rm.out_dir)
+    staging = out_dir.with_name(out_dir.name + ".tmp")
+    if mesh.rank == 0 and staging.exists():
+        shutil.rmtree(staging)
+    _barrier()
+    save_hf_checkpoint(models, mesh, staging, hf_config, tokenizer_dir=init_dir)
+    history = state["history"]
+    report = RewardModelReport(
+        out_dir=str(out_dir),
+        steps=rm.steps,
+        train_pairs=len(train),
+        val_pairs=len(val) if val else 0,
+        dropped_too_long=dropped + val_dropped,
+        val_accuracy_before=state["val_accuracy_before"],
+        val_accuracy_after=after,
+        final_loss=history[-1]["loss"] if history else None,
+        seconds=time.perf_counter() - start,
+        history=history,
+    )
+    if mesh.rank == 0:
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        staging.rename(out_dir)  # a crash mid-save leaves only the .tmp folder
+        report_file = Path(cfg.trainer.output_dir) / REPORT_FILE
+        report_file.write_text(json.dumps(asdict(report), indent=2))
+        say(f"wrote the reward model {out_dir} and {report_file}")
+    _barrier()
+    return report

@@ -1,0 +1,52 @@
+"""Tool classes by name: the built-ins, and user tools as ``module:Class`` or ``path/file.py:Class``.
+
+Built-ins are listed by module path and imported on first use, so naming one tool does not import
+the others (the ``python`` tool's sandbox probe, for instance).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from rlcli.errors import UserError
+from rlcli.plugins import is_user_spec, load_user_object
+from rlcli.tools.base import Tool
+
+_BUILTIN_TOOLS = {
+    "calculator": "rlcli.tools.calculator:CalculatorTool",
+    "python": "rlcli.tools.python_tool:PythonTool",
+}
+
+
+def builtin_tool_names() -> list[str]:
+    """Names accepted as a tool class without a module path, sorted."""
+    return sorted(_BUILTIN_TOOLS)
+
+
+def resolve_tool_class(spec: str, where: str = "tool") -> type[Tool]:
+    """The ``Tool`` subclass a built-in name, ``module:Class`` or ``path/file.py:Class`` names.
+
+    ``where`` prefixes errors (the tool config file and entry). Raises ``UserError`` for an unknown
+    name, an import failure, or a class that does not implement the tool interface.
+    """
+    if spec in _BUILTIN_TOOLS:
+        cls, _ = load_user_object(_BUILTIN_TOOLS[spec], "tool", "class")
+        return cls
+    if not is_user_spec(spec):
+        raise UserError(
+            f"{where}: unknown tool class {spec!r}; built-in: {', '.join(builtin_tool_names())}, "
+            "or 'module:Class', or 'path/to/file.py:Class'"
+        )
+    try:
+        cls, _ = load_user_object(spec, "tool", "class")
+    except UserError as error:
+        raise UserError(f"{where}: {error}") from None
+    if not (inspect.isclass(cls) and issubclass(cls, Tool)):
+        raise UserError(
+            f"{where}: {spec!r} is not a tool class: it must subclass rlcli.tools.base.Tool "
+            "(create / execute / release)"
+        )
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise UserError(f"{where}: tool class {spec!r} does not implement {missing}")
+    return cls

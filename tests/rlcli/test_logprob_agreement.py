@@ -1,0 +1,43 @@
+"""The trainer-vs-engine agreement on the sampled tokens (``rollout/logprob_diff_*``) and the KL to
+the reference (``actor/kl_to_ref``), against a hand computation."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlcli.actor_update import logprob_agreement, logprob_metrics
+from rlcli.dp_stats import DataParallelStats
+
+ENGINE = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, 9.0]])
+TRAINER = torch.tensor([[-1.1, -2.0, -2.0], [-0.5, -0.7, 0.0]])
+REFERENCE = torch.tensor([[-1.0, -2.5, 0.0], [-0.25, -0.7, 0.0]])
+MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])  # the last column is padding / a tool
+ONE_RANK = DataParallelStats(SimpleNamespace(dp=1))
+
+
+def test_only_generated_tokens_count():
+    sums, largest = logprob_agreement(TRAINER, ENGINE, None, MASK, "kl")
+    metrics = logprob_metrics(sums, largest, ONE_RANK, with_ref=False)
+    # |diff| on the four masked tokens: 0.1, 0, 0, 0.2 (the unmasked 1.0 and 9.0 are ignored)
+    assert metrics["rollout/logprob_diff_mean"] == pytest.approx(0.3 / 4)
+    assert metrics["rollout/logprob_diff_max"] == pytest.approx(0.2)
+    assert "actor/kl_to_ref" not in metrics
+
+
+def test_kl_to_the_reference_is_the_masked_mean_of_the_estimator():
+    sums, largest = logprob_agreement(TRAINER, ENGINE, REFERENCE, MASK, "low_var_kl")
+    metrics = logprob_metrics(sums, largest, ONE_RANK, with_ref=True)
+    # low_var_kl (k3) per token: exp(ref - logp) - (ref - logp) - 1
+    deltas = [-1.0 + 1.1, -2.5 + 2.0, -0.25 + 0.5, -0.7 + 0.7]
+    expected = sum(math.exp(d) - d - 1 for d in deltas) / 4
+    assert metrics["actor/kl_to_ref"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_batch_without_generated_tokens_reports_zero():
+    sums, largest = logprob_agreement(TRAINER, ENGINE, None, torch.zeros_like(MASK), "kl")
+    metrics = logprob_metrics(sums, largest, ONE_RANK, with_ref=False)
+    assert metrics == {"rollout/logprob_diff_mean": 0.0, "rollout/logprob_diff_max": 0.0}
