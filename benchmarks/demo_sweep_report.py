@@ -94,19 +94,19 @@ def _configuration(runs: list[dict]) -> list[str]:
         f"{len(runs)} runs of `rlcli train {first['recipe']}` "
         f"{' '.join(first['overrides'])} (seed x OMP_NUM_THREADS) on {', '.join(cpus)} "
         f"(host {first['host']}), commit {', '.join(commits)}, {first['date'][:10]}; 1-minute "
-        f"load average at the runs' starts {min(loads):.2f}-{max(loads):.2f}. Every run at "
-        f"least halved the SFT start's held-out error: {_halved(runs)} runs.",
+        f"load average at the runs' starts {min(loads):.2f}-{max(loads):.2f}. Runs that at least "
+        f"halved the SFT start's held-out error: {_halved(runs)}.",
         "",
         "| seed | threads | after SFT | "
         + " | ".join(f"step {s}" for s in steps)
-        + " | error left | SFT | RL | total | median step |",
-        "| --- | --- | --- | " + "--- | " * len(steps) + "--- | --- | --- | --- | --- |",
+        + " | error left | SFT | RL | total | median step | load start -> end |",
+        "| --- | --- | --- | " + "--- | " * len(steps) + "--- | --- | --- | --- | --- | --- |",
     ]
     for run in sorted(runs, key=lambda r: (r["threads"], r["seed"])):
         if run not in ok:
             lines.append(
                 f"| {run['seed']} | {run['threads']} | failed (exit {run['returncode']}) |"
-                + " |" * (len(steps) + 5)
+                + " |" * (len(steps) + 6)
             )
             continue
         curve = [run["curve"].get(str(s)) for s in steps]
@@ -116,7 +116,7 @@ def _configuration(runs: list[dict]) -> list[str]:
             + " | ".join("" if value is None else _pct(value) for value in curve)
             + f" | {'n/a' if left is None else _ratio(left)} | {_seconds(run.get('sft_s'))} | "
             f"{_seconds(run.get('rl_s'))} | {format_duration(run['total_s'])} | "
-            f"{_step(run.get('median_step_s'))} |"
+            f"{_step(run.get('median_step_s'))} | {_load(run)} |"
         )
     lines += ["", "| figure | min / median / max |", "| --- | --- |"]
     rows: list[tuple[str, list[float], Callable[[float], str]]] = [
@@ -131,6 +131,14 @@ def _configuration(runs: list[dict]) -> list[str]:
         rows.append((f"total wall time, {threads} thread(s)", totals, format_duration))
     lines += [f"| {name} | {_spread(values, show)} |" for name, values, show in rows]
     return lines
+
+
+def _load(run: dict) -> str:
+    """The 1-minute load average when the run started and ended: on a shared machine the
+    wall times mean little without it (2 OpenMP threads on 2 busy cores run several times
+    slower)."""
+    end = run.get("load_average_end")
+    return f"{run['load_average_start'][0]:.2f} -> {'n/a' if not end else f'{end[0]:.2f}'}"
 
 
 def _seconds(value: float | None) -> str:

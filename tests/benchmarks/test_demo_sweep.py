@@ -26,6 +26,7 @@ def _run(seed: int, threads: int, before: float, after: float, total: float, **e
         "date": "2026-12-01T10:00:00",
         "commit": "abc1234",
         "load_average_start": [0.5, 0.5, 0.5],
+        "load_average_end": [1.25, 0.75, 0.5],
         "returncode": 0,
         "before": before,
         "after": after,
@@ -53,7 +54,7 @@ def test_table_gives_each_run_and_the_min_median_max():
         {**_run(2, 2, 0.0, 0.0, 0), "returncode": 1, "before": None, "after": None},
     ]
     text = sweep_markdown(runs)
-    assert "least halved the SFT start's held-out error: 2 of 4 runs" in text
+    assert "halved the SFT start's held-out error: 2 of 4." in text
     assert "| held-out accuracy after SFT (before RL) | 40.0% / 50.0% / 60.0% |" in text
     assert "| held-out accuracy after RL | 70.0% / 80.0% / 100.0% |" in text
     assert "| error left (after / before) | 0.00 / 0.40 / 0.75 |" in text
@@ -62,7 +63,7 @@ def test_table_gives_each_run_and_the_min_median_max():
     assert "| 2 | 2 | failed (exit 1) |" in text
     rows = [line for line in text.splitlines() if line.startswith("| 1 | 1 |")]
     assert rows == [
-        "| 1 | 1 | 50.0% | 65.0% | 80.0% | 0.40 | 40 s | 100 s | 2 min 30 s | 0.150 s |"
+        "| 1 | 1 | 50.0% | 65.0% | 80.0% | 0.40 | 40 s | 100 s | 2 min 30 s | 0.150 s | 0.50 -> 1.25 |"
     ]
 
 
