@@ -27,10 +27,10 @@ def cpu_model() -> str:
 
 
 def device_summary() -> str:
-    """``"GPU: <name>"`` on CUDA, else ``"CPU: <model>, <n> torch threads"``."""
+    """``"GPU: <name>"`` on CUDA, else ``"CPU: <model> (<n> torch thread(s))"``."""
     if torch.cuda.is_available():
         return f"GPU: {torch.cuda.get_device_name(0)}"
-    return f"CPU: {cpu_model()}, {torch.get_num_threads()} torch threads"
+    return f"CPU: {cpu_model()} ({torch.get_num_threads()} torch thread(s))"
 
 
 def seconds_since_process_start() -> float:
