@@ -91,8 +91,8 @@ def _configuration(runs: list[dict]) -> list[str]:
     lines = [
         f"### `{first['label']}`",
         "",
-        f"{len(runs)} runs of `rlcli train {first['recipe']}` "
-        f"{' '.join(first['overrides'])} (seed x OMP_NUM_THREADS) on {', '.join(cpus)} "
+        f"{len(runs)} runs of `{' '.join(['rlcli train', first['recipe'], *first['overrides']])}` "
+        f"(seed x OMP_NUM_THREADS) on {', '.join(cpus)} "
         f"(host {first['host']}), commit {', '.join(commits)}, {first['date'][:10]}; 1-minute "
         f"load average at the runs' starts {min(loads):.2f}-{max(loads):.2f}. Runs that at least "
         f"halved the SFT start's held-out error: {_halved(runs)}.",

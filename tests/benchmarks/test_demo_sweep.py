@@ -54,6 +54,10 @@ def test_table_gives_each_run_and_the_min_median_max():
         {**_run(2, 2, 0.0, 0.0, 0), "returncode": 1, "before": None, "after": None},
     ]
     text = sweep_markdown(runs)
+    assert (
+        "4 runs of `rlcli train recipes/quickstart.yaml sft.steps=450` (seed x OMP_NUM_THREADS) "
+        "on Some CPU (host box), commit abc1234, 2026-12-01" in text
+    )
     assert "halved the SFT start's held-out error: 2 of 4." in text
     assert "| held-out accuracy after SFT (before RL) | 40.0% / 50.0% / 60.0% |" in text
     assert "| held-out accuracy after RL | 70.0% / 80.0% / 100.0% |" in text
