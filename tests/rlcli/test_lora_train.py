@@ -171,7 +171,8 @@ def test_resume_equals_uninterrupted_with_lora_dropout(tmp_path):
 def test_a_starting_adapter_of_another_shape_is_exit_2(tmp_path):
     from tests.parallel.test_lora import make_peft_adapter
 
-    other = make_tiny_hf_model(tmp_path / "other", "qwen2")  # hidden 64: the run's is 128
+    # The run's model: hidden 128, 2 layers; this one: hidden 64, 2 layers (the same tensor names).
+    other = make_tiny_hf_model(tmp_path / "other", "qwen2", num_hidden_layers=2)
     adapter = make_peft_adapter(other, tmp_path / "adapter", r=8, alpha=16)
     out = tmp_path / "run"
     code, output = finish(
