@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-import platform
 import socket
 import time
 from dataclasses import asdict, dataclass
 
 import torch
+
+from rlcli.machine import cpu_model
 
 # Dense bf16 tensor-core peak (no sparsity) by device-name fragment, from the vendors' data
 # sheets. First match wins, so a name that contains another (GH200 / H200 / H20) comes first.
@@ -55,20 +56,9 @@ def peak_bf16_flops(device_name: str) -> float | None:
     return None
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def detect_hardware() -> Hardware:
     on_gpu = torch.cuda.is_available()
-    name = torch.cuda.get_device_name(0) if on_gpu else _cpu_name()
+    name = torch.cuda.get_device_name(0) if on_gpu else cpu_model()
     return Hardware(
         kind="gpu" if on_gpu else "cpu",
         device_name=name,

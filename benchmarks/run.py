@@ -121,14 +121,7 @@ def _run_child(
     tag = "-".join(names)
     result_file = work_dir / f"{tag}.result.json"
     log_file = work_dir / f"{tag}.log"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-        "PYTHONWARNINGS": "ignore",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
+    env = child_env(threads)
     command = [sys.executable, "-m", "benchmarks.sections", ",".join(names), str(workload_file),
                str(work_dir), str(result_file)]  # fmt: skip
     failure = None
@@ -141,10 +134,10 @@ def _run_child(
             if returncode != 0:
                 failure = f"the benchmark process exited with code {returncode}"
         except subprocess.TimeoutExpired:
-            _stop(child)
+            stop_child(child)
             failure = f"the benchmark process timed out after {timeout_s} s"
         except BaseException:  # Ctrl-C reaches only this process (the child has its own session)
-            _stop(child)
+            stop_child(child)
             raise
     outcomes = json.loads(result_file.read_text()) if result_file.is_file() else {}
     finished: dict[str, tuple[dict | None, str | None]] = {}
@@ -153,23 +146,37 @@ def _run_child(
         if outcome is None:
             finished[name] = None, f"{failure or 'no result'}\n{_tail(log_file)}"
         elif "error" in outcome:
-            finished[name] = None, _last_lines(outcome["error"])
+            finished[name] = None, last_lines(outcome["error"])
         else:
             finished[name] = outcome["result"], None
     return finished
 
 
-def _stop(child: subprocess.Popen) -> None:
+def child_env(threads: int | None) -> dict[str, str]:
+    """The environment of a benchmark child: this checkout first on PYTHONPATH, warnings off,
+    and OMP_NUM_THREADS=`threads` unless None."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+        "PYTHONWARNINGS": "ignore",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def stop_child(child: subprocess.Popen) -> None:
     """Kill the child and everything it started (its session's process group)."""
     os.killpg(child.pid, signal.SIGKILL)
     child.wait()
 
 
 def _tail(path: Path) -> str:
-    return _last_lines(path.read_text(encoding="utf-8", errors="replace"))
+    return last_lines(path.read_text(encoding="utf-8", errors="replace"))
 
 
-def _last_lines(text: str) -> str:
+def last_lines(text: str) -> str:
     return "\n".join(text.splitlines()[-LOG_TAIL_LINES:])
 
 

@@ -34,6 +34,7 @@ from rlcli.data import PromptLoader
 from rlcli.dp_stats import DataParallelStats
 from rlcli.errors import UserError
 from rlcli.lora import lora_state
+from rlcli.machine import device_summary, format_duration, seconds_since_process_start
 from rlcli.metrics import MetricsLogger
 from rlcli.model_rewards import ModelRewards
 from rlcli.residency import Residency, StepPhases, residency_plan
@@ -148,8 +149,13 @@ class Trainer:
         if before and after:
             say(
                 self.mesh,
-                "held-out accuracy before RL {:.3f} -> after {:.3f} ({} steps)".format(
-                    before["val/reward/accuracy"], after["val/reward/accuracy"], self.step
+                "held-out accuracy before RL {:.3f} -> after {:.3f} ({} steps); {} since start, "
+                "{}".format(
+                    before["val/reward/accuracy"],
+                    after["val/reward/accuracy"],
+                    self.step,
+                    format_duration(seconds_since_process_start()),
+                    device_summary(),
                 ),
             )
         return {**{f"before/{k}": v for k, v in before.items()}, **after}

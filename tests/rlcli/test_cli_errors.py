@@ -51,7 +51,7 @@ def test_usage_errors_print_usage(args, needles):
         (["parallel.tp=2"], ["parallel.tp=2", "--nproc 2"]),
         (["reward.kwargs=[strict]"], ["reward.kwargs must be a mapping", "['strict']"]),
         (
-            ["actor.lr_warmup_steps=600"],
+            ["trainer.total_steps=600", "actor.lr_warmup_steps=600"],
             ["actor.lr_warmup_steps=600", "trainer.total_steps=600"],
         ),
         (
