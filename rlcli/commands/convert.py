@@ -298,8 +298,10 @@ def verify(
 
     _checked_hf_dir(model, "--model")
     etp = _expert_layout(model, tp, ep, expert_tp)
-    args = ["verify", "--model", str(model), "--tp", str(tp), "--pp", str(pp), "--ep", str(ep)]
-    args += ["--expert-tp", str(etp), "--tolerance", str(tolerance)]
+    args = ["verify", "--model", str(model), "--tp", str(tp), "--pp", str(pp)]
+    args += ["--tolerance", str(tolerance)]
+    if ep > 1 or expert_tp is not None:  # (a dense model refuses the expert options)
+        args += ["--ep", str(ep), "--expert-tp", str(etp)]
     _relaunch_if_parallel(tp, pp, args, processes=pp * math.lcm(tp, ep * etp))
     from parallel.mesh import ParallelLayoutError, destroy_parallel, init_parallel
     from parallel.parity import verify_conversion
