@@ -114,7 +114,13 @@ class VLLMEngine(RolloutEngine):
                 gpu_memory_utilization=rollout.gpu_memory_utilization, enable_sleep_mode=True
             )
         else:
-            options.update(kv_cache_memory_bytes=int(rollout.kv_cache_gb * 2**30))
+            # No chunked prefill on CPU: a prompt cut at the step's token budget makes vLLM rewind
+            # its seeded request's generator (set_offset), which a CPU torch.Generator cannot do,
+            # and every rlcli request is seeded. (vLLM then raises its step token budget to at
+            # least max_model_len, so every prompt fits whole.)
+            options.update(
+                kv_cache_memory_bytes=int(rollout.kv_cache_gb * 2**30), enable_chunked_prefill=False
+            )
         global _engine_alive
         if _engine_alive:
             raise RuntimeError("one vLLM engine per process: close() the other engine first")
