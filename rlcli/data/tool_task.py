@@ -11,9 +11,11 @@ them into a calculator call and copy the result into its answer::
 The prompt rows are verl's agent-loop rows (``agent_name``, ``prompt`` messages,
 ``reward_model.ground_truth``, ``extra_info.tools_kwargs``), scored by the ``gsm8k`` reward's
 strict rule (the number after the last ``####`` of the generated text). The SFT rows are whole
-conversations (``{"messages": [...]}``): a share ``tool_share`` of them are traces like the one
-above, the others answer at once with the right product, which the model cannot learn; so the
-warm-started model calls the tool only sometimes, and RL has to learn that calling it pays.
+conversations (``{"messages": [...]}``), by default all of them traces like the one above: a
+share ``tool_share`` < 1 makes the others answer at once with the right product, which a small
+model cannot learn from a few hundred rows and which dilutes what it can learn (copying the
+operands into the call and the tool's result into the answer). The short SFT leaves that copying
+unreliable; RL makes it reliable.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ def write_tool_multiply_dataset(
     num_train: int = 4000,
     num_val: int = 200,
     num_sft: int = 1000,
-    tool_share: float = 0.25,
+    tool_share: float = 1.0,
     seed: int = 0,
 ) -> dict[str, str]:
     """Write ``train.jsonl`` / ``val.jsonl`` (prompt rows) and ``sft_train.jsonl`` (the first

@@ -125,7 +125,13 @@ class VLLMEngine(RolloutEngine):
                 gpu_memory_utilization=section.gpu_memory_utilization, enable_sleep_mode=True
             )
         else:
-            options.update(kv_cache_memory_bytes=int(section.kv_cache_gb * 2**30))
+            # No chunked prefill on CPU: a prompt cut at the step's token budget makes vLLM rewind
+            # its seeded request's generator (set_offset), which a CPU torch.Generator cannot do,
+            # and every rlcli request is seeded. (vLLM then raises its step token budget to at
+            # least max_model_len, so every prompt fits whole.)
+            options.update(
+                kv_cache_memory_bytes=int(section.kv_cache_gb * 2**30), enable_chunked_prefill=False
+            )
         try:
             with _preserved_global_rng():  # vLLM reseeds the process-wide RNGs it shares
                 self._llm = LLM(**options)

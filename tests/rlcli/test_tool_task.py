@@ -29,7 +29,7 @@ def test_rows_conversations_and_reward(tmp_path):
     conversations = read_sft_rows(paths["sft_train"])
     assert len(conversations) == 200 and all(isinstance(c, SFTConversation) for c in conversations)
     with_tool = [c for c in conversations if len(c.messages) == 4]
-    assert 20 < len(with_tool) < 80  # about a quarter
+    assert len(with_tool) == 200  # every trace calls the tool (tool_share=1 by default)
     trace = with_tool[0].messages
     [call] = parse_hermes(trace[1]["content"]).calls
     assert CalculatorTool().execute({}, call.arguments).text == trace[2]["content"]
@@ -46,3 +46,15 @@ def test_rows_conversations_and_reward(tmp_path):
     assert item.prompt_messages == row["prompt"] and item.extra_info == row["extra_info"]
     assert item.prompt_text.startswith("<|im_start|>system\nTools: calculator(expression)\n")
     assert item.prompt_text.endswith("<|im_start|>assistant\n")
+
+
+def test_tool_share_mixes_in_direct_answers(tmp_path):
+    paths = write_tool_multiply_dataset(
+        str(tmp_path), num_train=400, num_val=50, num_sft=200, tool_share=0.25
+    )
+    conversations = read_sft_rows(paths["sft_train"])
+    with_tool = [c for c in conversations if len(c.messages) == 4]
+    assert 20 < len(with_tool) < 80  # about a quarter
+    direct = next(c for c in conversations if len(c.messages) == 2)
+    a, b = map(int, direct.messages[0]["content"][len("What is ") : -1].split(" * "))
+    assert direct.messages[1]["content"] == f"#### {a * b}"
