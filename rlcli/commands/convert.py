@@ -167,20 +167,21 @@ def export(
         )
     if health.state == "unverifiable":
         typer.echo(f"note: {checkpoint} has {health.describe()}")
-    state = load_trainer_state(checkpoint, rank=0, restore_rng=False)
-    spec = spec_of_state(state)
     if lora and merge:
         raise UserError("--lora and --merge: choose one (adapters only, or merged into the base)")
     if critic and (lora or merge):
         raise UserError("--critic: the critic has no LoRA adapters; drop --lora / --merge")
+    if critic:  # the critic's own folder says all it needs
+        export_critic(checkpoint, out)
+        return
+    state = load_trainer_state(checkpoint, rank=0, restore_rng=False)
+    spec = spec_of_state(state)
     if (lora or merge) and spec is None:
         raise UserError(
             f"{checkpoint} holds a fully fine-tuned policy, not LoRA adapters: export it "
             "without --lora / --merge"
         )
-    if critic:
-        export_critic(checkpoint, out)
-    elif spec is not None:
+    if spec is not None:
         if not (lora or merge):
             raise UserError(
                 f"{checkpoint} holds only the LoRA adapters (actor.lora; the base is "
