@@ -102,8 +102,9 @@ def main(recipe: str, out_json: str, *overrides: str) -> None:
     out["judge_calls"] = list(judge_calls.calls)  # the two steps only, not the rounds below
 
     phases = StepPhases(trainer.residency)
+    colocated = trainer.rollouts  # ColocatedRollouts: this rank's engine and rule rewards
     samples, _ = collect_rollouts(
-        cfg, trainer.engine, trainer.replica, trainer.loader, trainer.rewards,
+        cfg, colocated.engine, colocated.replica, trainer.loader, colocated.rewards,
         trainer.tokenizer, 3, phases.timer,
     )  # fmt: skip
     untouched = copy.deepcopy(samples)
@@ -159,9 +160,8 @@ def main(recipe: str, out_json: str, *overrides: str) -> None:
     trainer.save()
     state_file = trainer.checkpoints.latest_dir() / TRAINER_STATE_FILE
     out["checkpoint"] = json.loads(state_file.read_text())["model_rewards"]
-    trainer.rewards.close()
     rewards.close()
-    trainer.engine.close()
+    colocated.close()
     Path(out_json).write_text(json.dumps(out))
 
 
