@@ -37,6 +37,8 @@ def train(tmp_path: Path, model: Path, *overrides: str) -> subprocess.CompletedP
         "model.build=false",
         f"model.path={model}",
         "sft.steps=0",
+        "data.train_batch_size=4",  # the tests' datasets hold 8 prompts
+        "actor.micro_batch_size=32",
         f"trainer.output_dir={tmp_path / 'run'}",
         "rollout.engine=hf",
         *overrides,
