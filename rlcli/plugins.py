@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import os
 from typing import Any
 
@@ -65,3 +66,23 @@ def _load_file(spec: str, path: str, kind: str) -> Any:
             f"{kind} {spec!r}: importing {path} failed: {type(error).__name__}: {error}"
         ) from error
     return module
+
+
+def load_user_subclass(spec: str, base: type, kind: str, where: str, interface: str) -> type:
+    """The class ``module:Class`` / ``path/file.py:Class`` names, checked to be a concrete
+    subclass of ``base``; ``UserError`` prefixed by ``where`` otherwise. ``kind`` names it in
+    messages ("a tool", "an environment"); ``interface`` lists the methods it must implement."""
+    noun = kind.split(" ", 1)[-1]
+    try:
+        cls, _ = load_user_object(spec, noun, "class")
+    except UserError as error:
+        raise UserError(f"{where}: {error}") from None
+    if not (inspect.isclass(cls) and issubclass(cls, base)):
+        raise UserError(
+            f"{where}: {spec!r} is not {kind} class: it must subclass "
+            f"{base.__module__}.{base.__qualname__} ({interface})"
+        )
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise UserError(f"{where}: {noun} class {spec!r} does not implement {missing}")
+    return cls

@@ -11,14 +11,13 @@ Lifecycle, per trajectory (verl's interaction schema)::
 
 from __future__ import annotations
 
-import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from rlcli.errors import UserError
-from rlcli.plugins import is_user_spec, load_user_object
+from rlcli.plugins import is_user_spec, load_user_object, load_user_subclass
 
 _BUILTIN_ENVIRONMENTS = {
     "running_sum": "rlcli.environments.running_sum:RunningSumEnvironment",
@@ -71,16 +70,4 @@ def resolve_environment_class(spec: str, key: str = "rollout.multi_turn.environm
             f"{key}={spec!r} is not a known environment; built-in: "
             f"{', '.join(builtin_environment_names())}, or 'module:Class', or 'file.py:Class'"
         )
-    try:
-        cls, _ = load_user_object(spec, "environment", "class")
-    except UserError as error:
-        raise UserError(f"{key}: {error}") from None
-    if not (inspect.isclass(cls) and issubclass(cls, Environment)):
-        raise UserError(
-            f"{key}: {spec!r} is not an environment class: it must subclass "
-            "rlcli.environments.base.Environment (start / respond / release)"
-        )
-    if inspect.isabstract(cls):
-        missing = ", ".join(sorted(cls.__abstractmethods__))
-        raise UserError(f"{key}: environment class {spec!r} does not implement {missing}")
-    return cls
+    return load_user_subclass(spec, Environment, "an environment", key, "start / respond / release")

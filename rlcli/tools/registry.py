@@ -6,10 +6,8 @@ the others (the ``python`` tool's sandbox probe, for instance).
 
 from __future__ import annotations
 
-import inspect
-
 from rlcli.errors import UserError
-from rlcli.plugins import is_user_spec, load_user_object
+from rlcli.plugins import is_user_spec, load_user_object, load_user_subclass
 from rlcli.tools.base import Tool
 
 _BUILTIN_TOOLS = {
@@ -37,16 +35,4 @@ def resolve_tool_class(spec: str, where: str = "tool") -> type[Tool]:
             f"{where}: unknown tool class {spec!r}; built-in: {', '.join(builtin_tool_names())}, "
             "or 'module:Class', or 'path/to/file.py:Class'"
         )
-    try:
-        cls, _ = load_user_object(spec, "tool", "class")
-    except UserError as error:
-        raise UserError(f"{where}: {error}") from None
-    if not (inspect.isclass(cls) and issubclass(cls, Tool)):
-        raise UserError(
-            f"{where}: {spec!r} is not a tool class: it must subclass rlcli.tools.base.Tool "
-            "(create / execute / release)"
-        )
-    if inspect.isabstract(cls):
-        missing = ", ".join(sorted(cls.__abstractmethods__))
-        raise UserError(f"{where}: tool class {spec!r} does not implement {missing}")
-    return cls
+    return load_user_subclass(spec, Tool, "a tool", where, "create / execute / release")
