@@ -37,11 +37,16 @@ install-slurm:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	   --no-install-recommends slurm-wlm munge >/dev/null)
 
+# Two pytest-xdist workers of one OpenMP thread each (most of a test's time is single-threaded:
+# imports, engine start-up, small kernels); tests/conftest.py keeps each module on one worker.
+# The slowest tests are listed at the end.
+PYTEST_WORKERS = OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup
+
 test: install
-	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q
+	$(PYTEST_WORKERS) --durations=25
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not dist and not slurm"
+	$(PYTEST_WORKERS) -m "not dist and not slurm"
 
 # Ends with the wall time of the run and the CPU it ran on: both decide what "the demo's result" means.
 demo: install

@@ -45,7 +45,7 @@ extras_require = {
         "transformer-engine[core_cu13,pytorch]==2.17.1",
     ],
     "wandb": ["wandb"],
-    "dev": ["pytest", "hypothesis", "ruff"],
+    "dev": ["pytest", "pytest-xdist", "hypothesis", "ruff"],
 }
 
 setup(install_requires=install_requires, extras_require=extras_require)
