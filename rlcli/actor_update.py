@@ -19,8 +19,9 @@ from parallel.schedule import LossFn
 from rlcli.batch import RolloutBatch, mini_batch_count, response_values
 from rlcli.config import RLConfig
 from rlcli.dp_stats import DataParallelStats
-from rlcli.trained_model import TrainedModel, mean_over_steps, reduce_step
+from rlcli.trained_model import TrainedModel
 from rlcli.trajectory import response_limit
+from rlcli.update_metrics import mean_over_steps, reduce_step
 
 # Where the old log-probs of the PPO ratio come from (``old_log_prob_plan``):
 #   "actor_pass":     a separate no-grad actor forward before the update (the old_log_prob phase);

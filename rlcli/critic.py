@@ -27,8 +27,9 @@ from parallel.schedule import LossFn
 from rlcli.batch import RolloutBatch, mini_batch_count, response_values
 from rlcli.config import RLConfig
 from rlcli.dp_stats import DataParallelStats
-from rlcli.trained_model import TrainedModel, mean_over_steps, reduce_step
+from rlcli.trained_model import TrainedModel
 from rlcli.trajectory import response_limit
+from rlcli.update_metrics import mean_over_steps, reduce_step
 
 
 def make_value_loss(cfg: RLConfig, denominator: torch.Tensor) -> LossFn:

@@ -103,7 +103,8 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float):
     from parallel.memory_terms import TrainedModel
     from parallel.reshard import AUTO_BUCKET_MB
     from rlcli.batch import mini_batch_count
-    from rlcli.config_validation import derive_dp, uses_critic, validate, validate_against_model
+    from rlcli.config_validation import derive_dp, uses_critic, validate
+    from rlcli.config_validation_model import validate_against_model
     from rlcli.lora import lora_spec
     from rlcli.placement_validation import is_separate, trainer_ranks
 

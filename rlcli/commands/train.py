@@ -115,7 +115,7 @@ def check_model_dir(cfg: RLConfig) -> None:
     may be writing it right now): it is a dense model of model.spec."""
     import json
 
-    from rlcli.config_validation import validate_against_model
+    from rlcli.config_validation_model import validate_against_model
 
     if cfg.model.build:
         validate_against_model(cfg, {"model_type": cfg.model.spec.architecture})
