@@ -269,3 +269,61 @@ def test_trainer_log_probs_and_critic_values_on_three_turn_trajectories(model, t
     critic = results["critic"]
     assert critic["values_zero_off_generated"] and critic["values_nonzero_on_generated"]
     assert critic["advantages_zero_off_generated"] and critic["gae_max_diff"] < 1e-5, critic
+
+
+class CountingEngine:
+    """The real engine, its wake / sleep / per-turn generate calls counted in order."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.calls = engine, []
+
+    def wake_up(self) -> None:
+        self.calls.append("wake_up")
+        self.engine.wake_up()
+
+    def sleep(self) -> None:
+        self.calls.append("sleep")
+        self.engine.sleep()
+
+    def generate_requests(self, requests):
+        self.calls.append(f"generate({len(requests)})")
+        return self.engine.generate_requests(requests)
+
+    def __getattr__(self, name):  # the rest as the engine has it
+        return getattr(self.engine, name)
+
+
+def test_dapo_dynamic_sampling_draws_again_through_the_agent_loop(model):
+    """DAPO's extra rounds each run the whole multi-turn loop, all inside the step's one awake
+    block. The memorised model answers every sample alike, so no group's reward varies (the first
+    prompt always right, the second graded against a wrong ground truth): every round is drawn,
+    nothing is kept, and the step's multi-turn metrics are those of its first round."""
+    from rlcli.config_loader import load_config
+    from rlcli.metrics import Timer
+    from rlcli.sampling import ReplicaInfo, collect_rollouts
+
+    model_dir, tokenizer, engine, tools = model
+    cfg = load_config(None, [
+        f"model.path={model_dir}", "data.train_batch_size=2", "rollout.n=2",
+        "rollout.temperature=0.5", "rollout.max_tokens=48", "rollout.multi_turn.enable=true",
+        f"rollout.multi_turn.tool_config={tools}", "rollout.multi_turn.max_response_tokens=256",
+        "algorithm.dynamic_sampling.enabled=true", "algorithm.dynamic_sampling.max_gen_batches=3",
+    ])  # fmt: skip
+    loop = _loop(model)
+    right = _item(loop)
+    wrong = PromptItem(1, right.prompt_token_ids, "tool_multiply", "0", right.extra_info,
+                       prompt_messages=right.prompt_messages)  # fmt: skip
+    loop.close()
+    counting = CountingEngine(engine)
+    rewards = RewardManager(default_compute_score, in_process=True)
+    samples, metrics = collect_rollouts(
+        cfg, counting, ReplicaInfo(0, 1, True), iter([[right, wrong]] * 3), rewards, tokenizer,
+        1, Timer(),
+    )  # fmt: skip
+    rewards.close()
+    # 3 rounds x 3 turns, each turn one batched call over the 4 live trajectories
+    assert counting.calls == ["wake_up", *["generate(4)"] * 9, "sleep"]
+    assert samples == []
+    assert metrics["dapo/gen_batches"] == 3 and metrics["dapo/kept_groups_ratio"] == 0
+    assert metrics["multi_turn/turns_mean"] == 3.0 and metrics["tool/calls"] == 8.0
+    assert metrics["reward/accuracy"] == 0.5
