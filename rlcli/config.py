@@ -35,6 +35,9 @@ class DataConfig:
     # write a synthetic task under trainer.output_dir: "arith" (the quickstart) or
     # "tool_multiply" (3-digit products with the calculator tool: recipes/tool_quickstart.yaml)
     synthetic: Optional[Literal["arith", "tool_multiply"]] = None
+    # tool_multiply: the share of its SFT conversations that call the calculator; the others
+    # answer at once (right, but a small model cannot learn to), so RL has the tool to discover
+    synthetic_tool_share: float = 1.0
 
 
 @dataclass

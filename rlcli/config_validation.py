@@ -80,6 +80,10 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
     for key, value in positive.items():
         if value < 1:
             raise UserError(f"{key} must be >= 1, got {value}")
+    if not 0.0 <= cfg.data.synthetic_tool_share <= 1.0:
+        raise UserError(
+            f"data.synthetic_tool_share must be in [0, 1], got {cfg.data.synthetic_tool_share}"
+        )
     check_placement(cfg)
     check_off_policy(cfg)
     if cfg.rollout.sync_bucket_mb < 0:

@@ -99,7 +99,9 @@ def prepare_inputs(cfg: RLConfig) -> RunInputs:
 
         data_dir = output_dir / "data"
         if mesh.rank == 0 and not (data_dir / "val.jsonl").exists():
-            write_tool_multiply_dataset(str(data_dir), seed=cfg.trainer.seed)
+            write_tool_multiply_dataset(
+                str(data_dir), seed=cfg.trainer.seed, tool_share=cfg.data.synthetic_tool_share
+            )
         barrier()
         cfg.data.train_files = cfg.data.train_files or [str(data_dir / "train.jsonl")]
         cfg.data.val_files = cfg.data.val_files or [str(data_dir / "val.jsonl")]

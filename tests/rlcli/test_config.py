@@ -64,6 +64,7 @@ def test_config_show_prints_resolved_override():
         ),
         (["rollout.sleep_level=3"], ["rollout.sleep_level='3' is not valid", "1, 2"]),
         (["trainer.critic_warmup=3"], ["trainer.critic_warmup=3 needs a critic"]),
+        (["data.synthetic_tool_share=1.5"], ["data.synthetic_tool_share must be in [0, 1]"]),
         (
             ["algorithm.adv_estimator=gae", "critic.loss_agg_mode=nope"],
             ["critic.loss_agg_mode='nope' is not valid"],
