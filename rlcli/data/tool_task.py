@@ -11,11 +11,12 @@ them into a calculator call and copy the result into its answer::
 The prompt rows are verl's agent-loop rows (``agent_name``, ``prompt`` messages,
 ``reward_model.ground_truth``, ``extra_info.tools_kwargs``), scored by the ``gsm8k`` reward's
 strict rule (the number after the last ``####`` of the generated text). The SFT rows are whole
-conversations (``{"messages": [...]}``), by default all of them traces like the one above: a
-share ``tool_share`` < 1 makes the others answer at once with the right product, which a small
-model cannot learn from a few hundred rows and which dilutes what it can learn (copying the
-operands into the call and the tool's result into the answer). The short SFT leaves that copying
-unreliable; RL makes it reliable.
+conversations (``{"messages": [...]}``): a share ``tool_share`` of them are traces like the one
+above, the others answer at once with the right product, which a small model cannot learn to do.
+At the tool quickstart's share (0.3, ``data.synthetic_tool_share``) the SFT model learns the
+trace's format and copying, but answers at once when decoding greedily (wrongly: 0% held-out);
+sampled, it calls the tool now and then, and those trajectories are the right ones, so GRPO
+learns to call it.
 """
 
 from __future__ import annotations
