@@ -155,12 +155,16 @@ def score_sequences(
     *,
     micro_batch_size: int,
     max_tokens: int = 0,
+    pack: bool = False,
 ) -> torch.Tensor:
     """Reward-model scores ``[B]`` (float32, on ``device()``, on every model-parallel rank) of
     the right-padded sequences ``input_ids / attention_mask [B, S]``, through megatron's
     pipeline schedule at the chunks' TP / PP layout. ``max_tokens`` > 0 cuts micro-batches by
-    that token budget (``parallel.micro_batches``), else by ``micro_batch_size`` rows. The pad
-    id that decides the scored position is the chunks' ``hf_config.pad_token_id``."""
+    that token budget (``parallel.micro_batches``), else by ``micro_batch_size`` rows; ``pack``
+    runs each micro-batch as one packed row of whole sequences (no padding computed; the chunks
+    built with ``pack_sequences=True``), its values unpacked back to the rows before the score
+    positions are read. The pad id that decides the scored position is the chunks'
+    ``hf_config.pad_token_id``."""
     batch = input_ids.shape[0]
     pad_token_id = unwrap_chunk(models[0]).hf_config.pad_token_id
     chunks = micro_batches(
@@ -173,8 +177,9 @@ def score_sequences(
         micro_batch_size,
         equal_sizes=mesh.pp > 1,
         max_tokens=max_tokens,
+        pack=pack,
     )
-    results = forward_backward(models, mesh, chunks, None, forward_only=True)
+    results = forward_backward(models, mesh, chunks, None, forward_only=True, pack_sequences=pack)
     scores = torch.zeros(batch, dtype=torch.float32, device=device())
     for chunk, result in zip(chunks, results, strict=True):
         # Filler rows of an equal-size last micro-batch repeat a real row: same input, same score.

@@ -21,6 +21,9 @@ class RewardModelConfig:
     micro_batch_size: int = 8  # sequences per no-grad forward
     # > 0: micro-batches of similar lengths within this token budget (rows x longest row)
     max_tokens_per_forward: int = 0
+    # each micro-batch one packed row of whole sequences up to that budget (0: micro_batch_size
+    # x the longest), no padding computed; needs model.attention_backend sdpa (or te)
+    pack_sequences: bool = False
     # scores -> (score - mean) / std over every score seen so far in the run (running, exact)
     normalize: bool = False
     weight: float = 1.0  # the reward model's weight in the model reward (reward.combine)

@@ -166,7 +166,7 @@ def build_reward_model(
             mesh,
             section.path,
             micro_batching=MicroBatching(
-                section.micro_batch_size, 0, section.max_tokens_per_forward
+                section.micro_batch_size, 0, section.max_tokens_per_forward, section.pack_sequences
             ),
             dtype=cfg.model.dtype,
             head="score",

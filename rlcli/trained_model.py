@@ -237,8 +237,8 @@ class TrainedModel:
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """A reward model's scores ``[B]`` (float32, on every model-parallel rank) of the
         right-padded sequences ``input_ids / attention_mask [B, S]``, in micro-batches of
-        ``micro_batching.size`` rows or its no-grad token budget
-        (``parallel.reward_model.score_sequences``)."""
+        ``micro_batching.size`` rows or its no-grad token budget, packed with
+        ``micro_batching.pack`` (``parallel.reward_model.score_sequences``)."""
         from parallel.reward_model import score_sequences
 
         if self.head != "score":
@@ -250,6 +250,7 @@ class TrainedModel:
             attention_mask,
             micro_batch_size=self.micro_batching.size,
             max_tokens=self.micro_batching.forward_tokens,
+            pack=self.micro_batching.pack,
         )
 
     @contextmanager

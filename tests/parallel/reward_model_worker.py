@@ -9,7 +9,8 @@ For each layout (megatron's model-parallel state is rebuilt in between):
   * scores: a Qwen2 and a Llama reward model (HF *ForSequenceClassification, num_labels 1) score
     right-padded rows of several lengths, one of which ends in tokens equal to the pad id,
     through parallel.reward_model.score_sequences (token budget without PP, equal-size
-    micro-batches with a filler under PP); they equal HF transformers' scores (fp32, 1e-5);
+    micro-batches with a filler under PP), padded and packed (SDPA, one row of whole sequences
+    per micro-batch); they equal HF transformers' scores (fp32, 1e-5);
   * training: a reward model started from a causal LM (fresh score head) takes Bradley-Terry
     steps through parallel.optim.train_step; the first step's loss and gradient norm equal HF
     autograd's on the same weights (exported before the step), and the loss falls;
@@ -18,7 +19,8 @@ For each layout (megatron's model-parallel state is rebuilt in between):
     scores and pairwise accuracy as Megatron;
   * the RL step's path: policy samples (some cut at the length limit) scored by
     rlcli.rewards.reward_model.reward_model_scores with the trainer's reward model
-    (TrainedModel(head="score"), micro-batched by rows under PP, by a token budget otherwise),
+    (TrainedModel(head="score"), micro-batched by rows under PP, by a token budget otherwise;
+    the Qwen2 RM's micro-batches packed),
     through the policy's own tokenizer (the Llama RM) and through the reward model's tokenizer
     and chat template (the Qwen2 RM), equal HF transformers' scores of the same inputs (1e-5) on
     every rank; and the rank's parameter count is what parallel.model_shapes plans for a score
@@ -84,7 +86,20 @@ def check_scores(mesh: Mesh, hf_dir: str, input_ids, attention_mask) -> float:
         expected = hf_scores(reference, input_ids, attention_mask)
     diff = (scores - expected).abs().max().item()
     assert diff < TOLERANCE, (hf_dir, diff, scores, expected)
-    return diff
+    # Packed: each micro-batch one row of whole sequences (SDPA varlen), no padding computed.
+    packed_models = load_reward_model(hf_dir, mesh, attention_backend="sdpa", pack_sequences=True)
+    rows_seen = []  # the rows of each forward's input_ids: 1 when the micro-batch ran packed
+    hooks = [
+        chunk.register_forward_pre_hook(lambda _, args: rows_seen.append(args[0].shape[0]))
+        for chunk in packed_models
+    ]
+    packed = score_sequences(packed_models, mesh, input_ids, attention_mask, pack=True, **budget)
+    for hook in hooks:
+        hook.remove()
+    assert rows_seen and set(rows_seen) == {1}, rows_seen
+    packed_diff = (packed.cpu() - expected).abs().max().item()
+    assert packed_diff < TOLERANCE, (hf_dir, "packed", packed_diff, packed, expected)
+    return max(diff, packed_diff)
 
 
 def hf_bradley_terry(hf_dir: Path, pairs: TokenizedPairs) -> tuple[float, float, float]:
@@ -186,7 +201,8 @@ def check_step_scores(mesh: Mesh, rm_dir: str, policy_tokenizer, shares_tokenize
     from rlcli.rewards.reward_model import RewardModelInputs, reward_model_scores
     from rlcli.trained_model import MicroBatching, TrainedModel
 
-    budget = MicroBatching(2) if mesh.pp > 1 else MicroBatching(1, 0, 40)
+    pack = not shares_tokenizer  # the Qwen2 RM scores packed rows (reward.model.pack_sequences)
+    budget = MicroBatching(2, pack=pack) if mesh.pp > 1 else MicroBatching(1, 0, 40, pack)
     model = TrainedModel(mesh, rm_dir, micro_batching=budget, head="score")
     shape = ModelShape.from_hf_config(model.hf_config.to_dict())
     held = sum(p.numel() for chunk in model.models for p in chunk.parameters())

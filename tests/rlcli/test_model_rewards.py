@@ -268,6 +268,10 @@ def test_the_combine_choices_are_the_algorithms():
         (["reward.judge.path=/j", "rollout.sleep_level=2"], "rollout.sleep_level=2"),
         (["reward.judge.path=/j", "reward.judge.pattern=score"], "exactly one group"),
         (["reward.model.micro_batch_size=0"], "reward.model.micro_batch_size"),
+        (
+            ["reward.model.pack_sequences=true", "model.attention_backend=local"],
+            "reward.model.pack_sequences=true needs model.attention_backend=sdpa",
+        ),
         (["rm.before_rl=true"], "set reward.model.path to rm.out_dir"),
     ],
 )
