@@ -101,36 +101,50 @@ def read_sft_pairs(path: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def _wrong_response(example: ArithExample, rng: np.random.Generator) -> str:
-    """A dispreferred answer: half the time a near miss (the sum off by 1..10, as a policy that
-    almost knows the sum errs), else a malformed one (no ``####``, or no number)."""
-    if rng.random() < 0.5:
+def _wrong_response(example: ArithExample, rng: np.random.Generator, num_max: int) -> str:
+    """A dispreferred answer: 40% a near miss (the sum off by 1..10, as a policy that almost knows
+    the sum errs), 40% any other number a sum can be (the answers a drifting policy reaches: a
+    reward model that never saw them rates some of them above the right one), else a malformed
+    answer (no ``####``, or no number)."""
+    kind = rng.random()
+    if kind < 0.4:
         offsets = [d for d in range(-10, 11) if d and example.answer + d >= 0]
         return f" #### {example.answer + int(rng.choice(offsets))}"
+    if kind < 0.8:
+        others = [n for n in range(2 * num_max + 1) if n != example.answer]
+        return f" #### {int(rng.choice(others))}"
     if rng.random() < 0.5:
         return f" {example.answer}"
     return " #### "
 
 
-def arith_preference_row(example: ArithExample, rng: np.random.Generator) -> dict:
-    """One preference row: the correct answer preferred over a wrong one."""
-    return {
-        "prompt": [{"role": "user", "content": example.prompt_text}],
-        "chosen": example.response_text,
-        "rejected": _wrong_response(example, rng),
-    }
+def arith_preference_rows(
+    example: ArithExample, rng: np.random.Generator, num_max: int, count: int
+) -> list[dict]:
+    """``count`` preference rows for one prompt: the correct answer preferred over a wrong one."""
+    prompt = [{"role": "user", "content": example.prompt_text}]
+    return [
+        {"prompt": prompt, "chosen": example.response_text,
+         "rejected": _wrong_response(example, rng, num_max)}
+        for _ in range(count)
+    ]  # fmt: skip
 
 
 def write_arith_preferences(
-    out_dir: str, num_max: int = 50, num_val: int = 200, seed: int = 0
+    out_dir: str, num_max: int = 50, num_val: int = 200, seed: int = 0, per_prompt: int = 4
 ) -> dict[str, str]:
-    """Write ``rm_train.jsonl`` / ``rm_val.jsonl`` (preference rows on the same train / held-out
-    split as ``write_arith_dataset``) into ``out_dir``; return their paths keyed ``rm_train``,
+    """Write ``rm_train.jsonl`` (``per_prompt`` preference rows for each training prompt) and
+    ``rm_val.jsonl`` (one for each held-out prompt), on the same train / held-out split as
+    ``write_arith_dataset``, into ``out_dir``; return their paths keyed ``rm_train``,
     ``rm_val``."""
     rng = np.random.default_rng(seed)
     splits = dict(zip(("train", "val"), arith_split(num_max, num_val, seed), strict=True))
     paths: dict[str, str] = {}
     for split, examples in splits.items():
+        count = per_prompt if split == "train" else 1
         paths[f"rm_{split}"] = os.path.join(out_dir, f"rm_{split}.jsonl")
-        write_jsonl(paths[f"rm_{split}"], [arith_preference_row(e, rng) for e in examples])
+        write_jsonl(
+            paths[f"rm_{split}"],
+            [row for e in examples for row in arith_preference_rows(e, rng, num_max, count)],
+        )
     return paths

@@ -4,8 +4,6 @@ errors for bad rows (file + row + key), and the quickstart's synthetic pairs."""
 
 from __future__ import annotations
 
-import json
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -103,22 +101,28 @@ def test_no_files_or_rows_name_the_key(tmp_path):
 
 
 def test_synthetic_pairs_prefer_the_correct_answer_on_the_same_split(tmp_path):
-    paths = write_arith_preferences(str(tmp_path), num_max=10, num_val=20, seed=3)
+    paths = write_arith_preferences(str(tmp_path), num_max=10, num_val=20, seed=3, per_prompt=4)
     prompts = write_arith_dataset(str(tmp_path / "prompts"), num_max=10, num_val=20, seed=3)
-    _, held_out = arith_split(10, 20, 3)
+    train, held_out = arith_split(10, 20, 3)
     rows = [row for _, row in read_rows(paths["rm_val"])]
-    assert len(rows) == 20
+    assert len(rows) == 20  # one a held-out prompt
+    train_rows = [row for _, row in read_rows(paths["rm_train"])]
+    assert len(train_rows) == 4 * len(train)
+    assert [r["prompt"][0]["content"] for r in train_rows[:4]] == [train[0].prompt_text] * 4
     val_prompts = [row["prompt"][0]["content"] for _, row in read_rows(prompts["val"])]
     kinds = set()
     for row, example in zip(rows, held_out, strict=True):
         assert row["prompt"][0]["content"] == example.prompt_text
         assert row["chosen"] == f" #### {example.answer}"
+    for row in rows + train_rows:
         assert row["rejected"] != row["chosen"]
-        kinds.add(
-            "near miss"
-            if row["rejected"].startswith(" #### ") and row["rejected"] != " #### "
-            else "malformed"
-        )
-    assert kinds == {"near miss", "malformed"}
+        answer = int(row["chosen"].removeprefix(" #### "))
+        number = row["rejected"].removeprefix(" #### ")
+        if not row["rejected"].startswith(" #### ") or not number:
+            kinds.add("malformed")
+        else:
+            off = abs(int(number) - answer)
+            assert 0 < off and (off <= 10 or int(number) <= 20)  # a near miss, or a sum's range
+            kinds.add("near miss" if off <= 10 else "other number")
+    assert kinds == {"near miss", "other number", "malformed"}
     assert [row["prompt"][0]["content"] for row in rows] == val_prompts
-    assert json.loads((tmp_path / "rm_train.jsonl").read_text().splitlines()[0])["chosen"]
