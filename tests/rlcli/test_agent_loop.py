@@ -26,6 +26,7 @@ from rlcli.rollout.base import SamplingConfig
 from rlcli.sampling import score_samples
 from rlcli.tools.multi_turn import build_multi_turn
 from rlcli.tools.rendering import TRUNCATED
+from tests.rlcli.counting_engine import CountingEngine
 from tests.rlcli.multi_turn_model import (
     ANSWER,
     BAD_CALL,
@@ -269,28 +270,6 @@ def test_trainer_log_probs_and_critic_values_on_three_turn_trajectories(model, t
     critic = results["critic"]
     assert critic["values_zero_off_generated"] and critic["values_nonzero_on_generated"]
     assert critic["advantages_zero_off_generated"] and critic["gae_max_diff"] < 1e-5, critic
-
-
-class CountingEngine:
-    """The real engine, its wake / sleep / per-turn generate calls counted in order."""
-
-    def __init__(self, engine) -> None:
-        self.engine, self.calls = engine, []
-
-    def wake_up(self) -> None:
-        self.calls.append("wake_up")
-        self.engine.wake_up()
-
-    def sleep(self) -> None:
-        self.calls.append("sleep")
-        self.engine.sleep()
-
-    def generate_requests(self, requests):
-        self.calls.append(f"generate({len(requests)})")
-        return self.engine.generate_requests(requests)
-
-    def __getattr__(self, name):  # the rest as the engine has it
-        return getattr(self.engine, name)
 
 
 def test_dapo_dynamic_sampling_draws_again_through_the_agent_loop(model):

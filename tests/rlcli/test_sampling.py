@@ -24,6 +24,7 @@ from rlcli.sampling import (
     sampling_params,
     score_samples,
 )
+from tests.rlcli.counting_engine import CountingEngine
 
 OVERRIDES = [
     "model.spec.hidden_size=64",
@@ -53,25 +54,6 @@ def setup(tmp_path_factory):
     rewards = build_rewards(cfg)
     yield cfg, tokenizer, data, engine, rewards
     rewards.close()
-
-
-class CountingEngine:
-    """The real engine, with its calls counted in order."""
-
-    def __init__(self, engine) -> None:
-        self.engine, self.calls = engine, []
-
-    def wake_up(self) -> None:
-        self.calls.append("wake_up")
-        self.engine.wake_up()
-
-    def sleep(self) -> None:
-        self.calls.append("sleep")
-        self.engine.sleep()
-
-    def generate(self, prompts, n, sampling):
-        self.calls.append(f"generate({len(prompts)})")
-        return self.engine.generate(prompts, n, sampling)
 
 
 @pytest.mark.parametrize(
