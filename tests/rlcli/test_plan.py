@@ -310,19 +310,12 @@ def test_bad_expert_layout_is_a_user_error(capsys, nodes, extra, needle):
 def test_a_score_head_counts_what_transformers_builds():
     """A reward model's score head is one weight vector, no bias (Qwen2ForSequenceClassification
     with one label), unlike PPO's value head."""
-    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+    from transformers import Qwen2ForSequenceClassification
 
     shape = KNOWN_SHAPES["qwen2.5-0.5b"]
-    config = Qwen2Config(
-        hidden_size=shape.hidden,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        intermediate_size=shape.ffn,
-        vocab_size=shape.vocab,
-        tie_word_embeddings=shape.tied,
-        num_labels=1,
-    )
+    config, _ = _hf_config(shape)
+    assert type(config).__name__ == "Qwen2Config"  # (qkv bias)
+    config.num_labels = 1
     with torch.device("meta"):
         model = Qwen2ForSequenceClassification(config)
     hf_count = sum(p.numel() for p in model.parameters())
