@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rlcli.config_validation_model import check_lora, check_moe_settings
+from rlcli.config_validation_model import check_lora, check_moe_settings, check_packing
 from rlcli.config_validation_rewards import check_model_rewards
 from rlcli.errors import UserError
 from rlcli.placement_validation import check_off_policy, check_placement, is_separate
@@ -147,11 +147,7 @@ def _check_trained_model(key: str, section: TrainedModelConfig, cfg: RLConfig) -
                 f"data.max_prompt_length + rollout.max_tokens = {longest}; set it to at least "
                 f"{longest} (or 0: micro_batch_size rows)"
             )
-    if section.pack_sequences and cfg.model.attention_backend == "local":
-        raise UserError(
-            f"{key}.pack_sequences=true needs model.attention_backend=sdpa (or te): megatron's "
-            "local attention (model.attention_backend=local) has no packed-sequence path"
-        )
+    check_packing(key, section.pack_sequences, cfg)
     mini = section.ppo_mini_batch_size
     if mini is not None and (mini < 1 or cfg.data.train_batch_size % mini):
         raise UserError(

@@ -16,6 +16,16 @@ if TYPE_CHECKING:
 MOE_SETTINGS = ("moe_load_balancing", "moe_aux_loss_coef", "moe_token_dispatcher")
 
 
+def check_packing(key: str, pack_sequences: bool, cfg: RLConfig) -> None:
+    """``<key>.pack_sequences`` (the actor, critic and reward model each have one) needs a core
+    attention with a packed-sequence path."""
+    if pack_sequences and cfg.model.attention_backend == "local":
+        raise UserError(
+            f"{key}.pack_sequences=true needs model.attention_backend=sdpa (or te): megatron's "
+            "local attention (model.attention_backend=local) has no packed-sequence path"
+        )
+
+
 def check_moe_settings(cfg: RLConfig) -> None:
     if cfg.parallel.ep < 1:
         raise UserError(f"parallel.ep must be >= 1, got {cfg.parallel.ep}")

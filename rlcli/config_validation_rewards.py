@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rlcli.config_validation_model import check_packing
 from rlcli.errors import UserError
 
 if TYPE_CHECKING:
@@ -35,11 +36,8 @@ def check_model_rewards(cfg: RLConfig, world_size: int | None) -> None:
         raise UserError(
             f"reward.model.max_tokens_per_forward must be >= 0, got {m.max_tokens_per_forward}"
         )
-    if m.path and m.pack_sequences and cfg.model.attention_backend == "local":
-        raise UserError(
-            "reward.model.pack_sequences=true needs model.attention_backend=sdpa (or te): "
-            "megatron's local attention (model.attention_backend=local) has no packed-sequence path"
-        )
+    if m.path:
+        check_packing("reward.model", m.pack_sequences, cfg)
     if cfg.algorithm.adv_estimator == "remax":
         raise UserError(
             "algorithm.adv_estimator=remax scores its greedy baselines inside the rollout, where "
