@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.hardware import load_average
+from benchmarks.hardware import detect_hardware, load_average
 from benchmarks.report import write_report
 from benchmarks.workload import Workload, workload_for
 
@@ -97,6 +97,8 @@ def run_benchmark(
                     log(f"[benchmark] {name} FAILED:\n{error}")
     results["wall_seconds"] = time.perf_counter() - start
     results["load_average"]["end"] = load_average()
+    # The device section measures the matmul peak; without it the report still names the machine.
+    results.setdefault("device", {"hardware": detect_hardware().to_dict()})
     add_derived_figures(results)
     stem = f"{date}-{host}" + ("-smoke" if smoke else "")
     files = write_report(results, Path(output_dir), stem, update_latest=not smoke)

@@ -54,6 +54,22 @@ def test_gradcheck_float64_with_padding() -> None:
     )
 
 
+def test_single_shard_log_probs_equal_the_reducing_function() -> None:
+    """Unsharded and unpadded, the log-probs take torch's fused log-softmax; values and gradients
+    equal the reducing autograd function's (which the entropy and every sharded case use)."""
+    torch.manual_seed(3)
+    logits = (3 * torch.randn(3, 7, 16, dtype=torch.float64)).requires_grad_()
+    labels = torch.randint(0, 16, (3, 7))
+    upstream = torch.randn(3, 7, dtype=torch.float64)
+    fast = vocab_parallel_log_probs(logits, labels, None, 16)
+    (fast_grad,) = torch.autograd.grad((fast * upstream).sum(), logits)
+    reduced, _ = vocab_parallel_log_probs_and_entropy(logits, labels, None, 16)
+    (reduced_grad,) = torch.autograd.grad((reduced * upstream).sum(), logits)
+    torch.testing.assert_close(fast, reduced, rtol=0, atol=1e-12)
+    torch.testing.assert_close(fast_grad, reduced_grad, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda x: vocab_parallel_log_probs(x, labels), logits)
+
+
 def test_low_precision_logits_reduce_in_float32_and_leave_input_untouched() -> None:
     torch.manual_seed(2)
     logits = (20 * torch.randn(4, 5, 32)).to(torch.bfloat16).requires_grad_()
