@@ -58,7 +58,8 @@ def run_benchmark(
     log: Callable[[str], None] = print,
 ) -> Outputs:
     """Run `sections` of this machine's workload; write `<date>-<host>[-smoke].{json,md,png}`
-    into `output_dir` (and `latest.md` / `latest.png`, except for smoke runs)."""
+    into `output_dir` (and `latest.md` / `latest.png` when every section ran, not as a smoke
+    run)."""
     unknown = [name for name in sections if name not in SECTIONS]
     if unknown:
         raise ValueError(f"unknown benchmark sections {unknown}; choose from {list(SECTIONS)}")
@@ -100,9 +101,21 @@ def run_benchmark(
     # The device section measures the matmul peak; without it the report still names the machine.
     results.setdefault("device", {"hardware": detect_hardware().to_dict()})
     add_derived_figures(results)
-    stem = f"{date}-{host}" + ("-smoke" if smoke else "")
-    files = write_report(results, Path(output_dir), stem, update_latest=not smoke)
+    stem = report_stem(date, host, smoke, sections)
+    # latest.md / latest.png are the README's table: only a full run replaces them.
+    whole = not smoke and set(sections) == set(SECTIONS)
+    files = write_report(results, Path(output_dir), stem, update_latest=whole)
     return Outputs(results=results, files=files)
+
+
+def report_stem(date: str, host: str, smoke: bool, sections: Sequence[str]) -> str:
+    """`<date>-<host>`, then `-smoke` for a smoke run, or the sections of a partial run (so it
+    never overwrites the day's full report)."""
+    if smoke:
+        return f"{date}-{host}-smoke"
+    if set(sections) == set(SECTIONS):
+        return f"{date}-{host}"
+    return f"{date}-{host}-" + "-".join(sections)
 
 
 def cpu_threads(load_1m: float) -> int:

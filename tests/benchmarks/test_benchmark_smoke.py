@@ -13,7 +13,7 @@ import torch
 from benchmarks.formatting import PHASE_LABELS
 from benchmarks.hardware import peak_bf16_flops
 from benchmarks.memory import measure_peak_memory
-from benchmarks.run import SECTIONS, run_benchmark
+from benchmarks.run import SECTIONS, report_stem, run_benchmark
 from benchmarks.workload import QWEN2_05B, QWEN2_15B, SMOKE, ensure_model, workload_for
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="no vLLM")
@@ -165,3 +165,11 @@ def test_command_runs_one_section_and_rejects_an_unknown_one(tmp_path):
     wrong = runner.invoke(app, ["--smoke", "--section", "rollouts"])
     assert wrong.exit_code == 2, wrong.output
     assert "'rollouts' is not a section" in wrong.output and "--section" in wrong.output
+
+
+def test_only_a_full_run_takes_the_days_report_name():
+    """A run of some sections is named after them, so it never overwrites the full report of
+    the day (nor latest.md, which only a full run replaces)."""
+    assert report_stem("2026-12-02", "vm", False, SECTIONS) == "2026-12-02-vm"
+    assert report_stem("2026-12-02", "vm", False, ["placement"]) == "2026-12-02-vm-placement"
+    assert report_stem("2026-12-02", "vm", True, ["device"]) == "2026-12-02-vm-smoke"
