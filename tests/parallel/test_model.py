@@ -107,3 +107,42 @@ def test_moe_layout_and_dense_model_errors_name_the_keys():
         transformer_config_from_hf(_qwen2(), tp=1, pp=1, ep=2)
     with pytest.raises(ModelConfigError, match="model.moe_"):
         transformer_config_from_hf(_qwen2(), tp=1, pp=1, moe={"aux_loss_coef": 0.1})
+
+
+class _Head(torch.nn.Linear):
+    """The LM head's contract as GPTModel calls it: hidden [s, b, h] -> (logits, bias)."""
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        return super().forward(hidden), None
+
+
+def test_batch_first_head_gives_the_same_logits_and_gradients_without_a_copy():
+    from parallel.model import compute_logits_batch_first
+
+    torch.manual_seed(0)
+    plain, batch_first = _Head(8, 32), _Head(8, 32)
+    batch_first.load_state_dict(plain.state_dict())
+    compute_logits_batch_first(batch_first)
+    assert list(batch_first.state_dict()) == list(plain.state_dict())
+    hidden = torch.randn(5, 3, 8)  # [s, b, h]
+    outputs = {}
+
+    def keep_logits(module, args, output):
+        outputs["logits"] = output[0]  # after the head's own hooks: its [s, b, V] view
+
+    batch_first.register_forward_hook(keep_logits)
+
+    expected = plain(hidden)[0].transpose(0, 1).contiguous()  # GPTModel's return
+    got_sequence_first, _ = batch_first(hidden)
+    got = got_sequence_first.transpose(0, 1).contiguous()
+    assert got.shape == (3, 5, 32)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    # GPTModel's `.contiguous()` hands back the head's own [b, s, V] tensor: nothing copied.
+    assert not outputs["logits"].is_contiguous()
+    assert got.data_ptr() == outputs["logits"].data_ptr()
+
+    upstream = torch.randn(3, 5, 32)
+    (expected * upstream).sum().backward()
+    (got * upstream).sum().backward()
+    torch.testing.assert_close(batch_first.weight.grad, plain.weight.grad)
+    torch.testing.assert_close(batch_first.bias.grad, plain.bias.grad)
