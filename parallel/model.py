@@ -259,17 +259,22 @@ def compute_logits_batch_first(output_layer: torch.nn.Module) -> None:
     """Make the LM head compute its logits batch-first, in the layout GPTModel returns.
 
     GPTModel computes logits [s, b, V] and returns ``logits.transpose(0, 1).contiguous()``: a
-    copy of the largest activation in the model (and one more of its gradient in backward),
-    about 5% of a CPU update at the 25M benchmark shape. Transposing the hidden states [s, b, h]
-    into the head instead (h << V) and handing back a transposed view of its [b, s, V] result
-    makes that transpose a no-op. Hooks keep the module and its state-dict keys megatron's.
-    Not with sequence parallelism: the head then gathers its input along the sequence (dim 0).
+    copy of the largest activation in the model (and one more of its gradient in backward).
+    Transposing the hidden states [s, b, h] into the head instead (h << V) and handing back a
+    transposed view of its [b, s, V] result makes that transpose a no-op: one logits-sized
+    tensor less at the peak. Hooks keep the module and its state-dict keys megatron's. Not
+    while the head runs sequence-parallel (megatron may switch that per call): it then gathers
+    its input along the sequence, dim 0.
     """
 
     def hidden_batch_first(module, args, kwargs):
+        if module.sequence_parallel:
+            return None
         return (args[0].transpose(0, 1), *args[1:]), kwargs
 
     def logits_sequence_first(module, args, kwargs, output):
+        if module.sequence_parallel:
+            return None
         logits, bias = output
         return logits.transpose(0, 1), bias
 
@@ -341,7 +346,7 @@ def build_model(
         if critic and post_process:
             chunk.output_layer = ValueHead(config, bias=head_bias)
             _same_on_tensor_parallel_ranks(chunk.output_layer)
-        elif post_process and not config.sequence_parallel:
+        elif post_process:
             compute_logits_batch_first(chunk.output_layer)
         if config.num_moe_experts is not None:
             prepare_moe_chunk(chunk)

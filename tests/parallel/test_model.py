@@ -112,6 +112,8 @@ def test_moe_layout_and_dense_model_errors_name_the_keys():
 class _Head(torch.nn.Linear):
     """The LM head's contract as GPTModel calls it: hidden [s, b, h] -> (logits, bias)."""
 
+    sequence_parallel = False
+
     def forward(self, hidden, weight=None, runtime_gather_output=None):
         return super().forward(hidden), None
 
@@ -146,3 +148,7 @@ def test_batch_first_head_gives_the_same_logits_and_gradients_without_a_copy():
     (got * upstream).sum().backward()
     torch.testing.assert_close(batch_first.weight.grad, plain.weight.grad)
     torch.testing.assert_close(batch_first.bias.grad, plain.bias.grad)
+
+    # Sequence-parallel (megatron may set it per call): the head's own layout, untouched.
+    batch_first.sequence_parallel = True
+    torch.testing.assert_close(batch_first(hidden)[0], plain(hidden)[0], rtol=0, atol=0)
