@@ -2,7 +2,8 @@
 
 Every rank builds the same things in the same order: rewards (a reward spec that does not import
 fails at once), inputs (process groups, data, model), the SFT warm start, the reward-model stage
-(``rm.before_rl``), the actor, the reference, PPO's critic, the model rewards (reward model,
+(``rm.before_rl``; with ``rm.on_policy_samples`` it starts the rollout engine, which the
+rollouts then keep), the actor, the reference, PPO's critic, the model rewards (reward model,
 judge), the rollout engine, then resumes from the newest checkpoint when asked.
 With ``rollout.placement=separate`` (``run_role``) the trainer ranks build all of that but the
 engine and the rewards; the rollout ranks build only those (``RolloutWorker``). The rollout
@@ -14,12 +15,13 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import algorithms
 from rlcli.advantages import KLController
 from rlcli.build_rollouts import (
     build_colocated_rollouts,
+    build_engine,
     build_loader,
     build_rewards,
     build_rollout_worker,
@@ -42,6 +44,11 @@ from rlcli.trained_model import (
     TrainedModel,
 )
 from rlcli.trainer import Trainer, say
+
+if TYPE_CHECKING:
+    from rlcli.rewards import RewardManager
+    from rlcli.rollout.base import RolloutEngine
+    from rlcli.sampling import ReplicaInfo
 
 
 def run_role(cfg: RLConfig) -> None:
@@ -85,8 +92,7 @@ def build_trainer(
         raise RuntimeError("a rollout rank builds a RolloutWorker, not a Trainer (run_role)")
     if cfg.sft.steps > 0:
         inputs.model_dir = str(warm_start(inputs))
-    if cfg.rm.before_rl:
-        reward_model_stage(inputs)
+    engine = reward_model_stage(inputs, rewards) if cfg.rm.before_rl else None
     if inputs.roles is not None:  # the rollout ranks wait for the model the engines load
         inputs.roles.barrier_all("warm_start")
     loader = build_loader(inputs)
@@ -102,7 +108,9 @@ def build_trainer(
         channel = channel or RolloutChannel(inputs.roles, cfg.parallel.timeout_minutes * 60)
         rollouts = build_streamed_rollouts(inputs, channel)
     else:
-        rollouts = build_colocated_rollouts(inputs, rewards, adapters=actor.lora is not None)
+        rollouts = build_colocated_rollouts(
+            inputs, rewards, adapters=actor.lora is not None, engine=engine
+        )
     from rlcli.model_rewards import build_model_rewards
 
     model_rewards = build_model_rewards(cfg, mesh, inputs.tokenizer, model_options(cfg))
@@ -203,20 +211,36 @@ def warm_start(inputs: RunInputs, force: bool = False) -> Path:
     return out
 
 
-def reward_model_stage(inputs: RunInputs) -> None:
+def reward_model_stage(
+    inputs: RunInputs, rewards: RewardManager | None
+) -> tuple[RolloutEngine, ReplicaInfo] | None:
     """``rm.before_rl``: train a reward model as ``rlcli rm`` does into ``rm.out_dir``, from
-    ``rm.init_path`` or the RL start model (the SFT policy), unless one is there already."""
+    ``rm.init_path`` or the RL start model (the SFT policy), unless one is there already. With
+    ``rm.on_policy_samples`` the RL start policy's graded samples add pairs; returns the engine
+    that drew them (the rollouts' engine from then on), else None."""
     from rlcli.reward_model_training import train_reward_model
 
     cfg, mesh = inputs.cfg, inputs.mesh
     out = Path(cfg.rm.out_dir)
     if (out / "config.json").exists():
         say(mesh, f"reward model: reusing {out}")
-        return
+        return None
+    engine, extra_pairs = None, ([], [])
+    if cfg.rm.on_policy_samples:
+        from rlcli.on_policy_pairs import write_on_policy_pairs
+
+        say(mesh, f"starting the {cfg.rollout.engine} engine for on-policy preference pairs")
+        engine = build_engine(inputs, read_weights=True)
+        extra_pairs = write_on_policy_pairs(inputs, *engine, rewards, lambda m: say(mesh, m))
     start = cfg.rm.init_path or inputs.model_dir
     say(mesh, f"reward model: {cfg.rm.steps} Bradley-Terry steps from {start} into {out}")
     report = train_reward_model(
-        cfg, mesh, model_options(cfg, cfg.actor), log=lambda m: say(mesh, m), init_path=start
+        cfg,
+        mesh,
+        model_options(cfg, cfg.actor),
+        log=lambda m: say(mesh, m),
+        init_path=start,
+        extra_pairs=extra_pairs,
     )
     if report.val_accuracy_after is not None:
         before = report.val_accuracy_before
@@ -226,6 +250,7 @@ def reward_model_stage(inputs: RunInputs) -> None:
             + ("n/a" if before is None else f"{before:.3f}")
             + f" -> {report.val_accuracy_after:.3f} ({report.val_pairs} pairs)",
         )
+    return engine
 
 
 def build_actor(inputs: RunInputs, total_steps: int, sft: bool = False) -> TrainedModel:

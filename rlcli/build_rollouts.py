@@ -4,6 +4,7 @@ view of engines on rollout ranks and those ranks' ``RolloutWorker`` (separate)."
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from rlcli.config import RLConfig
@@ -37,15 +38,21 @@ def planned_steps(cfg: RLConfig, loader: PromptLoader) -> int:
 
 
 def build_colocated_rollouts(
-    inputs: RunInputs, rewards: RewardManager, adapters: bool = False
+    inputs: RunInputs,
+    rewards: RewardManager,
+    adapters: bool = False,
+    engine: tuple[RolloutEngine, ReplicaInfo] | None = None,
 ) -> ColocatedRollouts:
-    """Every rank's own engine; ``adapters``: the actor has LoRA adapters (``rollout.lora_sync``
-    says how they reach the engine)."""
+    """Every rank's own engine (``engine``: one started already, by ``build_engine``);
+    ``adapters``: the actor has LoRA adapters (``rollout.lora_sync`` says how they reach the
+    engine)."""
     from rlcli.rollout.transport import make_transport
 
     cfg = inputs.cfg
-    say(inputs.mesh, f"starting the {cfg.rollout.engine} engine (rollout.tp={cfg.rollout.tp})")
-    engine, replica = build_engine(inputs)
+    if engine is None:
+        say(inputs.mesh, f"starting the {cfg.rollout.engine} engine (rollout.tp={cfg.rollout.tp})")
+        engine = build_engine(inputs)
+    engine, replica = engine
     return ColocatedRollouts(
         cfg,
         engine,
@@ -110,12 +117,16 @@ def build_rollout_worker(inputs: RunInputs, channel: RolloutChannel) -> RolloutW
     )
 
 
-def build_engine(inputs: RunInputs) -> tuple[RolloutEngine, ReplicaInfo]:
+def build_engine(
+    inputs: RunInputs, read_weights: bool = False
+) -> tuple[RolloutEngine, ReplicaInfo]:
+    """This rank's engine over ``inputs.model_dir``; ``read_weights``: it reads the checkpoint
+    whatever ``rollout.load_format`` says (it samples before the trainer's first sync)."""
     from rlcli.rollout.base import rollout_replicas
     from rlcli.rollout.factory import make_engine
 
     cfg, mesh = inputs.cfg, inputs.mesh
-    r = cfg.rollout
+    r = dataclasses.replace(cfg.rollout, load_format="auto") if read_weights else cfg.rollout
     index, count = rollout_replicas(mesh.world_size, mesh.rank, r.tp)
     # A multi-turn trajectory is the prompt and up to max_response_tokens after it.
     adapters = cfg.actor.lora.enable and r.lora_sync == "adapter"

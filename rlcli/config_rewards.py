@@ -64,6 +64,11 @@ class RewardModelTrainingConfig:
     # RL, from rm.init_path or the RL start model, unless rm.out_dir holds one already; set
     # reward.model.path to rm.out_dir
     before_rl: bool = False
+    # rm.before_rl: first sample the RL start policy this many times per training and held-out
+    # prompt (rollout.* sampling), grade by the rule reward and add the pairs (each prompt's
+    # best-graded response over each distinct worse one) to the training / held-out pairs
+    # (rlcli.on_policy_pairs); 0: none
+    on_policy_samples: int = 0
     steps: int = 100  # optimizer steps
     batch_size: int = 32  # pairs per step, all data-parallel ranks together
     micro_batch_size: int = 16  # pairs per forward/backward

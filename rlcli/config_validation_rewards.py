@@ -116,6 +116,13 @@ def check_reward_model_training(cfg: RLConfig, dp: int) -> None:
     for key in ("max_tokens", "lr_warmup_steps", "val_freq", "save_freq", "grad_clip", "lr"):
         if getattr(rm, key) < 0:
             raise UserError(f"rm.{key} must be >= 0, got {getattr(rm, key)}")
+    if rm.on_policy_samples < 0:
+        raise UserError(f"rm.on_policy_samples must be >= 0, got {rm.on_policy_samples}")
+    if rm.on_policy_samples and cfg.rollout.multi_turn.enable:
+        raise UserError(
+            "rm.on_policy_samples grades single-turn answers; with rollout.multi_turn.enable "
+            "give the pairs as rm.train_files, or set rm.on_policy_samples=0"
+        )
     if rm.lr_warmup_steps >= rm.steps:
         raise UserError(
             f"rm.lr_warmup_steps={rm.lr_warmup_steps} must be smaller than rm.steps={rm.steps}"

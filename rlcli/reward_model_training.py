@@ -165,11 +165,14 @@ def train_reward_model(
     model_options: dict[str, Any],
     log: Callable[[str], None] | None = None,
     init_path: str | None = None,
+    extra_pairs: tuple[list[str], list[str]] = ([], []),
 ) -> RewardModelReport:
     """Train, evaluate, checkpoint and export a reward model as ``cfg.rm`` says (module
     docstring); `model_options`: its ``parallel.model.build_model`` layout options (the actor's:
     ``rlcli.build.model_options(cfg, cfg.actor)``); `init_path` (the RLHF stage of ``rlcli
-    train``: the SFT policy) replaces ``rm.init_path``. Collective: every rank of `mesh` calls it with the same config."""
+    train``: the SFT policy) replaces ``rm.init_path``; `extra_pairs`: training and held-out
+    pair files added to ``rm.*``'s (``rlcli.on_policy_pairs``). Collective: every rank of `mesh`
+    calls it with the same config."""
     from transformers import AutoTokenizer
 
     from parallel.checkpoint import load_checkpoint, save_checkpoint
@@ -191,6 +194,7 @@ def train_reward_model(
     if pad_token_id is None:
         raise UserError(f"the tokenizer of {init_dir} has neither a pad nor an EOS token")
     train_files, val_files = _preference_files(cfg, mesh)
+    train_files, val_files = train_files + extra_pairs[0], val_files + extra_pairs[1]
     train, dropped = _load_pairs(train_files, "rm.train_files", tokenizer, cfg)
     val, val_dropped = (
         _load_pairs(val_files, "rm.val_files", tokenizer, cfg) if val_files else (None, 0)

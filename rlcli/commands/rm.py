@@ -38,6 +38,12 @@ def rm(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES, nproc:
         world_size = nproc
     validate(cfg, world_size=world_size)
     check_reward_model_training(cfg, derive_dp(cfg.parallel, world_size))
+    if cfg.rm.on_policy_samples:
+        raise UserError(
+            f"rm.on_policy_samples={cfg.rm.on_policy_samples}: only rlcli train samples the RL "
+            "start policy for pairs (rm.before_rl=true); for rlcli rm set rm.on_policy_samples=0 "
+            "and give the pairs as rm.train_files"
+        )
     if nproc != 1 and not under_torchrun():
         relaunch_under_torchrun(nproc, without_nproc(sys.argv[1:]))
 

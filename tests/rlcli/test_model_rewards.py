@@ -21,6 +21,7 @@ import torch
 from rlcli.errors import USER_ERROR_EXIT_CODE
 from rlcli.rewards.judge import DEFAULT_NUMBER_TEMPLATE
 from tests.parallel.dist_utils import make_tiny_hf_model
+from tests.rlcli.arith_model import build_arith_model
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("model_rewards_worker.py")
@@ -31,17 +32,10 @@ SAMPLES_PER_STEP = 16  # 4 prompts x 4 samples
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """The quickstart's model shape, small: a locally trained tokenizer, random weights."""
-    from rlcli.config import ModelBuildConfig
-    from rlcli.data import read_sft_pairs, write_arith_dataset
-    from rlcli.model_builder import build_model_dir
-
-    root = tmp_path_factory.mktemp("rlhf_model")
-    paths = write_arith_dataset(str(root / "data"))
-    corpus = [p + r for p, r in read_sft_pairs(paths["sft_train"])]
-    spec = ModelBuildConfig(
-        hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128
-    )
-    return build_model_dir(spec, root / "model", corpus, seed=1)
+    return build_arith_model(
+        tmp_path_factory.mktemp("rlhf_model"),
+        hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +52,7 @@ def run(model_dir, tmp_path_factory) -> dict:
         "actor.micro_batch_size=8",
         "sft.steps=0",
         "rm.steps=4",
+        "rm.on_policy_samples=0",  # tests/rlcli/test_on_policy_pairs.py runs those
         "rm.lr=1e-3",
         "rm.val_freq=0",
         "reward.model.normalize=true",

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from rlcli.errors import USER_ERROR_EXIT_CODE
+from tests.rlcli.arith_model import build_arith_model
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2}
@@ -32,15 +33,9 @@ def rlcli(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def quickstart_model(tmp_path_factory) -> Path:
-    from rlcli.config import ModelBuildConfig
-    from rlcli.data import read_sft_pairs, write_arith_dataset
-    from rlcli.model_builder import build_model_dir
-
-    root = tmp_path_factory.mktemp("rm_quickstart")
-    paths = write_arith_dataset(str(root / "data"))
-    corpus = [p + r for p, r in read_sft_pairs(paths["sft_train"])]
-    spec = ModelBuildConfig(**SPEC, intermediate_size=256)
-    return build_model_dir(spec, root / "model", corpus, seed=1)
+    return build_arith_model(
+        tmp_path_factory.mktemp("rm_quickstart"), **SPEC, intermediate_size=256
+    )
 
 
 def _recipe(tmp_path: Path, model: Path, **rm: object) -> Path:
