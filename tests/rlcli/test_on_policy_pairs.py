@@ -20,11 +20,10 @@ from rlcli.data import PromptItem
 from rlcli.errors import USER_ERROR_EXIT_CODE
 from rlcli.on_policy_pairs import preference_rows
 from tests.rlcli.arith_model import build_arith_model
+from tests.rlcli.length_reward import compute_score  # the run's reward, called directly
 
 REPO = Path(__file__).resolve().parents[2]
 REWARD = Path(__file__).with_name("length_reward.py")
-sys.path.insert(0, str(REWARD.parent))
-from length_reward import compute_score  # noqa: E402  (the run's reward, called directly)
 
 
 def _sample(group: int, score: float, question: str) -> Sample:
