@@ -32,9 +32,10 @@ def random_token_ids(rows: int, length: int, vocab_size: int, seed: int) -> torc
     return torch.randint(0, vocab_size - 1, (rows, length), generator=generator)
 
 
-def time_steps(step: Callable[[], None], count: int) -> list[float]:
-    """Seconds of `count` calls of `step`, after one untimed warm-up call."""
-    step()
+def time_steps(step: Callable[[], None], count: int, warmup: int = 1) -> list[float]:
+    """Seconds of `count` calls of `step`, after `warmup` untimed calls."""
+    for _ in range(warmup):
+        step()
     seconds = []
     for _ in range(count):
         synchronize()

@@ -12,6 +12,7 @@ and batch.
 from __future__ import annotations
 
 import importlib.util
+import statistics
 import time
 from pathlib import Path
 
@@ -23,10 +24,9 @@ from benchmarks.common import (
     free_memory,
     len_unique_params,
     random_token_ids,
-    time_steps,
 )
 from benchmarks.memory import measure_peak_memory
-from benchmarks.train_section import megatron_actor, nll_loss
+from benchmarks.train_section import megatron_actor, nll_loss, time_update
 from benchmarks.workload import Workload, ensure_model
 
 
@@ -42,9 +42,11 @@ def lora_section(workload: Workload, work_dir: Path) -> dict:
     spec = LoraSpec(rank=w.lora_rank, alpha=2.0 * w.lora_rank, target_modules=("all",))
     with measure_peak_memory() as memory:
         mesh = init_parallel(tp=1, pp=1, seed=SEED)
-        actor = megatron_actor(mesh, model_dir, w.dtype, w.train_micro_batch_size, w.train_steps,
-                               lora=spec)  # fmt: skip
-        seconds = time_steps(lambda: actor.train_step(batch, nll_loss), w.train_steps)
+        actor = megatron_actor(mesh, model_dir, w.dtype, w.train_micro_batch_size,
+                               w.train_warmup_steps + w.train_steps, lora=spec)  # fmt: skip
+        steps = time_update(
+            lambda: actor.train_step(batch, nll_loss), w.train_steps, w.train_warmup_steps
+        )
         free_memory()
     trainable = {id(p): p.numel() for m in actor.models for p in m.parameters() if p.requires_grad}
     tokens_per_step = rows * w.train_seq_len
@@ -57,8 +59,10 @@ def lora_section(workload: Workload, work_dir: Path) -> dict:
         "tokens_per_step": tokens_per_step,
         "dtype": w.dtype,
         "update": {
-            "step_seconds": seconds,
-            "tokens_per_s": tokens_per_step / (sum(seconds) / len(seconds)),
+            "step_seconds": steps.seconds,
+            "warmup_step_seconds": steps.warmup_seconds,
+            # the median step, as the train section's
+            "tokens_per_s": tokens_per_step / statistics.median(steps.seconds),
             "memory": memory.to_dict(),
         },
     }

@@ -7,6 +7,8 @@ micro-batches against a token budget of padded rows and packed sequences
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,15 +39,30 @@ def nll_loss(outputs: dict[str, torch.Tensor], micro_batch: dict[str, torch.Tens
     return loss, {"loss": loss.item()}
 
 
-def throughput(seconds: list[float], tokens_per_step: int, params: int) -> dict:
-    mean = sum(seconds) / len(seconds)
-    tokens_per_s = tokens_per_step / mean
+def throughput(steps: UpdateSteps, tokens_per_step: int, params: int) -> dict:
+    # The median step: on a shared machine one slow step would skew a mean.
+    tokens_per_s = tokens_per_step / statistics.median(steps.seconds)
     # 6 FLOPs per parameter per token: 2 forward, 4 backward (attention scores not counted).
     return {
-        "step_seconds": seconds,
+        "step_seconds": steps.seconds,
+        "warmup_step_seconds": steps.warmup_seconds,
         "tokens_per_s": tokens_per_s,
         "flops_per_s": 6 * params * tokens_per_s,
     }
+
+
+@dataclass
+class UpdateSteps:
+    """Seconds of an update's timed steps, and of the warm-up steps before them (the first one,
+    which builds the optimizer state, untimed)."""
+
+    seconds: list[float]
+    warmup_seconds: list[float]
+
+
+def time_update(step: Callable[[], None], steps: int, warmup: int) -> UpdateSteps:
+    seconds = time_steps(step, warmup - 1 + steps)
+    return UpdateSteps(seconds[warmup - 1 :], seconds[: warmup - 1])
 
 
 def attention_backends() -> list[str]:
@@ -87,21 +104,24 @@ def train_section(workload: Workload, work_dir: Path) -> dict:
     result["attention_backends"] = {}
     for name in [attention, *(a for a in attention_backends() if a != attention)]:
         with measure_peak_memory() as memory:
-            seconds, params = megatron_training_steps(
-                model_dir, w.dtype, batch, w.train_micro_batch_size, w.train_steps, attention=name
-            )
+            steps, params = megatron_training_steps(
+                model_dir, w.dtype, batch, w.train_micro_batch_size, w.train_steps,
+                warmup=w.train_warmup_steps, attention=name,
+            )  # fmt: skip
             free_memory()
         result["params"] = params
         result["attention_backends"][name] = {
-            **throughput(seconds, tokens_per_step, params),
+            **throughput(steps, tokens_per_step, params),
             "memory": memory.to_dict(),
         }
     result["megatron"] = result["attention_backends"][attention]
 
     with measure_peak_memory() as memory:
-        seconds, hf_params = _hf_training_steps(model_dir, micro_batches, w.train_steps)
+        steps, hf_params = _hf_training_steps(
+            model_dir, micro_batches, w.train_steps, w.train_warmup_steps
+        )
         free_memory()
-    result["hf_baseline"] = {**throughput(seconds, tokens_per_step, hf_params),
+    result["hf_baseline"] = {**throughput(steps, tokens_per_step, hf_params),
                              "memory": memory.to_dict()}  # fmt: skip
     result["megatron_over_hf"] = (
         result["megatron"]["tokens_per_s"] / result["hf_baseline"]["tokens_per_s"]
@@ -135,18 +155,18 @@ def _mixed_length_update(w: Workload, model_dir: Path) -> dict:
         # a packed micro-batch computes exactly its real tokens
         computed = sum(int(p["attention_mask"].sum()) if pack else p["input_ids"].numel()
                        for p in parts)  # fmt: skip
-        seconds, _ = megatron_training_steps(
+        steps, _ = megatron_training_steps(
             model_dir, w.dtype, batch, w.train_micro_batch_size, w.train_steps,
-            max_tokens=max_tokens, pack=pack,
+            warmup=w.train_warmup_steps, max_tokens=max_tokens, pack=pack,
         )  # fmt: skip
         free_memory()
         out[name] = {
             "micro_batches": len(parts),
             "computed_tokens": computed,
             "padded_fraction": 1 - real / computed,
-            "step_seconds": seconds,
-            # The median step: on a shared machine one slow step would skew a mean.
-            "tokens_per_s": real / statistics.median(seconds),
+            "step_seconds": steps.seconds,
+            "warmup_step_seconds": steps.warmup_seconds,
+            "tokens_per_s": real / statistics.median(steps.seconds),
         }
     # Before per-micro-batch trimming every micro-batch kept the batch-wide S.
     out["batch_wide_padded_fraction"] = 1 - real / (rows * w.train_seq_len)
@@ -193,26 +213,28 @@ def megatron_training_steps(
     batch: dict[str, torch.Tensor],
     micro_batch_size: int,
     steps: int,
+    warmup: int = 1,
     max_tokens: int = 0,
     attention: str = "auto",
     pack: bool = False,
-) -> tuple[list[float], int]:
-    """`megatron_actor`'s update on one process: seconds of each timed step, params."""
+) -> tuple[UpdateSteps, int]:
+    """`megatron_actor`'s update on one process: its step times, params."""
     from parallel.mesh import destroy_parallel, init_parallel
 
     mesh = init_parallel(tp=1, pp=1, seed=SEED)
     actor = megatron_actor(
-        mesh, model_dir, dtype, micro_batch_size, steps, max_tokens, attention=attention, pack=pack
-    )
-    seconds = time_steps(lambda: actor.train_step(batch, nll_loss), steps)
+        mesh, model_dir, dtype, micro_batch_size, warmup + steps, max_tokens, attention=attention,
+        pack=pack,
+    )  # fmt: skip
+    timed = time_update(lambda: actor.train_step(batch, nll_loss), steps, warmup)
     params = len_unique_params(actor.models)
     destroy_parallel()
-    return seconds, params
+    return timed, params
 
 
 def _hf_training_steps(
-    model_dir: Path, micro_batches: list[dict[str, torch.Tensor]], steps: int
-) -> tuple[list[float], int]:
+    model_dir: Path, micro_batches: list[dict[str, torch.Tensor]], steps: int, warmup: int
+) -> tuple[UpdateSteps, int]:
     """The loop a user writes without a framework: HF model, torch AdamW, gradient accumulation
     over the same micro-batches and loss (sum of per-micro-batch mean NLL), clipping at 1.0.
     On GPU: fp32 weights and optimizer under bf16 autocast (as Megatron keeps fp32 main
@@ -233,4 +255,4 @@ def _hf_training_steps(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
 
-    return time_steps(step, steps), len_unique_params([model])
+    return time_update(step, steps, warmup), len_unique_params([model])

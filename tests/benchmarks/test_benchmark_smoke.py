@@ -98,6 +98,7 @@ def test_smoke_benchmark_writes_json_markdown_and_chart(tmp_path):
     )
     for key in ("megatron", "hf_baseline"):
         assert len(train[key]["step_seconds"]) == workload.train_steps
+        assert len(train[key]["warmup_step_seconds"]) == workload.train_warmup_steps - 1
         assert train[key]["flops_per_s"] == pytest.approx(
             6 * train["params"] * train[key]["tokens_per_s"]
         )
