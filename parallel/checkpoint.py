@@ -56,6 +56,7 @@ from megatron.core.utils import unwrap_model
 
 from parallel.lora import ADAPTER_SUFFIX
 from parallel.mesh import Mesh
+from parallel.optim import sub_optimizers
 
 # Optimizer state per model parameter, gathered over DP for the distributed optimizer:
 # readable at any TP / PP / DP. Ignored by the plain optimizer, which is always per parameter.
@@ -185,7 +186,7 @@ def _check_optimizer_loadable(optimizer: MegatronOptimizer) -> None:
     asserts a per-parameter ``step`` that a fresh optimizer lacks, and its parameter-state
     loaders skip ``step`` in the checkpoint but still expect it (``KeyError: 'step'``).
     """
-    for sub_optimizer in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for sub_optimizer in sub_optimizers(optimizer):
         if isinstance(sub_optimizer, DistributedOptimizer) and isinstance(
             sub_optimizer.optimizer, torch.optim.Adam | torch.optim.AdamW
         ):

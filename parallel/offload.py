@@ -58,6 +58,8 @@ from typing import Any
 import torch
 from megatron.core.utils import unwrap_model
 
+from parallel.optim import sub_optimizers
+
 KINDS = ("params", "grads", "optimizer")
 _ALIGN = 512  # bytes: keep each storage's slice of the host buffer DMA-friendly
 
@@ -89,11 +91,6 @@ def _aligned(nbytes: int) -> int:
 def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
     """A flat uint8 tensor over the whole storage (any dtype, any view layout)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-def _sub_optimizers(optimizer: Any) -> list[Any]:
-    """The megatron optimizers inside a ChainedOptimizer, or [optimizer]."""
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
 class Offloader:
@@ -128,7 +125,7 @@ class Offloader:
 
     def _optimizer_tensors(self) -> list[torch.Tensor]:
         tensors = []
-        for sub in _sub_optimizers(self.optimizer) if self.optimizer is not None else []:
+        for sub in sub_optimizers(self.optimizer) if self.optimizer is not None else []:
             inner = getattr(sub, "optimizer", None)
             if inner is None:  # a stub optimizer (a rank without parameters)
                 continue
@@ -188,7 +185,7 @@ class Offloader:
         parameter, for every optimizer parameter on the device without state (plus one
         alignment slot for a per-parameter step counter, which some fused Adams keep there)."""
         total = 0
-        for sub in _sub_optimizers(self.optimizer) if self.optimizer is not None else []:
+        for sub in sub_optimizers(self.optimizer) if self.optimizer is not None else []:
             inner = getattr(sub, "optimizer", None)
             if inner is None:
                 continue

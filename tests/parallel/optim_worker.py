@@ -26,7 +26,7 @@ from transformers import AutoConfig, Qwen2ForCausalLM
 from parallel.convert import load_hf_weights
 from parallel.mesh import Mesh, init_parallel
 from parallel.model import build_model
-from parallel.optim import build_optimizer, train_step, wrap_for_training
+from parallel.optim import build_optimizer, sub_optimizers, train_step, wrap_for_training
 
 LAYOUTS = [(2, 1, None), (1, 2, None), (1, 2, 2), (1, 1, None)]  # (tp, pp, vpp); 1x1 is DP2
 ROWS, SEQ = 8, 10
@@ -167,8 +167,8 @@ def check_layout(mesh: Mesh, hf_config, hf_dir: str, batch, ref_grad_norm) -> di
     # and reduced gradients; no clipping, so the gradients it saw are the ones left in the buffers.
     models, optimizer, scheduler = fresh_training_state(mesh, hf_config, hf_dir, clip_grad=0.0)
     if not torch.cuda.is_available():  # on CPU, build_optimizer picks torch's fused kernel
-        for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
-            assert all(group["fused"] for group in chained.optimizer.param_groups)
+        for sub_optimizer in sub_optimizers(optimizer):
+            assert all(group["fused"] for group in sub_optimizer.optimizer.param_groups)
     reference_params = [torch.nn.Parameter(w) for w in local_weights(models)]
     reference = torch.optim.AdamW(reference_params, weight_decay=0.0, foreach=False, fused=False)
     for _ in range(2):  # the second step also compares the moments carried from the first
