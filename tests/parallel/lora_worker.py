@@ -48,7 +48,7 @@ from parallel.lora_io import load_peft_adapter, save_peft_adapter
 from parallel.memory_terms import recompute_options
 from parallel.mesh import Mesh, init_parallel
 from parallel.model_shapes import LORA_TARGET_MODULES, ModelShape, lora_stage_params
-from parallel.optim import build_optimizer, train_step, wrap_for_training
+from parallel.optim import build_optimizer, sub_optimizers, train_step, wrap_for_training
 from parallel.parity import megatron_logits
 from parallel.reshard import iter_adapter_buckets, iter_inference_buckets
 
@@ -161,7 +161,7 @@ def step(models, mesh: Mesh, optimizer, scheduler, input_ids, mask) -> None:
 
 
 def optimizer_state_numel(optimizer) -> int:
-    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    parts = sub_optimizers(optimizer)
     return sum(
         state["exp_avg"].numel() for part in parts for state in part.optimizer.state.values()
     )

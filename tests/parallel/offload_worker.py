@@ -38,7 +38,7 @@ from parallel.mesh import Mesh, init_parallel
 from parallel.model import build_model
 from parallel.model_shapes import ModelShape, stage_params
 from parallel.offload import Offloader
-from parallel.optim import build_optimizer, train_step, wrap_for_training
+from parallel.optim import build_optimizer, sub_optimizers, train_step, wrap_for_training
 from tests.parallel.optim_worker import make_batch, mean_nll_loss, split
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -61,7 +61,7 @@ def snapshot(models, optimizer) -> list[torch.Tensor]:
     for chunk in models:
         for p in chunk.module.parameters():
             out += [p.data.clone(), p.main_grad.clone()]
-    subs = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    subs = sub_optimizers(optimizer)
     for sub in subs:
         for group in sub.optimizer.param_groups:
             for p in group["params"]:
@@ -150,7 +150,7 @@ def check_plan_counts(mesh, hf_config, hf_dir, dtype, distributed) -> dict:
         b.numel_unpadded * b.grad_data.element_size() for c in models for b in c.buffers
     )
     assert grad_buffer == grad_numel_bytes(planned, dtype=dtype), (grad_buffer, planned)
-    subs = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    subs = sub_optimizers(optimizer)
     masters = [p for sub in subs for group in sub.optimizer.param_groups for p in group["params"]]
     moments = [
         v
