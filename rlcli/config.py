@@ -13,6 +13,7 @@ from typing import Any, Literal, Optional, get_args, get_origin, get_type_hints
 
 from omegaconf import OmegaConf
 
+from rlcli.config_algorithm import AlgorithmConfig
 from rlcli.config_engine import EngineConfig
 from rlcli.config_rewards import (
     JudgeConfig,
@@ -245,46 +246,6 @@ class CriticConfig(TrainedModelConfig):
     model_path: Optional[str] = None  # HF directory; None: the actor's start weights (new head)
     lr: float = 1e-5  # peak learning rate
     cliprange_value: float = 0.5  # value clipping around the rollout-time values
-
-
-@dataclass
-class KLControlConfig:
-    type: Literal["fixed", "adaptive"] = "fixed"  # the KL coefficient's controller
-    kl_coef: float = 0.001  # (initial) KL coefficient
-    target_kl: float = 0.1  # adaptive: KL the coefficient steers to
-    horizon: int = 10000  # adaptive: samples over which it adapts
-
-
-@dataclass
-class DynamicSamplingConfig:
-    enabled: bool = False  # DAPO: keep only groups whose metric varies, re-sample to fill
-    metric: str = "score"  # what must vary within a group to keep it (score | acc)
-    max_gen_batches: int = 4  # sampling rounds per step before training on what was kept
-
-
-@dataclass
-class OverlongConfig:
-    enabled: bool = False  # DAPO: soft penalty inside a buffer before rollout.max_tokens
-    buffer_len: int = 16  # tokens before rollout.max_tokens where the penalty starts
-    penalty_factor: float = 1.0  # penalty at rollout.max_tokens
-
-
-@dataclass
-class AlgorithmConfig:
-    adv_estimator: str = "grpo"  # see algorithms.get_advantage_estimator
-    gamma: float = 1.0  # discount (gae, reinforce_plus_plus)
-    lam: float = 1.0  # GAE lambda
-    norm_adv_by_std: bool = True  # False: Dr.GRPO
-    epsilon: float = 1e-6  # added to the group std (grpo)
-    use_kl_in_reward: bool = False  # fold KL to the reference into the token rewards (PPO style)
-    kl_penalty: str = "kl"  # KL estimator for use_kl_in_reward (kl, abs, mse, low_var_kl, ...)
-    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
-    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
-    overlong: OverlongConfig = field(default_factory=OverlongConfig)
-    # Off-policy correction with the engine's log-probs as the behaviour policy (see
-    # algorithms.get_off_policy_correction): none | decoupled_ppo | tis
-    off_policy_correction: str = "none"
-    tis_cap: float = 2.0  # truncation of the importance weights (decoupled_ppo, tis)
 
 
 @dataclass

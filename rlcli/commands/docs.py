@@ -2,8 +2,7 @@
 dataclasses so it cannot drift from the code.
 
 Every key's type and default come from the dataclasses themselves; its one-line meaning comes
-from the source of the config modules (``rlcli/config.py``, ``rlcli/config_engine.py``,
-``rlcli/config_rewards.py``): the comment on the field's line(s), or the comment lines right above
+from the source of the config modules (``CONFIG_MODULES``): the comment on the field's line(s), or the comment lines right above
 the field. A section's description is its class docstring. The output is
 deterministic, so ``tests/docs`` regenerates it and compares byte for byte with the committed file.
 
@@ -14,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import inspect
 import io
 import json
@@ -24,6 +24,13 @@ from typing import Any, Optional
 import typer
 
 REGENERATE = "rlcli config docs --output docs/config.md"
+# Every module that declares config sections; ``rlcli.config`` assembles them into ``RLConfig``.
+CONFIG_MODULES = (
+    "rlcli.config",
+    "rlcli.config_algorithm",
+    "rlcli.config_engine",
+    "rlcli.config_rewards",
+)
 
 
 def _comments_by_line(source: str) -> dict[int, str]:
@@ -133,19 +140,17 @@ def _section(cls: type, prefix: str, sources: dict, out: list[str], missing: lis
 
 def render_config_reference() -> tuple[str, list[str]]:
     """(the Markdown reference, the keys whose field has no comment in the config modules)."""
-    import rlcli.config as config_module
-    import rlcli.config_engine as engine_module
-    import rlcli.config_rewards as rewards_module
     from rlcli.config import RLConfig
 
     sources: dict[str, dict[str, Any]] = {}
-    for module in (config_module, engine_module, rewards_module):
+    for name in CONFIG_MODULES:
+        module = importlib.import_module(name)
         sources.update(_field_sources(Path(inspect.getsourcefile(module)).read_text()))
+    files = [f"`{name.replace('.', '/')}.py`" for name in CONFIG_MODULES]
     out = [
         "# Config reference",
         "",
-        "Generated from the dataclasses in `rlcli/config.py`, `rlcli/config_engine.py` and "
-        "`rlcli/config_rewards.py` by "
+        f"Generated from the dataclasses in {', '.join(files[:-1])} and {files[-1]} by "
         f"`{REGENERATE}`; do not edit "
         "by hand (a test fails when this file is stale).",
         "",
