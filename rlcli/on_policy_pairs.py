@@ -66,8 +66,9 @@ def _graded_rows(
     sampling = sampling_params(cfg, tokenizer.eos_token_id, _SAMPLING_STEP, train=True)
     with awake(engine):
         samples = generate_samples(engine, items, cfg.rm.on_policy_samples, sampling, replica)
-    score_samples(samples, rewards, tokenizer, cfg.reward.max_failure_rate)
+    # Every rank needs every text for the pairs; scoring reuses them instead of decoding again.
     texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+    score_samples(samples, rewards, tokenizer, cfg.reward.max_failure_rate, texts=texts)
     return preference_rows(samples, texts), accuracy_of(samples)
 
 

@@ -92,8 +92,10 @@ def score_samples(
     tokenizer: PreTrainedTokenizerBase,
     max_failure_rate: float | None = None,
     step: int | None = None,
+    texts: Sequence[str] | None = None,
 ) -> dict[str, float]:
     """Fill ``score`` / ``extras`` of every sample; returns failure counts as metrics.
+    ``texts``: every sample's decoded response, when the caller has decoded them already.
 
     Collective: every sample is scored exactly once, by one rank (each rank scores its
     contiguous share), and the scores are exchanged, so every rank trains on the same numbers
@@ -104,8 +106,11 @@ def score_samples(
     if dist.is_available() and dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()
     mine = split_evenly(samples, world)[rank]
-    texts = tokenizer.batch_decode([s.response_ids for s in mine], skip_special_tokens=True)
-    inputs = [reward_input(s, text) for s, text in zip(mine, texts, strict=True)]
+    if texts is None:
+        my_texts = tokenizer.batch_decode([s.response_ids for s in mine], skip_special_tokens=True)
+    else:
+        my_texts = split_evenly(list(texts), world)[rank]
+    inputs = [reward_input(s, text) for s, text in zip(mine, my_texts, strict=True)]
     scores: list[float] = []
     extras: dict[str, list] = {}
     stats: dict[str, int] = {"reward/num_failed": 0, "reward/num_timeout": 0}

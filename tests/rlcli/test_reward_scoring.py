@@ -60,3 +60,17 @@ def test_failures_under_the_limit_score_zero_and_are_counted():
     stats = score_samples(samples, rewards, ByteTokenizer(), max_failure_rate=0.5)
     assert stats["reward/num_failed"] == 2
     assert [s.score for s in samples] == [0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0]
+
+
+def test_texts_the_caller_decoded_are_the_ones_scored():
+    def length(data_source, solution_str, ground_truth, extra_info=None):
+        return float(len(solution_str))
+
+    samples = _samples(3)
+    rewards = RewardManager(length, in_process=True)
+    score_samples(samples, rewards, ByteTokenizer())
+    decoded = [s.score for s in samples]
+    texts = ["x" * 10, "y" * 20, "z" * 30]  # not what the tokenizer would give
+    score_samples(samples, rewards, ByteTokenizer(), texts=texts)
+    assert [s.score for s in samples] == [10.0, 20.0, 30.0]
+    assert decoded != [10.0, 20.0, 30.0]
