@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.install-stamp
 EXTRAS ?= cpu,dev
 
-.PHONY: install install-sandbox install-slurm test test-parallel test-fast demo demo-sweep lint format benchmark gpu-check clean
+.PHONY: install install-sandbox install-slurm test test-serial test-fast demo demo-sweep lint format benchmark gpu-check clean
 
 install: $(STAMP) install-sandbox
 
@@ -37,15 +37,16 @@ install-slurm:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	   --no-install-recommends slurm-wlm munge >/dev/null)
 
-# One process, as CI has always run it (37 min on a 2-core AMD EPYC). `make test-parallel`
-# spreads the suite over two pytest-xdist workers of one OpenMP thread each (tests/conftest.py
-# keeps each module on one worker): 23 min there, but one of its two whole runs failed docs
-# blocks that passed alone, so it is not yet what CI runs. The slowest tests are listed at the end.
+# Two pytest-xdist workers of one OpenMP thread each: tests/conftest.py keeps each test module (its
+# shared model builds and engines) on one worker. On a 2-core AMD EPYC the one-process run
+# (`make test-serial`) took 41 min 35 s and this one 25 min 32 s
+# (both 799 passed, 12 skipped); CI runs this one.
+# The slowest tests are listed at the end.
 test: install
-	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q --durations=25
-
-test-parallel: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25
+
+test-serial: install
+	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q --durations=25
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not dist and not slurm"

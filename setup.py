@@ -45,7 +45,7 @@ extras_require = {
         "transformer-engine[core_cu13,pytorch]==2.17.1",
     ],
     "wandb": ["wandb"],
-    # pytest 9.2 changed node ids so that pytest-xdist 3.8's --dist loadgroup (make test-parallel)
+    # pytest 9.2 changed node ids so that pytest-xdist 3.8's --dist loadgroup (make test)
     # silently stops grouping: a module's tests and fixtures then run on both workers
     # (pytest-dev/pytest-xdist#1386)
     "dev": ["pytest<9.2", "pytest-xdist", "hypothesis", "ruff"],

@@ -1,4 +1,4 @@
-"""How ``make test-parallel`` spreads the suite over two pytest-xdist workers (``-n 2 --dist loadgroup``).
+"""How ``make test`` spreads the suite over two pytest-xdist workers (``-n 2 --dist loadgroup``).
 
 Each test module is one group, so a module's shared fixtures (a built model, a started engine) are
 made once, on one worker. The modules that look for leftover sandbox processes machine-wide, and
