@@ -5,7 +5,8 @@ Under tensor parallelism Megatron's output layer leaves each TP rank with a slic
 all-reduces of ``[...]``-shaped tensors (max, sum of exponentials, label logit; one more
 for the entropy), so no rank ever holds the full vocabulary. Forward and backward are one
 ``torch.autograd.Function`` with a hand-written backward that needs no communication. When the
-logits are neither split nor padded (TP 1), the log-probs alone take torch's fused log-softmax.
+logits are neither split nor padded (TP 1), the log-probs alone take torch's fused log-softmax
+with a backward that reuses its output's buffer (``_LabelLogProbs``).
 
 Why not megatron-core's ``tensor_parallel.vocab_parallel_cross_entropy``: it has no way
 to exclude padded vocabulary columns, always uses the global TP group, computes in
@@ -47,10 +48,9 @@ def vocab_parallel_log_probs(
         every rank of ``tp_group``.
     """
     if _single_shard(logits, tp_group, vocab_size):
-        # Nothing to reduce across ranks and no padded column: torch's fused log-softmax (its
-        # backward is one fused kernel too) is about twice as fast as the reductions below.
-        log_p = torch.log_softmax(logits.to(_compute_dtype(logits)), dim=-1)
-        return log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        # Nothing to reduce across ranks and no padded column: torch's fused log-softmax is
+        # about twice as fast as the reductions below.
+        return _LabelLogProbs.apply(logits, labels)
     log_probs, _ = _LogProbsAndEntropy.apply(logits, labels, tp_group, vocab_size, False)
     return log_probs
 
@@ -124,6 +124,35 @@ def _masked_logits(
     # Never modifies `logits`: .to() may return it unchanged, so masking is out of place.
     z = logits.to(dtype)
     return z if padded is None else z.masked_fill(padded, float("-inf"))
+
+
+class _LabelLogProbs(torch.autograd.Function):
+    """``log_softmax(logits)[label]`` of whole, unpadded logits, whose backward allocates nothing.
+
+    Autograd's ``log_softmax`` + ``gather`` backward allocates two ``[..., V]`` buffers per call
+    (a zero-filled one for the gather, the log-softmax gradient); at 16 MB each on CPU they come
+    back as fresh pages every micro-batch, and faulting them in cost more than the arithmetic
+    (about 100 ms of a 1.7 s update at the 25M benchmark shape). Here the forward keeps only the
+    log-softmax output, and the backward turns that buffer into the gradient in place:
+    ``d logp_label / dz = onehot(label) - p``, scaled by the upstream gradient. The saved buffer is
+    consumed, so a second backward through the same graph fails loudly (autograd's version
+    check) instead of reading it.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels):
+        log_p = torch.log_softmax(logits.to(_compute_dtype(logits)), dim=-1)
+        index = labels.unsqueeze(-1)
+        ctx.logits_dtype = logits.dtype
+        ctx.save_for_backward(log_p, index)
+        return log_p.gather(-1, index).squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad_log_probs):
+        log_p, index = ctx.saved_tensors
+        grad = log_p.exp_().mul_(-grad_log_probs.unsqueeze(-1))
+        grad.scatter_add_(-1, index, grad_log_probs.unsqueeze(-1).to(grad.dtype))
+        return grad.to(ctx.logits_dtype), None
 
 
 class _LogProbsAndEntropy(torch.autograd.Function):

@@ -49,6 +49,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
 from parallel.cpu_compat import enable_cpu_compat
+from parallel.host_allocator import keep_freed_memory
 
 
 class ParallelLayoutError(ValueError):
@@ -182,6 +183,7 @@ def init_parallel(
         backend = "nccl"
     else:
         enable_cpu_compat()
+        keep_freed_memory()  # a CPU step's big tensors would otherwise be re-faulted each step
         backend = "gloo"
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python script.py`: a world of one

@@ -55,8 +55,9 @@ def test_gradcheck_float64_with_padding() -> None:
 
 
 def test_single_shard_log_probs_equal_the_reducing_function() -> None:
-    """Unsharded and unpadded, the log-probs take torch's fused log-softmax; values and gradients
-    equal the reducing autograd function's (which the entropy and every sharded case use)."""
+    """Unsharded and unpadded, the log-probs take torch's fused log-softmax with an in-place
+    backward; values and gradients equal the reducing autograd function's (which the entropy and
+    every sharded case use) and autograd's through plain torch ops."""
     torch.manual_seed(3)
     logits = (3 * torch.randn(3, 7, 16, dtype=torch.float64)).requires_grad_()
     labels = torch.randint(0, 16, (3, 7))
@@ -65,9 +66,21 @@ def test_single_shard_log_probs_equal_the_reducing_function() -> None:
     (fast_grad,) = torch.autograd.grad((fast * upstream).sum(), logits)
     reduced, _ = vocab_parallel_log_probs_and_entropy(logits, labels, None, 16)
     (reduced_grad,) = torch.autograd.grad((reduced * upstream).sum(), logits)
+    plain, _ = reference_log_probs_and_entropy(logits, labels, 16)
+    (plain_grad,) = torch.autograd.grad((plain * upstream).sum(), logits)
     torch.testing.assert_close(fast, reduced, rtol=0, atol=1e-12)
     torch.testing.assert_close(fast_grad, reduced_grad, rtol=0, atol=1e-12)
-    assert torch.autograd.gradcheck(lambda x: vocab_parallel_log_probs(x, labels), logits)
+    torch.testing.assert_close(fast_grad, plain_grad, rtol=0, atol=1e-12)
+
+
+def test_single_shard_backward_consumes_its_buffer_loudly() -> None:
+    """The fast path's backward turns the saved log-softmax into the gradient in place: a second
+    backward through the same graph must raise, never read the consumed buffer."""
+    logits = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
+    log_probs = vocab_parallel_log_probs(logits, torch.randint(0, 8, (2, 3)))
+    log_probs.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        log_probs.sum().backward()
 
 
 def test_low_precision_logits_reduce_in_float32_and_leave_input_untouched() -> None:
