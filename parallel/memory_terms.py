@@ -274,6 +274,8 @@ def layer_activation_bytes(model: TrainedModel, *, recompute_attention: bool) ->
 # float32 logits are still held: about 22. Measured on one H200 (bf16, 4 x 1024 tokens, vocab
 # 151,936, local layers): the forward-only peaks of the Qwen2.5-0.5B and 1.5B shapes imply 13.7
 # and 13.4 bytes per entry, the update peaks 25.9 and 21.8 (gpu-check's memory probe).
+# Since then the log-probs' backward at TP 1 reuses the saved log-softmax as the gradient
+# (parallel.logprobs), so the training figure may overestimate TP 1 until re-measured.
 LOGIT_BYTES_FORWARD = 14
 LOGIT_BYTES_TRAINING = 22
 
