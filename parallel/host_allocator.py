@@ -4,11 +4,11 @@ glibc's malloc hands memory above the heap's top back to the kernel once more th
 threshold of it is free, and serves requests above a moving mmap threshold with fresh mappings;
 both thresholds start small and are adjusted as the process frees memory. A CPU training step
 allocates and frees tensors of tens of MB each micro-batch (logits, their log-softmax, the
-embedding gradient); in megatron's step the order of those frees let glibc trim and re-map
-4,000-12,000 pages a step at the 25M benchmark shape, every one faulted in and zeroed again on
-the next use (a few microseconds each on a VM, tens of ms a step); the plain HF loop on the same
-batch happened to fault none. Fixed thresholds (mmap at glibc's 32 MiB maximum, trim at
-256 MiB) make the step fault no pages from its third on.
+embedding gradient); in megatron's step glibc gave back and re-mapped 4,000-12,000 pages a step
+at the 25M benchmark shape, every one faulted in and zeroed again on the next use (a few
+microseconds each on a VM, tens of ms a step); the plain HF loop on the same batch happened to
+fault none. Fixed thresholds (mmap at glibc's 32 MiB maximum, trim at 256 MiB) make the step
+fault no pages from its third on.
 
 The cost: up to the trim threshold of freed heap memory stays with the process instead of going
 back to the system. GPU ranks are left alone (their large buffers live on the device), and so is
@@ -19,7 +19,6 @@ a process whose user already set glibc's malloc variables or preloads another al
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 # mallopt's parameter numbers, from glibc's malloc.h.
@@ -40,8 +39,7 @@ def keep_freed_memory() -> bool:
     if any(os.environ.get(name) for name in USER_SETTINGS):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # the C library this process already runs on
     except (OSError, AttributeError):
         return False
     # Setting either turns off glibc's own adjustment of both, so both are set.

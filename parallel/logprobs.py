@@ -132,7 +132,7 @@ class _LabelLogProbs(torch.autograd.Function):
     Autograd's ``log_softmax`` + ``gather`` backward allocates two ``[..., V]`` buffers per call
     (a zero-filled one for the gather, the log-softmax gradient); at 16 MB each on CPU they come
     back as fresh pages every micro-batch, and faulting them in cost more than the arithmetic
-    (about 100 ms of a 1.7 s update at the 25M benchmark shape). Here the forward keeps only the
+    (about 90 ms of a 1.7 s update at the 25M benchmark shape). Here the forward keeps only the
     log-softmax output, and the backward turns that buffer into the gradient in place:
     ``d logp_label / dz = onehot(label) - p``, scaled by the upstream gradient. The saved buffer is
     consumed, so a second backward through the same graph fails loudly (autograd's version
