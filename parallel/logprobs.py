@@ -150,8 +150,9 @@ class _LabelLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_log_probs):
         log_p, index = ctx.saved_tensors
-        grad = log_p.exp_().mul_(-grad_log_probs.unsqueeze(-1))
-        grad.scatter_add_(-1, index, grad_log_probs.unsqueeze(-1).to(grad.dtype))
+        upstream = grad_log_probs.unsqueeze(-1).to(log_p.dtype)
+        grad = log_p.exp_().mul_(-upstream)
+        grad.scatter_add_(-1, index, upstream)
         return grad.to(ctx.logits_dtype), None
 
 

@@ -36,6 +36,7 @@ for _ in range(4):
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 print("later_steps", min(faults[1:]), max(faults[1:]))
 """
+PAGES_PER_STEP = 3 * (16 << 20) // 4096
 
 
 def run_steps(mode: str, **env: str) -> tuple[str, int, int]:
@@ -56,16 +57,17 @@ def run_steps(mode: str, **env: str) -> tuple[str, int, int]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_freed_step_memory_is_reused_instead_of_faulted_again() -> None:
-    pages = 3 * (16 << 20) // 4096
     default_set, default_fewest, _ = run_steps("default")
     kept_set, _, kept_most = run_steps("keep")
     assert (default_set, kept_set) == ("False", "True")
-    assert default_fewest > pages // 2, "glibc's defaults no longer trim: the test shows nothing"
-    assert kept_most < pages // 100, kept_most
+    assert default_fewest > PAGES_PER_STEP // 2, (
+        "glibc's defaults no longer trim: the test shows nothing"
+    )
+    assert kept_most < PAGES_PER_STEP // 100, kept_most
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_user_allocator_settings_win() -> None:
     setting, fewest, _ = run_steps("keep", MALLOC_TRIM_THRESHOLD_="0")
     assert setting == "False"
-    assert fewest > 3 * (16 << 20) // 4096 // 2  # the user's trim threshold 0 still trims
+    assert fewest > PAGES_PER_STEP // 2  # the user's trim threshold 0 still trims
