@@ -12,15 +12,16 @@ from rlcli.tools.sandbox import PythonSandbox, SandboxLimits
 from rlcli.tools.schema import ToolSchema
 
 _LIMIT_KEYS = {f.name: f.type for f in fields(SandboxLimits)}
-CONFIG_KEYS = sorted([*_LIMIT_KEYS, "interpreter", "workdir_root"])
+CONFIG_KEYS = sorted([*_LIMIT_KEYS, "interpreter", "workdir_root", "read_only_paths"])
 NO_OUTPUT = "(no output)"
 
 
 class PythonTool(Tool):
     """``python``. Config keys: the ``SandboxLimits`` fields (``wall_time_s``, ``cpu_time_s``,
     ``memory_mb``, ``max_processes``, ``max_output_bytes``, ``max_file_mb``, ``max_open_files``),
-    ``interpreter`` (default: this Python) and ``workdir_root`` (where working directories are
-    made; default: the system's temporary directory)."""
+    ``interpreter`` (default: this Python), ``workdir_root`` (where working directories are
+    made; default: the system's temporary directory) and ``read_only_paths`` (host paths the code
+    may read, e.g. a package installed outside the interpreter; default: none)."""
 
     schema = ToolSchema(
         name="python",
@@ -52,6 +53,7 @@ class PythonTool(Tool):
             SandboxLimits(**limits),
             interpreter=self.config.get("interpreter"),
             workdir_root=self.config.get("workdir_root"),
+            read_only_paths=self.config.get("read_only_paths", []),
         )
 
     @property

@@ -5,9 +5,11 @@ Built from what Linux provides, through bubblewrap (``bwrap``, Debian package ``
 - namespaces: new user, pid, network, IPC, UTS and cgroup namespaces. The network namespace has
   only a loopback device of its own, so no address outside the sandbox is reachable; the pid
   namespace dies with its first process, so nothing the code starts outlives the call.
-- filesystem: the host's ``/`` bound read-only, a new ``/proc``, a minimal read-only ``/dev``, an
-  empty read-only ``/tmp`` holding the call's fresh working directory ``/tmp/sandbox`` (a host
-  temporary directory, removed afterwards): the only place the code can write.
+- filesystem (``rlcli.tools.sandbox_mounts``): an empty read-only root showing only what the
+  interpreter needs (its installation, the system's ``/usr`` and ``ld.so.cache``), the paths of
+  ``read_only_paths``, a new ``/proc`` and a minimal read-only ``/dev``, and the call's fresh
+  working directory ``/tmp/sandbox`` (a host temporary directory, removed afterwards): the only
+  place the code can write. No home directory, checkout, run output or data.
 - privileges: every capability dropped, no_new_privs, no nested user namespaces (bubblewrap >=
   0.8), a cleared environment, stdin from /dev/null.
 - rlimits, set by the interpreter inside the sandbox before the code runs: CPU seconds, address
@@ -39,8 +41,15 @@ from pathlib import Path
 
 from rlcli.errors import UserError
 from rlcli.tools.cgroups import CallCgroup, CgroupHierarchy, find_cgroup_hierarchy
+from rlcli.tools.sandbox_mounts import (
+    SANDBOX_DIR,
+    checked_read_only_paths,
+    filesystem_arguments,
+    find_interpreter,
+    interpreter_paths,
+    read_only_binds,
+)
 
-SANDBOX_DIR = "/tmp/sandbox"  # the working directory as the code sees it
 CODE_FILE = "main.py"
 BOOTSTRAP_TAG = "rlcli-sandbox-bootstrap"
 # Runs inside the sandbox as `python -I -u -c BOOTSTRAP main.py LIMITS_JSON`: the limits first,
@@ -137,18 +146,24 @@ class SandboxResult:
 
 class PythonSandbox:
     """Runs code with ``interpreter`` (default: this Python, so its installed packages are there)
-    under ``limits``. Construction checks that the sandbox can be built on this machine and
-    raises ``UserError`` saying what is missing; ``run`` is safe to call from several threads."""
+    under ``limits``; the code sees the interpreter's installation and ``read_only_paths`` (host
+    paths, shown read-only at the same path), nothing else of the host's files. Construction
+    checks that the sandbox can be built on this machine and raises ``UserError`` saying what is
+    missing; ``run`` is safe to call from several threads."""
 
     def __init__(
         self,
         limits: SandboxLimits = SandboxLimits(),
         interpreter: str | None = None,
         workdir_root: str | None = None,
+        read_only_paths: list[str] | tuple[str, ...] = (),
     ) -> None:
         self.limits = limits
-        self.interpreter = interpreter or sys.executable
+        self.interpreter = find_interpreter(interpreter or sys.executable)
         self.workdir_root = workdir_root
+        extra = checked_read_only_paths(read_only_paths)
+        # Everything of the host the code can see, besides the system folders (read-only).
+        self.read_only_paths = read_only_binds(interpreter_paths(self.interpreter) + extra)
         self.bwrap = shutil.which("bwrap")
         if self.bwrap is None:
             raise UserError(
@@ -172,8 +187,9 @@ class PythonSandbox:
                 f"the python tool's sandbox does not start on this machine (exit code "
                 f"{probe.exit_code}): {probe.output.strip()!r}; bubblewrap needs user namespaces "
                 "(sysctl kernel.unprivileged_userns_clone=1, or on Ubuntu 24.04 "
-                "kernel.apparmor_restrict_unprivileged_userns=0), and the interpreter "
-                f"{self.interpreter} must not live under /tmp"
+                f"kernel.apparmor_restrict_unprivileged_userns=0), and the interpreter "
+                f"{self.interpreter} must start from its installation "
+                f"({', '.join(self.read_only_paths)}) and /usr alone"
             )
 
     def run(self, code: str) -> SandboxResult:
@@ -202,6 +218,9 @@ class PythonSandbox:
             "HOME": SANDBOX_DIR,
             "TMPDIR": SANDBOX_DIR,
             "LANG": "C.UTF-8",
+            # No /etc/passwd inside: getpass.getuser() and its users read the name from here.
+            "USER": "sandbox",
+            "LOGNAME": "sandbox",
             # One thread per numerical library: threads count against max_processes and memory.
             "OMP_NUM_THREADS": "1",
             "OPENBLAS_NUM_THREADS": "1",
@@ -211,9 +230,8 @@ class PythonSandbox:
         if self._disable_userns:
             command.append("--disable-userns")
         command += ["--cap-drop", "ALL", "--die-with-parent", "--new-session"]
-        command += ["--ro-bind", "/", "/", "--dev", "/dev", "--remount-ro", "/dev"]
-        command += ["--proc", "/proc", "--tmpfs", "/tmp", "--bind", str(workdir), SANDBOX_DIR]
-        command += ["--remount-ro", "/tmp", "--chdir", SANDBOX_DIR, "--clearenv"]
+        command += filesystem_arguments(str(workdir), self.read_only_paths)
+        command += ["--chdir", SANDBOX_DIR, "--clearenv"]
         for key, value in environment.items():
             command += ["--setenv", key, value]
         command += ["--info-fd", str(info_fd), "--", self.interpreter, "-I", "-u", "-c", BOOTSTRAP]

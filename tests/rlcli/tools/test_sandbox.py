@@ -19,30 +19,13 @@ from pathlib import Path
 import pytest
 
 from rlcli.tools.python_tool import PythonTool
-from rlcli.tools.sandbox import BOOTSTRAP_TAG, PythonSandbox, SandboxLimits
+from rlcli.tools.sandbox import PythonSandbox, SandboxLimits
+from tests.rlcli.tools.sandbox_helpers import MARKER, leftovers
 
 ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.skipif(
     shutil.which("bwrap") is None, reason="bubblewrap is not installed (make install adds it)"
 )
-MARKER = "rlcli-test-leftover-marker"
-
-
-def _leftovers() -> list[str]:
-    """Command lines of live processes started by a sandboxed call (the bootstrap, its forks, or
-    a child the test code tagged with MARKER)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-        if (BOOTSTRAP_TAG in cmdline or MARKER in cmdline) and state not in ("Z", "X"):
-            found.append(cmdline[:120])
-    return found
 
 
 @pytest.fixture
@@ -55,7 +38,7 @@ def sandbox(tmp_path):
     )
     yield box
     assert list(root.iterdir()) == [], "working directories must be removed"
-    assert _leftovers() == []
+    assert leftovers() == []
 
 
 def test_stdout_and_stderr_interleave_in_order(sandbox):
@@ -80,7 +63,7 @@ time.sleep(300)
     assert result.timed_out and result.exit_code is None
     assert result.output == "started\n"
     assert "timed out after 3 s" in result.notes(sandbox.limits)[0]
-    assert _leftovers() == []
+    assert leftovers() == []
 
 
 def test_a_daemon_left_by_finished_code_is_killed(sandbox):
@@ -92,7 +75,7 @@ print("bye")
 """
     result = sandbox.run(code)
     assert result.exit_code == 0 and result.output == "bye\n"
-    assert _leftovers() == []
+    assert leftovers() == []
 
 
 # Each process forks at most twice and the tree is at most 5 deep, so even a sandbox that failed
@@ -133,7 +116,7 @@ def test_fork_bomb_is_bounded_by_max_processes(sandbox):
     refused = [words for words in lines if words[0] == "refused"]
     assert refused and {words[2] for words in refused} == {"11"}, result.output  # EAGAIN
     assert len(alive) <= sandbox.limits.max_processes - 1, result.output  # + the sandbox's init
-    assert _leftovers() == []
+    assert leftovers() == []
 
 
 def test_network_is_unreachable(sandbox):
@@ -161,17 +144,20 @@ for address in [("127.0.0.1", {port}), ("192.0.2.1", 80)]:
     listener.close()
 
 
-def test_writes_outside_the_working_directory_are_refused(sandbox):
-    # A writable host directory outside /tmp (the sandbox shows an empty /tmp of its own), with a
-    # file the code tries to overwrite, remove and add to.
+def test_writes_outside_the_working_directory_are_refused(tmp_path):
+    # A writable host directory, shown to the code through read_only_paths, with a file the code
+    # tries to overwrite, remove and add to; then the sandbox's own read-only places and the
+    # interpreter's installation.
     outside_dir = Path(tempfile.mkdtemp(prefix="rlcli-sandbox-test-", dir="/var/tmp"))
     try:
         existing = outside_dir / "existing.txt"
         existing.write_text("original")
+        box = PythonSandbox(SandboxLimits(wall_time_s=3), read_only_paths=[str(outside_dir)])
         code = f"""
-import os
+import os, sys
 open("inside.txt", "w").write("ok")
 print("inside", open("inside.txt").read(), os.getcwd())
+print("shown", open({str(existing)!r}).read())
 attempts = [
     ("overwrite", lambda: open({str(existing)!r}, "w").write("escaped")),
     ("remove", lambda: os.remove({str(existing)!r})),
@@ -179,6 +165,9 @@ attempts = [
     ("tmp", lambda: open("/tmp/x", "w")),
     ("shm", lambda: open("/dev/shm/x", "w")),
     ("parent", lambda: open(os.path.expanduser("~/../x"), "w")),
+    ("root", lambda: open("/x", "w")),
+    ("usr", lambda: open("/usr/x", "w")),
+    ("prefix", lambda: open(os.path.join(sys.prefix, "x"), "w")),
 ]
 for what, attempt in attempts:
     try:
@@ -187,10 +176,10 @@ for what, attempt in attempts:
     except OSError as error:
         print("refused", what, error.strerror)
 """
-        result = sandbox.run(code)
-        assert "inside ok /tmp/sandbox" in result.output
+        result = box.run(code)
+        assert "inside ok /tmp/sandbox\nshown original\n" in result.output
         assert "WROTE" not in result.output
-        assert result.output.count("Read-only file system") == 6, result.output
+        assert result.output.count("Read-only file system") == 9, result.output
         assert existing.read_text() == "original"
         assert [p.name for p in outside_dir.iterdir()] == ["existing.txt"]
     finally:
@@ -204,7 +193,7 @@ def test_output_limit_stops_the_code_early(tmp_path):
     assert time.monotonic() - start < 5  # stopped at the limit, not at the wall time
     assert result.output_truncated and len(result.output.encode()) == 1000
     assert "output limit of 1000 bytes" in result.notes(box.limits)[0]
-    assert _leftovers() == []
+    assert leftovers() == []
 
 
 def test_cpu_limit_and_file_size_limit(tmp_path):
@@ -238,11 +227,12 @@ def test_python_tool_config_errors():
 
 
 _UNPRIVILEGED_DRIVER = """
-import json, sys
+import json, os, sys
 sys.path.insert(0, sys.argv[1])
 from rlcli.tools.sandbox import PythonSandbox, SandboxLimits
 box = PythonSandbox(SandboxLimits(wall_time_s=3, memory_mb=256, max_processes=8),
-                    interpreter=sys.executable, workdir_root=sys.argv[2])
+                    interpreter=sys.executable, workdir_root=sys.argv[2],
+                    read_only_paths=[os.path.dirname(sys.argv[4])])
 assert box.cgroups is None
 bomb = box.run(sys.argv[3])
 net = box.run("import socket\\nsocket.create_connection(('192.0.2.1', 80), timeout=1)")
@@ -259,18 +249,18 @@ def test_without_root_rlimits_bound_the_fork_bomb(tmp_path):
     """The non-root path: bubblewrap unprivileged (a user namespace), no cgroup, the fork bomb
     bounded by RLIMIT_NPROC inside the sandbox's user namespace. Run as `nobody` with the system
     Python (this venv's interpreter may not be readable by nobody); the sandbox module needs only
-    the standard library."""
-    if not all(os.stat(p).st_mode & 0o005 == 0o005 for p in (ROOT, ROOT / "rlcli")):
-        pytest.skip("the checkout is not readable by other users")
+    the standard library, and is imported from a copy nobody can read (the checkout may be in a
+    private home)."""
     base = Path(tempfile.mkdtemp(prefix="rlcli-sandbox-test-", dir="/var/tmp"))
     try:
         base.chmod(0o755)
+        _readable_copy(ROOT / "rlcli", base / "code" / "rlcli")
         workdirs, outside = base / "workdirs", base / "outside"
         for folder in (workdirs, outside):  # both writable by nobody on the host
             folder.mkdir()
             os.chown(folder, 65534, 65534)
         command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-        command += ["/usr/bin/python3", "-I", "-c", _UNPRIVILEGED_DRIVER, str(ROOT)]
+        command += ["/usr/bin/python3", "-I", "-c", _UNPRIVILEGED_DRIVER, str(base / "code")]
         command += [str(workdirs), FORK_BOMB, str(outside / "escaped.txt")]
         proc = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd="/")
         assert proc.returncode == 0, proc.stderr
@@ -282,9 +272,18 @@ def test_without_root_rlimits_bound_the_fork_bomb(tmp_path):
         assert "Network is unreachable" in outputs["net"]
         assert "Read-only file system" in outputs["write"]
         assert list(outside.iterdir()) == [] and list(workdirs.iterdir()) == []
-        assert _leftovers() == []
+        assert leftovers() == []
     finally:
         shutil.rmtree(base)
+
+
+def _readable_copy(package: Path, destination: Path) -> None:
+    """The package's Python files, readable by every user whatever the checkout's modes."""
+    shutil.copytree(package, destination, ignore=shutil.ignore_patterns("__pycache__"))
+    for folder, _, files in os.walk(destination.parent):
+        os.chmod(folder, 0o755)
+        for name in files:
+            os.chmod(os.path.join(folder, name), 0o644)
 
 
 def test_cgroups_are_removed_after_calls():
