@@ -187,9 +187,10 @@ class PythonSandbox:
                 f"the python tool's sandbox does not start on this machine (exit code "
                 f"{probe.exit_code}): {probe.output.strip()!r}; bubblewrap needs user namespaces "
                 "(sysctl kernel.unprivileged_userns_clone=1, or on Ubuntu 24.04 "
-                f"kernel.apparmor_restrict_unprivileged_userns=0), and the interpreter "
-                f"{self.interpreter} must start from its installation "
-                f"({', '.join(self.read_only_paths)}) and /usr alone"
+                "kernel.apparmor_restrict_unprivileged_userns=0), and the interpreter "
+                f"{self.interpreter} must start seeing only /usr and its installation "
+                f"({', '.join(self.read_only_paths)}): add what else it loads to the tool's "
+                "config key read_only_paths"
             )
 
     def run(self, code: str) -> SandboxResult:

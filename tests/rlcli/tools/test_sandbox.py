@@ -103,7 +103,7 @@ def test_memory_bomb_gets_memory_error(sandbox):
     # At most 64 blocks of 16 MiB (1 GiB) even unbounded; the limit is 256 MiB.
     code = "blocks = []\nfor _ in range(64):\n    blocks.append(bytearray(16 * 1024 * 1024))"
     result = sandbox.run(code)
-    assert "MemoryError" in result.output and result.exit_code == 1
+    assert "MemoryError" in result.output and result.exit_code == 1, result
     one_big = sandbox.run("x = bytearray(1024 * 1024 * 1024)")  # 1 GiB > 256 MiB
     assert "MemoryError" in one_big.output
 
