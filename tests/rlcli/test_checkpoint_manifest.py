@@ -24,6 +24,7 @@ from rlcli.cli import main
 from rlcli.errors import UserError
 from rlcli.run_checkpoint import CheckpointManager
 from rlcli.run_state import save_trainer_state
+from tests.rlcli.checkpoint_steps import complete_steps
 
 SHARD = "model/__0_0.distcp"
 
@@ -166,10 +167,10 @@ def test_keep_last_does_not_count_a_damaged_checkpoint(tmp_path, capsys):
     _truncate_shard(_save(manager, 2))
     _save(manager, 3)
     # Plain pruning would have deleted step 1, leaving one intact checkpoint.
-    assert manager.complete_steps() == [1, 2, 3]
+    assert complete_steps(manager) == [1, 2, 3]
     assert "kept, but not counted toward checkpoint.keep_last" in capsys.readouterr().out
     _save(manager, 4)  # two intact checkpoints newer than the damaged one: it goes
-    assert manager.complete_steps() == [3, 4]
+    assert complete_steps(manager) == [3, 4]
 
 
 def test_hashing_shares_cover_every_file_once_and_balance_bytes():

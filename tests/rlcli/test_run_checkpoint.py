@@ -10,6 +10,7 @@ from safetensors import safe_open
 from rlcli.errors import UserError
 from rlcli.run_checkpoint import CheckpointManager
 from rlcli.run_state import load_trainer_state, rng_state_file, save_trainer_state
+from tests.rlcli.checkpoint_steps import complete_steps, latest_step
 
 
 def _save(manager, step, payload="weights"):
@@ -22,14 +23,14 @@ def test_saving_commits_a_complete_directory_and_latest_pointer(tmp_path):
     manager = CheckpointManager(tmp_path)
     with manager.saving(10) as directory:
         assert directory == tmp_path / ".tmp-step_000010"
-        assert manager.latest_step() is None  # not visible while it is being written
+        assert latest_step(manager) is None  # not visible while it is being written
         (directory / "model.bin").write_text("w")
     final = tmp_path / "step_000010"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000010"]
     assert (final / "model.bin").read_text() == "w"
     assert json.loads((final / "COMPLETE").read_text()) == {"step": 10, "sequence": 1}
     assert (tmp_path / "latest").read_text().strip() == "step_000010"
-    assert manager.latest_step() == 10 and manager.latest_dir() == final
+    assert latest_step(manager) == 10 and manager.latest_dir() == final
 
 
 def test_a_crash_inside_saving_leaves_no_complete_checkpoint(tmp_path):
@@ -39,7 +40,7 @@ def test_a_crash_inside_saving_leaves_no_complete_checkpoint(tmp_path):
         (directory / "model.bin").write_text("half")
         raise RuntimeError("disk full")
     assert not (tmp_path / "step_000020").exists()
-    assert manager.latest_step() == 10
+    assert latest_step(manager) == 10
     assert manager.resolve_resume("auto") == tmp_path / "step_000010"
     assert (tmp_path / "latest").read_text().strip() == "step_000010"
     # The next save clears the leftover temporary directory.
@@ -56,7 +57,7 @@ def test_half_written_directories_are_never_loaded(tmp_path):
     (tmp_path / "step_000030" / "model.bin").write_text("half")
     (tmp_path / ".tmp-step_000040").mkdir()
     (tmp_path / ".tmp-step_000040" / "COMPLETE").write_text("{}")
-    assert manager.complete_steps() == [10]
+    assert complete_steps(manager) == [10]
     assert manager.resolve_resume("auto") == tmp_path / "step_000010"
     with pytest.raises(UserError, match=r"trainer\.resume.*no COMPLETE marker.*incomplete"):
         manager.resolve_resume(tmp_path / "step_000030")
@@ -68,7 +69,7 @@ def test_keep_last_prunes_oldest_complete_checkpoints(tmp_path):
     manager = CheckpointManager(tmp_path, keep_last=2)
     for step in (10, 20, 30, 40, 50):
         _save(manager, step)
-    assert manager.complete_steps() == [40, 50]
+    assert complete_steps(manager) == [40, 50]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000040", "step_000050"]
 
 
@@ -80,12 +81,12 @@ def test_after_resuming_an_older_checkpoint_its_new_saves_are_latest(tmp_path):
     assert manager.resolve_resume(tmp_path / "step_000010") == tmp_path / "step_000010"
     _save(manager, 11)
     # A crash now and `trainer.resume: auto` must continue at 11, not jump to the old 30.
-    assert manager.latest_step() == 11
+    assert latest_step(manager) == 11
     assert (tmp_path / "latest").read_text().strip() == "step_000011"
     _save(manager, 12)
     _save(manager, 13)
     # Pruning drops the oldest commits, the abandoned 20 and 30 included.
-    assert manager.complete_steps() == [11, 12, 13]
+    assert complete_steps(manager) == [11, 12, 13]
 
 
 def test_saving_the_same_step_again_replaces_it(tmp_path):
@@ -93,7 +94,7 @@ def test_saving_the_same_step_again_replaces_it(tmp_path):
     _save(manager, 10, payload="first")
     _save(manager, 10, payload="second")
     assert (tmp_path / "step_000010" / "model.bin").read_text() == "second 10"
-    assert manager.complete_steps() == [10]
+    assert complete_steps(manager) == [10]
 
 
 def test_resolve_resume_choices_and_errors(tmp_path):
@@ -170,7 +171,7 @@ def _two_rank_save(rank, root, init_file):
                 (directory / "model" / f"shard_rank{rank}.bin").write_bytes(os.urandom(1 << 16))
                 save_trainer_state(directory, {"step": step})
             # After the context every rank sees the committed checkpoint.
-            assert manager.latest_step() == step
+            assert latest_step(manager) == step
     finally:
         torch.distributed.destroy_process_group()
 
@@ -205,7 +206,7 @@ def test_resaving_a_step_never_leaves_fewer_complete_checkpoints(tmp_path, monke
 
     def watching_replace(src, dst):
         real_replace(src, dst)
-        seen.append(CheckpointManager(tmp_path, rank=0).complete_steps())
+        seen.append(complete_steps(CheckpointManager(tmp_path, rank=0)))
 
     monkeypatch.setattr(os, "replace", watching_replace)
     _save(manager, 10, "new")
@@ -216,8 +217,8 @@ def test_resaving_a_step_never_leaves_fewer_complete_checkpoints(tmp_path, monke
 
     # A crash right after the old copy stepped aside: it still counts, and resume finds it.
     real_replace(tmp_path / "step_000010", tmp_path / ".replaced-step_000010")
-    assert manager.complete_steps() == [10]
+    assert complete_steps(manager) == [10]
     assert manager.resolve_resume("auto") == tmp_path / ".replaced-step_000010"
     _save(manager, 11, "next")  # the next save neither loses it early nor keeps it forever
-    assert manager.complete_steps() == [11]
+    assert complete_steps(manager) == [11]
     assert not (tmp_path / ".replaced-step_000010").exists()
