@@ -23,7 +23,7 @@ from rlcli.checkpoint_manifest import (
 from rlcli.cli import main
 from rlcli.errors import UserError
 from rlcli.run_checkpoint import CheckpointManager
-from rlcli.run_state import save_trainer_state
+from rlcli.run_state import RunState, save_run_state
 from tests.rlcli.checkpoint_steps import complete_steps
 
 SHARD = "model/__0_0.distcp"
@@ -35,7 +35,7 @@ def _save(manager: CheckpointManager, step: int) -> Path:
     with manager.saving(step, subdirs=("model",)) as directory:
         (directory / SHARD).write_bytes(os.urandom(40_000))
         (directory / "model" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
-        save_trainer_state(directory, {"step": step, "kl_coef": 0.05}, rank=0)
+        save_run_state(directory, RunState(step=step, kl_coef=0.05), rank=0)
     return manager.step_dir(step)
 
 

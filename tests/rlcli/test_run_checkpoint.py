@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 from rlcli.errors import UserError
 from rlcli.run_checkpoint import CheckpointManager
-from rlcli.run_state import load_trainer_state, rng_state_file, save_trainer_state
+from rlcli.run_state import RunState, load_run_state, rng_state_file, save_run_state
 from tests.rlcli.checkpoint_steps import complete_steps, latest_step
 
 
@@ -123,16 +123,16 @@ def _draw_numbers():
     )
 
 
-def test_trainer_state_and_rng_round_trip_without_pickle(tmp_path):
+def test_run_state_and_rng_round_trip_without_pickle(tmp_path):
     random.seed(1)
     np.random.seed(2)
     torch.manual_seed(3)
     random.gauss(0, 1)  # leaves a cached gaussian in python's state
-    state = {"step": 7, "dataloader": {"epoch": 1, "position": 96}, "kl_coef": 0.05}
-    save_trainer_state(tmp_path, state, rank=0)
+    state = RunState(step=7, loader={"epoch": 1, "position": 96}, kl_coef=0.05)
+    save_run_state(tmp_path, state, rank=0)
     expected = _draw_numbers()
     _draw_numbers()  # move every generator on
-    assert load_trainer_state(tmp_path, rank=0) == state
+    assert load_run_state(tmp_path, rank=0) == state
     assert _draw_numbers() == expected
     # RNG states are plain tensors in safetensors, not pickles.
     with safe_open(str(tmp_path / rng_state_file(0)), framework="pt") as handle:
@@ -141,22 +141,42 @@ def test_trainer_state_and_rng_round_trip_without_pickle(tmp_path):
 
 def test_rng_states_are_per_rank(tmp_path):
     torch.manual_seed(0)
-    save_trainer_state(tmp_path, {"step": 1}, rank=0)
+    save_run_state(tmp_path, RunState(step=1), rank=0)
     rank0_draw = torch.rand(2)
     torch.manual_seed(1)
-    save_trainer_state(tmp_path, {"step": 999}, rank=1)  # only rank 0 writes the JSON
+    save_run_state(tmp_path, RunState(step=999), rank=1)  # only rank 0 writes the JSON
     rank1_draw = torch.rand(2)
-    assert load_trainer_state(tmp_path, rank=1) == {"step": 1}
+    assert load_run_state(tmp_path, rank=1) == RunState(step=1)
     assert torch.equal(torch.rand(2), rank1_draw)
-    load_trainer_state(tmp_path, rank=0)
+    load_run_state(tmp_path, rank=0)
     assert torch.equal(torch.rand(2), rank0_draw)
     with pytest.warns(RuntimeWarning, match="rng_state_rank2"):
-        load_trainer_state(tmp_path, rank=2)
+        load_run_state(tmp_path, rank=2)
 
 
 def test_loading_a_directory_without_trainer_state_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="trainer_state.json is missing"):
-        load_trainer_state(tmp_path, rank=0)
+        load_run_state(tmp_path, rank=0)
+
+
+def test_run_state_file_is_versioned_and_checked(tmp_path):
+    state = RunState(step=3, loader={"epoch": 0, "position": 12}, kl_coef=0.1, model_dir="m")
+    assert state.to_dict() == {
+        "version": 1,
+        "step": 3,
+        "loader": {"epoch": 0, "position": 12},
+        "kl_coef": 0.1,
+        "model_dir": "m",
+    }
+    assert RunState.from_dict(state.to_dict(), "x") == state
+    # written before the version field: version 1
+    assert RunState.from_dict({"step": 2, "history": []}, "x") == RunState(step=2, history=[])
+    with pytest.raises(UserError, match="f.json: run state version 2, this rlcli reads up to 1"):
+        RunState.from_dict({"version": 2, "step": 1}, "f.json")
+    with pytest.raises(UserError, match=r"f.json is not an rlcli run state \(unknown keys \['x'\]"):
+        RunState.from_dict({"step": 1, "x": 0}, "f.json")
+    with pytest.raises(UserError, match="no 'step'"):
+        RunState.from_dict({"kl_coef": 0.1}, "f.json")
 
 
 def _two_rank_save(rank, root, init_file):
@@ -169,7 +189,7 @@ def _two_rank_save(rank, root, init_file):
             with manager.saving(step, subdirs=("model",)) as directory:
                 # Every rank writes its own shard, as megatron dist_checkpointing does.
                 (directory / "model" / f"shard_rank{rank}.bin").write_bytes(os.urandom(1 << 16))
-                save_trainer_state(directory, {"step": step})
+                save_run_state(directory, RunState(step=step))
             # After the context every rank sees the committed checkpoint.
             assert latest_step(manager) == step
     finally:
