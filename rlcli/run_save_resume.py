@@ -14,7 +14,8 @@ HF on its own), then the run state and every rank's RNG states. An RL run's is `
 ``hf/`` for the actor; a LoRA actor's ``model/`` holds only its adapters and their optimizer
 state (the base is the run's HF model, ``rlcli.lora``); a PPO run adds ``critic/model/`` and
 ``critic/hf/`` (``rlcli export --critic`` turns the two into an HF model). A reward-model run's
-and the SFT warm start's are ``model/`` alone.
+(``<output_dir>/rm_checkpoints``) and the SFT warm start's (``sft.save_freq``,
+``<output_dir>/sft_checkpoints``) are ``model/`` alone.
 
 Resuming takes what ``trainer.resume`` names, the newest intact checkpoint for ``auto`` and after
 a torchrun restart: a damaged newest checkpoint is skipped, saying so, for the previous intact one.
