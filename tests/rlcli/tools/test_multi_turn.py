@@ -111,7 +111,9 @@ def test_config_validation_checks_the_tool_config(tmp_path):
         load_config(None, _recipe(tmp_path, tool_config=bad))
     with pytest.raises(UserError, match="needs tools \\(rollout.multi_turn.tool_config=FILE\\)"):
         load_config(None, _recipe(tmp_path))
-    with pytest.raises(UserError, match="rollout.multi_turn.environment='nope' is not a known"):
+    with pytest.raises(
+        UserError, match="rollout.multi_turn.environment='nope': unknown environment; valid names"
+    ):
         load_config(None, _recipe(tmp_path, environment="nope"))
     with pytest.raises(
         UserError, match="tool_response_truncate_side=.up. is not valid; choose one of"
