@@ -3,7 +3,8 @@ aggregation, KL controllers, DAPO helpers, off-policy corrections, the Bradley-T
 reward-model training and reward normalisation / combination. No process groups, no config
 objects: tensors in, tensors out, ``[batch, response_len]`` with a ``response_mask``;
 algorithms are chosen by name through ``get_advantage_estimator``, ``get_policy_loss`` and
-``get_off_policy_correction``.
+``get_off_policy_correction`` (each a ``Registry``, ``algorithms.registry``: the one registry
+helper, which ``rlcli``'s reward functions and tool-call formats use too).
 """
 
 from algorithms.advantages import (
@@ -29,6 +30,7 @@ from algorithms.off_policy import (
     register_off_policy_correction,
 )
 from algorithms.policy_losses import POLICY_LOSSES, get_policy_loss, register_policy_loss
+from algorithms.registry import Registry
 from algorithms.reward_model import bradley_terry_loss
 from algorithms.reward_shaping import COMBINE_MODES, RunningMeanStd, combine_rewards
 from algorithms.utils import (
@@ -46,6 +48,7 @@ __all__ = [
     "LOSS_AGG_MODES",
     "OFF_POLICY_CORRECTIONS",
     "POLICY_LOSSES",
+    "Registry",
     "RunningMeanStd",
     "AdaptiveKLController",
     "CorrectionTerms",

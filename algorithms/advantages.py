@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from algorithms.registry import Registry
 from algorithms.utils import (
     BatchSum,
     GroupIndex,
@@ -37,33 +38,11 @@ from algorithms.utils import (
 
 AdvantageEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
-
-
-def register_advantage_estimator(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    """Decorator: make ``fn`` selectable as ``name``. Re-registering a name with another function
-    is an error (it would silently change what existing configs run)."""
-
-    def decorator(fn: AdvantageEstimator) -> AdvantageEstimator:
-        if ADVANTAGE_ESTIMATORS.get(name, fn) is not fn:
-            raise ValueError(
-                f"advantage estimator {name!r} is already registered to "
-                f"{ADVANTAGE_ESTIMATORS[name].__qualname__}"
-            )
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-
-    return decorator
-
-
-def get_advantage_estimator(name: str) -> AdvantageEstimator:
-    """The estimator registered as ``name``; ValueError listing the valid names otherwise."""
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(
-            f"unknown advantage estimator {name!r}; valid names: "
-            f"{', '.join(sorted(ADVANTAGE_ESTIMATORS))}"
-        )
-    return ADVANTAGE_ESTIMATORS[name]
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+# Decorator: make an estimator selectable by name (``algorithm.adv_estimator``).
+register_advantage_estimator = ADVANTAGE_ESTIMATORS.register
+# The estimator registered under a name; ValueError listing the valid names otherwise.
+get_advantage_estimator = ADVANTAGE_ESTIMATORS.lookup
 
 
 def _outcome_scores(token_level_rewards: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from algorithms.registry import Registry
 from algorithms.utils import masked_mean
 
 
@@ -42,32 +43,11 @@ class CorrectionTerms:
 
 OffPolicyCorrection = Callable[..., CorrectionTerms]
 
-OFF_POLICY_CORRECTIONS: dict[str, OffPolicyCorrection] = {}
-
-
-def register_off_policy_correction(
-    name: str,
-) -> Callable[[OffPolicyCorrection], OffPolicyCorrection]:
-    """Decorator: make ``fn`` selectable as ``name``; re-registering a name to another function
-    is an error."""
-
-    def decorator(fn: OffPolicyCorrection) -> OffPolicyCorrection:
-        if OFF_POLICY_CORRECTIONS.get(name, fn) is not fn:
-            raise ValueError(f"off-policy correction {name!r} is already registered")
-        OFF_POLICY_CORRECTIONS[name] = fn
-        return fn
-
-    return decorator
-
-
-def get_off_policy_correction(name: str) -> OffPolicyCorrection:
-    """The correction registered as ``name``; ValueError listing the valid names otherwise."""
-    if name not in OFF_POLICY_CORRECTIONS:
-        raise ValueError(
-            f"unknown off-policy correction {name!r}; valid names: "
-            f"{', '.join(sorted(OFF_POLICY_CORRECTIONS))}"
-        )
-    return OFF_POLICY_CORRECTIONS[name]
+OFF_POLICY_CORRECTIONS: Registry[OffPolicyCorrection] = Registry("off-policy correction")
+# Decorator: make a correction selectable by name (``algorithm.off_policy_correction``).
+register_off_policy_correction = OFF_POLICY_CORRECTIONS.register
+# The correction registered under a name; ValueError listing the valid names otherwise.
+get_off_policy_correction = OFF_POLICY_CORRECTIONS.lookup
 
 
 def truncated_importance_weights(

@@ -29,38 +29,19 @@ from collections.abc import Callable
 import torch
 
 from algorithms.aggregation import agg_loss
+from algorithms.registry import Registry
 from algorithms.utils import masked_mean
 
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
-POLICY_LOSSES: dict[str, PolicyLoss] = {}
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+# Decorator: make a loss selectable by name (``actor.policy_loss``).
+register_policy_loss = POLICY_LOSSES.register
+# The loss registered under a name; ValueError listing the valid names otherwise.
+get_policy_loss = POLICY_LOSSES.lookup
 
 # exp() of a log-ratio above 20 overflows in half precision and is meaningless anyway (verl).
 LOG_RATIO_CLAMP = 20.0
-
-
-def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
-    """Decorator: make ``fn`` selectable as ``name``; re-registering a name to another function
-    is an error."""
-
-    def decorator(fn: PolicyLoss) -> PolicyLoss:
-        if POLICY_LOSSES.get(name, fn) is not fn:
-            raise ValueError(
-                f"policy loss {name!r} is already registered to {POLICY_LOSSES[name].__qualname__}"
-            )
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return decorator
-
-
-def get_policy_loss(name: str) -> PolicyLoss:
-    """The policy loss registered as ``name``; ValueError listing the valid names otherwise."""
-    if name not in POLICY_LOSSES:
-        raise ValueError(
-            f"unknown policy loss {name!r}; valid names: {', '.join(sorted(POLICY_LOSSES))}"
-        )
-    return POLICY_LOSSES[name]
 
 
 def _metrics(

@@ -55,21 +55,6 @@ def vocab_parallel_log_probs(
     return log_probs
 
 
-def vocab_parallel_entropy(
-    logits: torch.Tensor,
-    tp_group: dist.ProcessGroup | None = None,
-    vocab_size: int | None = None,
-) -> torch.Tensor:
-    """Entropy ``-sum_v p_v log p_v`` of ``softmax(logits)`` over the full vocabulary.
-
-    Args: as :func:`vocab_parallel_log_probs` (no labels).
-
-    Returns:
-        ``[b, s]`` entropy in float32 (float64 for float64 logits), identical on every rank.
-    """
-    return vocab_parallel_log_probs_and_entropy(logits, None, tp_group, vocab_size)[1]
-
-
 def vocab_parallel_log_probs_and_entropy(
     logits: torch.Tensor,
     labels: torch.Tensor | None,

@@ -281,7 +281,3 @@ class Offloader:
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-    def device_bytes(self, kind: str) -> int:
-        """Bytes the kind holds on the device now (0 while offloaded)."""
-        return sum(s.nbytes() for s in self._storages(kind)) if kind not in self._moved else 0

@@ -13,7 +13,6 @@ side's builders are ``rlcli.build_rollouts``.
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,12 +30,12 @@ from rlcli.build_rollouts import (
 from rlcli.config import RLConfig, TrainedModelConfig, to_dict
 from rlcli.config_validation import uses_critic
 from rlcli.errors import UserError
-from rlcli.inputs import RunInputs, barrier, prepare_inputs
+from rlcli.inputs import RunInputs, prepare_inputs
 from rlcli.lora import lora_spec
 from rlcli.metrics import MetricsLogger
 from rlcli.rollout_channel import RolloutChannel, RunEnded
 from rlcli.run_checkpoint import CheckpointManager, checkpoint_root
-from rlcli.run_save_resume import resume_run
+from rlcli.run_save_resume import CheckpointedModel, RunCheckpoints, replacing_folder
 from rlcli.trained_model import (
     LoraReference,
     MicroBatching,
@@ -124,10 +123,7 @@ def build_trainer(
         rollouts=rollouts,
         loader=loader,
         kl_ctrl=build_kl_controller(cfg),
-        checkpoints=CheckpointManager(
-            checkpoint_root(cfg.checkpoint.dir, cfg.trainer.output_dir),
-            keep_last=cfg.checkpoint.keep_last,
-        ),
+        checkpoints=rl_checkpoints(cfg, actor, critic, inputs.model_dir),
         logger=None,
         total_steps=total,
         critic=critic,
@@ -139,19 +135,19 @@ def build_trainer(
         say(
             mesh, f"offload: {gigabytes:.2f} GB of pinned host buffers allocated in {seconds:.2f} s"
         )
-    state = resume_run(
-        trainer.checkpoints,
-        cfg.trainer.resume,
-        actor,
-        cfg.checkpoint.save_optimizer,
-        critic=critic,
-    )
-    if state is not None:
-        loader.load_state_dict(state["loader"])
-        trainer.kl_ctrl.value = state["kl_coef"]
+    resumed = trainer.checkpoints.resume(cfg.trainer.resume)
+    if resumed is not None:
+        state = resumed.state
+        if state.loader is None or state.kl_coef is None:
+            raise UserError(
+                f"trainer.resume: {resumed.path} is not an RL run's checkpoint (no data position "
+                "or KL coefficient); resume it with the command that wrote it"
+            )
+        loader.load_state_dict(state.loader)
+        trainer.kl_ctrl.value = state.kl_coef
         if model_rewards is not None:
-            model_rewards.load_state_dict(state.get("model_rewards", {}))
-        trainer.step = trainer.resumed_from = int(state["step"])
+            model_rewards.load_state_dict(state.model_rewards or {})
+        trainer.step = trainer.resumed_from = state.step
     if logger:
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         # A group torchrun restarted before any checkpoint starts over: drop the dead attempt's
@@ -159,6 +155,34 @@ def build_trainer(
         resumed = 0 if restarted and trainer.resumed_from is None else trainer.resumed_from
         trainer.logger = build_logger(inputs, total, resumed)
     return trainer
+
+
+def rl_checkpoints(
+    cfg: RLConfig, actor: TrainedModel, critic: TrainedModel | None, model_dir: str
+) -> RunCheckpoints:
+    """An RL run's checkpoints (``checkpoint.*``): the actor with the HF folder it trained from,
+    and PPO's critic with its own."""
+    models = [CheckpointedModel("model", actor, hf_dir=model_dir, role="the actor")]
+    if critic is not None:
+        models.append(
+            CheckpointedModel(
+                "critic/model",
+                critic,
+                hf_dir=critic.hf_dir,
+                role="PPO's value model (critic)",
+                absent_because="it was written by a run without algorithm.adv_estimator=gae",
+            )
+        )
+    return RunCheckpoints(
+        CheckpointManager(
+            checkpoint_root(cfg.checkpoint.dir, cfg.trainer.output_dir),
+            keep_last=cfg.checkpoint.keep_last,
+        ),
+        models,
+        save_optimizer=cfg.checkpoint.save_optimizer,
+        fix="Lower actor.lr, keep actor.grad_clip > 0, or use model.dtype=float32 / bfloat16 "
+        "instead of float16.",
+    )
 
 
 def check_multi_turn(inputs: RunInputs) -> None:
@@ -192,22 +216,15 @@ def warm_start(inputs: RunInputs, force: bool = False) -> Path:
         return out
     files = list(cfg.sft.train_files) or inputs.sft_files
     say(mesh, f"warm start: {cfg.sft.steps} SFT steps on {', '.join(files)}")
-    tmp = inputs.output_dir / "sft_model.tmp"
-    if mesh.rank == 0 and tmp.exists():
-        shutil.rmtree(tmp)
-    barrier()
-    sft_warm_start(
-        inputs,
-        lambda: build_actor(inputs, total_steps=cfg.sft.steps, sft=True),
-        files,
-        tmp,
-        log=lambda m: say(mesh, m),
-    )
-    if mesh.rank == 0:
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)  # a crash mid-save leaves only sft_model.tmp, never a partial sft_model
-    barrier()
+    # a crash mid-save leaves only sft_model.tmp, never a partial sft_model
+    with replacing_folder(out, mesh.rank) as staging:
+        sft_warm_start(
+            inputs,
+            lambda: build_actor(inputs, total_steps=cfg.sft.steps, sft=True),
+            files,
+            staging,
+            log=lambda m: say(mesh, m),
+        )
     return out
 
 

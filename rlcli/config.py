@@ -273,6 +273,9 @@ class SFTConfig:
     batch_size: int = 64  # pairs per SFT step
     micro_batch_size: int = 64  # pairs per forward/backward
     lr_warmup_steps: int = 0  # warm-start warmup steps
+    # checkpoint every N steps into <trainer.output_dir>/sft_checkpoints (0: none); an interrupted
+    # warm start resumes from the newest intact one unless trainer.resume=none
+    save_freq: int = 0
 
 
 @dataclass

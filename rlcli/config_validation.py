@@ -239,6 +239,7 @@ def _check_schedules(cfg: RLConfig) -> None:
     for key, value in (
         ("sft.lr_warmup_steps", cfg.sft.lr_warmup_steps),
         ("sft.steps", cfg.sft.steps),
+        ("sft.save_freq", cfg.sft.save_freq),
     ):
         if value < 0:
             raise UserError(f"{key} must be >= 0, got {value}")

@@ -1,10 +1,10 @@
 """The actor's LoRA settings across a run: the adapters ``actor.lora`` asks for, what a checkpoint
-records of them (``trainer_state.json``'s ``lora``: a LoRA checkpoint holds only the adapters, so
+records of them (the run state's ``lora``: a LoRA checkpoint holds only the adapters, so
 resume and export rebuild the base from the run's HF model and need the adapters' shape), and the
 check that a resumed run continues the same kind of actor.
 
     lora_spec(cfg.actor.lora, seed) -> LoraSpec | None     None: full fine-tuning
-    lora_state(spec) -> dict | None;  spec_of_state(state) -> LoraSpec | None
+    lora_state(spec) -> dict | None;  spec_of_state(run_state) -> LoraSpec | None
     check_resumed_lora(checkpoint, saved, wanted)           UserError naming the key to set
 """
 
@@ -18,6 +18,7 @@ from rlcli.errors import UserError
 
 if TYPE_CHECKING:
     from rlcli.config import LoraConfig
+    from rlcli.run_state import RunState
 
 
 def lora_spec(lora: LoraConfig, seed: int) -> LoraSpec | None:
@@ -71,9 +72,9 @@ def check_resumed_lora(path: Path, saved: dict | None, wanted: dict | None) -> N
             )
 
 
-def spec_of_state(state: dict[str, Any]) -> LoraSpec | None:
-    """The adapters a checkpoint's trainer state records (None: a fully fine-tuned actor)."""
-    saved = state.get("lora")
+def spec_of_state(state: RunState) -> LoraSpec | None:
+    """The adapters a checkpoint's run state records (None: a fully fine-tuned actor)."""
+    saved = state.lora
     if saved is None:
         return None
     return LoraSpec(

@@ -12,15 +12,21 @@ the next rollout.
     rollout        actor, critic: OFF their ``*.offload_*`` kinds; reference: OFF if ref.offload
     reward_model   reward_model: ON params (reward.model.*: scores the samples)
     judge          (the judge is an engine: it wakes for this phase and sleeps after it)
+    distribute     (nothing moves)
     old_log_prob   actor: ON params
     ref            reference: ON params
     values         critic: ON params
+    adv            (nothing moves)
     update_critic  critic: ON params, grads, optimizer
     update         actor: ON params, grads, optimizer; critic: OFF its offload kinds
     sync           actor: ON params
     checkpoint     actor, critic: ON everything (a save reads it all)
-    (the reference is OFF again in every phase but ``ref`` when ref.offload, and the reward
-    model in every phase but ``reward_model`` when reward.model.offload)
+    (the reference is OFF again in every phase that moves something but ``ref`` when
+    ref.offload, and the reward model in every such phase but ``reward_model`` when
+    reward.model.offload)
+
+The phases are a closed set, ``Phase``: a plan row or a phase entered under any other name is an
+error, never a phase that silently moves nothing.
 
 With ``rollout.placement=separate`` the engines run on ranks of their own: the rollout row is
 empty (nothing leaves the trainer's device for them), and a rollout rank holds no model at all.
@@ -29,8 +35,8 @@ With LoRA (``actor.lora.enable``) there is no reference model: the reference is 
 its adapters switched off, so the ``ref`` row asks for the actor's params instead.
 
 A phase the step skips is not entered, so a skipped update (PPO's critic warmup, DAPO keeping too
-few groups) moves no gradient or optimizer state. Adding a phase is one row here and one call in
-the step.
+few groups) moves no gradient or optimizer state. Adding a phase is one member of ``Phase``, its row
+here and one call in the step.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING
 
 from rlcli.metrics import Timer
@@ -48,18 +55,38 @@ if TYPE_CHECKING:
     from rlcli.trained_model import TrainedModel
 
 KINDS = ("params", "grads", "optimizer")
-PHASES = (
-    "rollout",
-    "reward_model",
-    "judge",
-    "old_log_prob",
-    "ref",
-    "values",
-    "update_critic",
-    "update",
-    "sync",
-    "checkpoint",
-)
+
+
+class Phase(str, Enum):
+    """The phases of a step, in the order a batch travels (``checkpoint``: a save after it).
+    Equal to their names as strings; ``Phase("updte")`` raises."""
+
+    rollout = "rollout"
+    reward_model = "reward_model"
+    judge = "judge"
+    distribute = "distribute"
+    old_log_prob = "old_log_prob"
+    ref = "ref"
+    values = "values"
+    adv = "adv"
+    update_critic = "update_critic"
+    update = "update"
+    sync = "sync"
+    checkpoint = "checkpoint"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def named(cls, name: str | Phase) -> Phase:
+        """The phase called ``name``; ValueError naming the phases otherwise."""
+        try:
+            return cls(name)
+        except ValueError:
+            raise ValueError(
+                f"unknown step phase {name!r}; the phases are: {', '.join(p.value for p in cls)} "
+                "(rlcli.residency.Phase)"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -70,7 +97,7 @@ class Need:
     off: frozenset[str] = frozenset()
 
 
-ResidencyPlan = dict[str, dict[str, Need]]  # phase -> model name -> need
+ResidencyPlan = dict[Phase, dict[str, Need]]  # phase -> model name -> need
 
 
 def offloaded_kinds(section: TrainedModelConfig) -> frozenset[str]:
@@ -87,23 +114,23 @@ def residency_plan(cfg: RLConfig) -> ResidencyPlan:
     reward_model_off = frozenset({"params"} if cfg.reward.model.offload else ())
     reference = "actor" if cfg.actor.lora.enable else "reference"  # LoRA: the actor, adapters off
     plan: ResidencyPlan = {
-        "rollout": {"actor": Need(off=actor_off), "critic": Need(off=critic_off)},
-        "reward_model": {"reward_model": Need(on=frozenset({"params"}))},
-        "judge": {},
-        "old_log_prob": {"actor": Need(on=frozenset({"params"}))},
-        "ref": {reference: Need(on=frozenset({"params"}))},
-        "values": {"critic": Need(on=frozenset({"params"}))},
-        "update_critic": {"critic": Need(on=everything)},
-        "update": {"actor": Need(on=everything), "critic": Need(off=critic_off)},
-        "sync": {"actor": Need(on=frozenset({"params"}))},
-        "checkpoint": {"actor": Need(on=everything), "critic": Need(on=everything)},
+        Phase.rollout: {"actor": Need(off=actor_off), "critic": Need(off=critic_off)},
+        Phase.reward_model: {"reward_model": Need(on=frozenset({"params"}))},
+        Phase.judge: {},
+        Phase.old_log_prob: {"actor": Need(on=frozenset({"params"}))},
+        Phase.ref: {reference: Need(on=frozenset({"params"}))},
+        Phase.values: {"critic": Need(on=frozenset({"params"}))},
+        Phase.update_critic: {"critic": Need(on=everything)},
+        Phase.update: {"actor": Need(on=everything), "critic": Need(off=critic_off)},
+        Phase.sync: {"actor": Need(on=frozenset({"params"}))},
+        Phase.checkpoint: {"actor": Need(on=everything), "critic": Need(on=everything)},
     }
     if cfg.rollout.placement == "separate":
-        plan["rollout"] = {}
+        plan[Phase.rollout] = {}
     for phase, row in plan.items():
-        if phase != "ref":
+        if phase != Phase.ref:
             row["reference"] = Need(off=reference_off)
-        if phase != "reward_model":
+        if phase != Phase.reward_model:
             row["reward_model"] = Need(off=reward_model_off)
     return plan
 
@@ -129,17 +156,16 @@ class Residency:
     and returns what moved. Every rank enters the same phases in the same order."""
 
     def __init__(self, plan: ResidencyPlan, models: Mapping[str, TrainedModel | None]) -> None:
-        unknown = set(plan) - set(PHASES)
-        if unknown:
-            raise ValueError(f"residency plan rows for unknown phases: {sorted(unknown)}")
-        self.plan = plan
+        rows = {Phase.named(phase): row for phase, row in plan.items()}  # an unknown row raises
+        # Every phase has a row: one the plan leaves out moves nothing.
+        self.plan: ResidencyPlan = {phase: rows.get(phase, {}) for phase in Phase}
         self.models = {name: model for name, model in models.items() if model is not None}
 
-    def enter(self, phase: str) -> Moved:
+    def enter(self, phase: Phase | str) -> Moved:
         """Make ``phase``'s row true on this rank (moving state is local: no collective); raises
-        if a model then disagrees with the row."""
+        if a model then disagrees with the row, and for a name that is not a ``Phase``."""
         moved = Moved()
-        for name, need in self.plan.get(phase, {}).items():
+        for name, need in self.plan[Phase.named(phase)].items():
             model = self.models.get(name)
             if model is None:
                 continue
@@ -192,9 +218,11 @@ class StepPhases:
     moved: Moved = field(default_factory=Moved)
 
     @contextmanager
-    def __call__(self, phase: str, timed: bool = True) -> Iterator[None]:
+    def __call__(self, phase: Phase | str, timed: bool = True) -> Iterator[None]:
         """``timed=False``: a phase whose parts time themselves (the rollout's gen and reward),
-        so that no timer nests in another and the parts add up to the step."""
+        so that no timer nests in another and the parts add up to the step. A name that is not
+        a ``Phase`` raises before anything moves."""
+        phase = Phase.named(phase).value
         moved = self.residency.enter(phase)
         self.moved.add(moved)
         self.timer.add("offload", moved.offload_seconds)

@@ -9,15 +9,15 @@ policy, typically) gives its transformer and a fresh score head; a reward model 
 further. Its tokenizer and chat template tokenise the pairs (``rlcli.data.preferences``). Each
 step draws ``rm.batch_size`` pairs (a seeded permutation per epoch, the same on every rank; each
 DP rank takes its share). Checkpoints (``rm.save_freq``) go to
-``<trainer.output_dir>/rm_checkpoints`` through ``rlcli.run_checkpoint`` and a run resumes from
-the newest as ``trainer.resume`` says. The result lands in ``rm.out_dir`` (replaced whole, never
+``<trainer.output_dir>/rm_checkpoints`` through ``rlcli.run_save_resume``, as an RL run's do: a
+run resumes as ``trainer.resume`` says, from the newest intact one for ``auto`` (a damaged newest
+one is skipped, saying so). The result lands in ``rm.out_dir`` (replaced whole, never
 left half-written) and a JSON report in ``<trainer.output_dir>/reward_model_report.json``.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -31,6 +31,9 @@ from parallel.mesh import Mesh
 from parallel.preference_pairs import TokenizedPairs
 from rlcli.config import RLConfig
 from rlcli.errors import UserError
+from rlcli.run_checkpoint import CheckpointManager
+from rlcli.run_save_resume import CheckpointedModel, RunCheckpoints, replacing_folder
+from rlcli.run_state import RunState
 from rlcli.trained_model import MicroBatching, OptimizerSettings, TrainedModel
 
 REPORT_FILE = "reward_model_report.json"
@@ -175,12 +178,9 @@ def train_reward_model(
     calls it with the same config."""
     from transformers import AutoTokenizer
 
-    from parallel.checkpoint import load_checkpoint, save_checkpoint
     from parallel.convert import save_hf_checkpoint
     from parallel.reward_training import bradley_terry_step, pairwise_accuracy
     from rlcli.config_validation_rewards import check_reward_model_training
-    from rlcli.run_checkpoint import CheckpointManager
-    from rlcli.run_state import load_trainer_state, save_trainer_state
 
     say = log if log is not None and mesh.rank == 0 else (lambda message: None)
     rm = cfg.rm
@@ -219,26 +219,29 @@ def train_reward_model(
             return None
         return pairwise_accuracy(model.score, mesh, val, pad_token_id=pad_id)["accuracy"]
 
-    checkpoints = CheckpointManager(
-        Path(cfg.trainer.output_dir) / "rm_checkpoints", keep_last=cfg.checkpoint.keep_last
+    checkpoints = RunCheckpoints(
+        CheckpointManager(
+            Path(cfg.trainer.output_dir) / "rm_checkpoints", keep_last=cfg.checkpoint.keep_last
+        ),
+        [CheckpointedModel("model", model, role="the reward model")],
+        fix="Lower rm.lr, keep rm.grad_clip > 0, or use model.dtype=float32 / bfloat16 instead "
+        "of float16.",
     )
-    resume_from = checkpoints.resolve_resume(cfg.trainer.resume)
-    state: dict[str, Any] = {"step": 0, "history": [], "val_accuracy_before": None}
-    if resume_from is not None:
-        load_checkpoint(
-            resume_from / "model",
-            model.models,
-            mesh,
-            optimizer=model.optimizer,
-            scheduler=model.scheduler,
-        )
-        state = load_trainer_state(resume_from)
-        say(f"resumed the reward model from {resume_from} (step {state['step']})")
+    resumed = checkpoints.resume(cfg.trainer.resume)
+    if resumed is not None:
+        state = resumed.state
+        if state.history is None:
+            raise UserError(
+                f"trainer.resume: {resumed.path} is not a reward-model training checkpoint (no "
+                "history); resume it with the command that wrote it"
+            )
+        say(f"resumed the reward model from {resumed.path} (step {state.step})")
     else:
-        state["val_accuracy_before"] = held_out()
-        say(f"held-out pairwise accuracy before training: {state['val_accuracy_before']}")
+        state = RunState(step=0, history=[], val_accuracy_before=held_out())
+        say(f"held-out pairwise accuracy before training: {state.val_accuracy_before}")
+    history = state.history
     log_every = max(1, rm.steps // 20)
-    for step in range(state["step"] + 1, rm.steps + 1):
+    for step in range(state.step + 1, rm.steps + 1):
         batch = train.select(batch_indices(step, len(train), rm.batch_size, cfg.trainer.seed))
         metrics = bradley_terry_step(
             model.train_micro_batches, mesh, batch.share(mesh), num_pairs=rm.batch_size, **sizes
@@ -246,44 +249,33 @@ def train_reward_model(
         entry = {"step": step, **{k: metrics[k] for k in ("loss", "accuracy", "grad_norm", "lr")}}
         if rm.val_freq and step % rm.val_freq == 0 and step != rm.steps:
             entry["val_accuracy"] = held_out()
-        state["history"].append(entry)
-        state["step"] = step
+        history.append(entry)
+        state.step = step
         if step % log_every == 0 or step == rm.steps or "val_accuracy" in entry:
             shown = ", ".join(
                 f"{k} {v:.4g}" for k, v in entry.items() if k != "step" and v is not None
             )
             say(f"rm step {step}/{rm.steps}: {shown} ({time.perf_counter() - start:.1f} s)")
         if rm.save_freq and step % rm.save_freq == 0:
-            with checkpoints.saving(step, subdirs=("model",)) as directory:
-                save_checkpoint(
-                    directory / "model", model.models, mesh, model.optimizer, model.scheduler
-                )
-                save_trainer_state(directory, state)
+            checkpoints.save(step, state)
     after = held_out()
     say(f"held-out pairwise accuracy after training: {after}")
     out_dir = Path(rm.out_dir)
-    staging = out_dir.with_name(out_dir.name + ".tmp")
-    if mesh.rank == 0 and staging.exists():
-        shutil.rmtree(staging)
-    _barrier()
-    save_hf_checkpoint(model.models, mesh, staging, model.hf_config, tokenizer_dir=init_dir)
-    history = state["history"]
+    with replacing_folder(out_dir, mesh.rank) as staging:  # a crash leaves only the .tmp folder
+        save_hf_checkpoint(model.models, mesh, staging, model.hf_config, tokenizer_dir=init_dir)
     report = RewardModelReport(
         out_dir=str(out_dir),
         steps=rm.steps,
         train_pairs=len(train),
         val_pairs=len(val) if val else 0,
         dropped_too_long=dropped + val_dropped,
-        val_accuracy_before=state["val_accuracy_before"],
+        val_accuracy_before=state.val_accuracy_before,
         val_accuracy_after=after,
         final_loss=history[-1]["loss"] if history else None,
         seconds=time.perf_counter() - start,
         history=history,
     )
     if mesh.rank == 0:
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        staging.rename(out_dir)  # a crash mid-save leaves only the .tmp folder
         report_file = Path(cfg.trainer.output_dir) / REPORT_FILE
         report_file.write_text(json.dumps(asdict(report), indent=2))
         say(f"wrote the reward model {out_dir} and {report_file}")

@@ -175,10 +175,6 @@ class CheckpointManager:
         """Where the complete checkpoint of ``step`` lives (whether or not it exists)."""
         return self.root_dir / step_dir_name(step)
 
-    def complete_steps(self) -> list[int]:
-        """Steps with a complete checkpoint, ascending."""
-        return sorted(step for _, step, _ in self._commit_order())
-
     def complete_dirs(self) -> list[Path]:
         """Every complete checkpoint directory, the most recently committed first."""
         return [path for _, _, path in reversed(self._commit_order())]
@@ -202,16 +198,12 @@ class CheckpointManager:
             committed.setdefault(step, path)
         return sorted((_commit_sequence(path), step, path) for step, path in committed.items())
 
-    def latest_step(self) -> int | None:
-        """The step of the most recently committed complete checkpoint (``None``: there is none).
+    def latest_dir(self) -> Path | None:
+        """The most recently committed complete checkpoint (``None``: there is none).
 
         Usually the highest step; but after a run resumed from an older checkpoint, its own new
         checkpoints count as latest, not those the abandoned run had written beyond them.
         """
-        order = self._commit_order()
-        return order[-1][1] if order else None
-
-    def latest_dir(self) -> Path | None:
         order = self._commit_order()
         return order[-1][2] if order else None
 

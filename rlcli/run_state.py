@@ -1,6 +1,8 @@
-"""A run checkpoint's trainer-side state: the step, data position and KL coefficient as JSON, and
-each rank's RNG states (python, numpy, torch CPU and CUDA) as safetensors; the checkpoint folder
-rules around them are ``rlcli.run_checkpoint``.
+"""A training loop's own state in its checkpoint, besides the models: ``RunState`` (step, data
+position, KL coefficient, ...; one typed record for ``rlcli train``, ``rlcli rm`` and ``rlcli
+sft``), written as JSON by rank 0, and each rank's RNG states (python, numpy, torch CPU and CUDA,
+megatron's named streams) as safetensors beside it; the checkpoint folder rules around them are
+``rlcli.run_checkpoint``, what a loop saves and resumes ``rlcli.run_save_resume``.
 
 No pickle in what rlcli writes itself. megatron-core's dist-checkpoint metadata (model/.metadata,
 common.pt) IS read with pickle / torch.load, so a checkpoint can run code when loaded: load only
@@ -9,11 +11,12 @@ checkpoints you (or someone you trust) wrote.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
 import warnings
-from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,50 @@ from rlcli.errors import UserError
 
 TRAINER_STATE_FILE = "trainer_state.json"
 TEMPORARY_PREFIX = ".tmp-"
+# Raised when a field changes meaning; a checkpoint without one (older rlcli) is version 1.
+RUN_STATE_VERSION = 1
+
+
+@dataclass
+class RunState:
+    """What a training loop resumes from besides its models and RNGs. Every loop has ``step``;
+    each fills its own fields and leaves the others None."""
+
+    step: int = 0  # steps done
+    # rlcli train
+    loader: dict[str, Any] | None = None  # PromptLoader.state_dict(): epoch, position, seed, ...
+    kl_coef: float | None = None  # the KL controller's coefficient
+    model_dir: str | None = None  # the HF folder the run trained from (a LoRA actor's base)
+    lora: dict[str, Any] | None = None  # the actor's adapters (rlcli.lora.lora_state); None: full
+    model_rewards: dict[str, Any] | None = None  # ModelRewards.state_dict(): the normaliser
+    # rlcli rm
+    history: list[dict[str, Any]] | None = None  # per step: loss, accuracy, grad_norm, lr, ...
+    val_accuracy_before: float | None = None  # held-out pairwise accuracy before training
+    # rlcli sft (the warm start)
+    sampler: dict[str, Any] | None = None  # the pair sampler's numpy bit-generator state
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object of ``trainer_state.json``: the version, then every field set."""
+        fields = dataclasses.asdict(self)
+        return {"version": RUN_STATE_VERSION, **{k: v for k, v in fields.items() if v is not None}}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str | os.PathLike[str]) -> RunState:
+        """The state ``to_dict`` wrote (``source`` names the file in errors)."""
+        data = dict(data)
+        version = data.pop("version", 1)
+        if not isinstance(version, int) or version > RUN_STATE_VERSION:
+            raise UserError(
+                f"{source}: run state version {version!r}, this rlcli reads up to "
+                f"{RUN_STATE_VERSION}: resume it with the rlcli that wrote it, or start over "
+                "(trainer.resume=none)"
+            )
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown or "step" not in data:
+            what = f"unknown keys {unknown}" if unknown else "no 'step'"
+            raise UserError(f"{source} is not an rlcli run state ({what}; known: {sorted(known)})")
+        return cls(**data)
 
 
 def write_text_atomically(path: str | os.PathLike[str], text: str) -> None:
@@ -48,29 +95,29 @@ def rng_state_file(rank: int) -> str:
     return f"rng_state_rank{rank}.safetensors"
 
 
-def save_trainer_state(
-    directory: str | os.PathLike[str], state: Mapping[str, Any], rank: int | None = None
+def save_run_state(
+    directory: str | os.PathLike[str], state: RunState, rank: int | None = None
 ) -> None:
-    """Writes ``state`` (JSON-serialisable: step, data position, KL coefficient, ...) on rank 0,
-    and this rank's RNG states (python, numpy, torch CPU and CUDA) on every rank."""
+    """Writes ``state`` (``trainer_state.json``) on rank 0, and this rank's RNG states (python,
+    numpy, torch CPU and CUDA) on every rank."""
     directory = Path(directory)
     rank = distributed_rank() if rank is None else rank
     if rank == 0:
-        write_text_atomically(directory / TRAINER_STATE_FILE, json.dumps(dict(state), indent=2))
+        write_text_atomically(directory / TRAINER_STATE_FILE, json.dumps(state.to_dict(), indent=2))
     tensors, metadata = _capture_rng_states()
     save_file(tensors, str(directory / rng_state_file(rank)), metadata=metadata)
 
 
-def load_trainer_state(
+def load_run_state(
     directory: str | os.PathLike[str], rank: int | None = None, restore_rng: bool = True
-) -> dict[str, Any]:
-    """Returns the state saved by :func:`save_trainer_state` and restores this rank's RNGs."""
+) -> RunState:
+    """Returns the state saved by :func:`save_run_state` and restores this rank's RNGs."""
     directory = Path(directory)
     rank = distributed_rank() if rank is None else rank
     state_path = directory / TRAINER_STATE_FILE
     if not state_path.is_file():
         raise UserError(f"{state_path} is missing: {directory} is not an rlcli checkpoint.")
-    state = json.loads(state_path.read_text(encoding="utf-8"))
+    state = RunState.from_dict(json.loads(state_path.read_text(encoding="utf-8")), state_path)
     if restore_rng:
         rng_path = directory / rng_state_file(rank)
         if rng_path.is_file():

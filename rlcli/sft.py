@@ -22,6 +22,9 @@ from rlcli.batch import RolloutBatch, Sample, collate, response_values, split_ev
 from rlcli.data.sft_rows import SFTConversation, SFTRow, read_sft_rows
 from rlcli.errors import UserError
 from rlcli.inputs import RunInputs, tokenizer_setting
+from rlcli.run_checkpoint import CheckpointManager
+from rlcli.run_save_resume import CheckpointedModel, RunCheckpoints
+from rlcli.run_state import RunState
 from rlcli.tools.rendering import MessageRenderer
 from rlcli.trained_model import TrainedModel
 
@@ -109,6 +112,18 @@ def make_sft_loss(denominator: float):
     return loss_fn
 
 
+def sft_checkpoints(c: RunInputs, actor: TrainedModel) -> RunCheckpoints:
+    """The warm start's checkpoints (``sft.save_freq``): ``<output_dir>/sft_checkpoints``, saved
+    and resumed as an RL run's are; an interrupted warm start continues from the newest intact
+    one unless ``trainer.resume=none``."""
+    return RunCheckpoints(
+        CheckpointManager(c.output_dir / "sft_checkpoints", keep_last=c.cfg.checkpoint.keep_last),
+        [CheckpointedModel("model", actor, role="the SFT policy")],
+        fix="Lower sft.lr, keep actor.grad_clip > 0, or use model.dtype=float32 / bfloat16 "
+        "instead of float16.",
+    )
+
+
 def sft_warm_start(
     c: RunInputs,
     build_actor: Callable[[], TrainedModel],
@@ -117,7 +132,8 @@ def sft_warm_start(
     log: Callable[[str], None] = print,
 ) -> Path:
     """Train ``sft.steps`` steps on ``files`` from a fresh ``build_actor()`` (built once the
-    inputs are checked); save it as HF into ``out_dir``."""
+    inputs are checked), or from the newest SFT checkpoint (``sft_checkpoints``); save it as HF
+    into ``out_dir``."""
     from parallel.convert import save_hf_checkpoint
 
     cfg, mesh = c.cfg, c.mesh
@@ -130,8 +146,17 @@ def sft_warm_start(
         raise UserError(f"sft.batch_size={cfg.sft.batch_size} exceeds the {len(samples)} SFT pairs")
     actor = build_actor()
     rng = np.random.default_rng(cfg.trainer.seed)
+    checkpoints, done = sft_checkpoints(c, actor), 0
+    fresh = str(cfg.trainer.resume).lower() in ("none", "null", "")
+    resumed = checkpoints.resume("none" if fresh else "auto")
+    if resumed is not None:
+        if resumed.state.sampler is None:
+            raise UserError(f"{resumed.path} is not an SFT warm start's checkpoint (no sampler)")
+        rng.bit_generator.state = resumed.state.sampler
+        done = resumed.state.step
+        log(f"resumed the SFT warm start from {resumed.path} (step {done})")
     start = time.perf_counter()
-    for step in range(1, cfg.sft.steps + 1):
+    for step in range(done + 1, cfg.sft.steps + 1):
         chosen = [samples[i] for i in rng.choice(len(samples), cfg.sft.batch_size, replace=False)]
         local = split_evenly(chosen, mesh.dp)[mesh.dp_rank]
         batch = collate(local, c.tokenizer.pad_token_id)
@@ -143,6 +168,8 @@ def sft_warm_start(
                 f"sft step {step}/{cfg.sft.steps}: loss {loss:.4f} "
                 f"({time.perf_counter() - start:.1f} s)"
             )
+        if cfg.sft.save_freq and step % cfg.sft.save_freq == 0:
+            checkpoints.save(step, RunState(step=step, sampler=rng.bit_generator.state))
     save_hf_checkpoint(actor.models, mesh, str(out_dir), actor.hf_config, tokenizer_dir=c.model_dir)
     if dist.is_initialized():
         dist.barrier()

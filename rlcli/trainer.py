@@ -33,14 +33,13 @@ from rlcli.critic import update_critic, value_metrics
 from rlcli.data import PromptLoader
 from rlcli.dp_stats import DataParallelStats
 from rlcli.errors import UserError
-from rlcli.lora import lora_state
 from rlcli.machine import device_summary, format_duration, seconds_since_process_start
 from rlcli.metrics import MetricsLogger
 from rlcli.model_rewards import ModelRewards
 from rlcli.residency import Residency, StepPhases, residency_plan
 from rlcli.rollouts import Rollouts
-from rlcli.run_checkpoint import CheckpointManager
-from rlcli.run_save_resume import save_run
+from rlcli.run_save_resume import RunCheckpoints
+from rlcli.run_state import RunState
 from rlcli.trained_model import LoraReference, TrainedModel
 
 if TYPE_CHECKING:
@@ -63,7 +62,7 @@ class Trainer:
     rollouts: Rollouts  # where the samples come from and the new weights go
     loader: PromptLoader  # the prompts the trainer has consumed (what a checkpoint resumes)
     kl_ctrl: KLController
-    checkpoints: CheckpointManager
+    checkpoints: RunCheckpoints  # the actor's (and critic's) save / resume
     logger: MetricsLogger | None
     total_steps: int
     critic: TrainedModel | None = None  # PPO's value model (algorithm.adv_estimator=gae)
@@ -164,7 +163,7 @@ class Trainer:
         limit = self.cfg.trainer.max_nonfinite_steps
         say(self.mesh, f"step {self.step}: non-finite loss or gradient; the update was dropped")
         if in_a_row >= limit:
-            latest = self.checkpoints.latest_dir()
+            latest = self.checkpoints.manager.latest_dir()
             raise UserError(
                 f"step {self.step}: {in_a_row} steps in a row had a non-finite loss or gradient "
                 f"and were not applied (trainer.max_nonfinite_steps={limit}); the newest good "
@@ -187,26 +186,15 @@ class Trainer:
 
     def save(self) -> None:
         self.residency.enter("checkpoint")
-        state = {
-            "step": self.step,
-            "loader": self.loader.state_dict(),
-            "kl_coef": float(self.kl_ctrl.value),
-            "model_dir": self.model_dir,
-            # A LoRA run saves only the adapters: resume and export rebuild the base from
-            # model_dir and need the adapters' shape.
-            "lora": lora_state(self.actor.lora),
-        }
-        if self.model_rewards is not None:
-            state["model_rewards"] = self.model_rewards.state_dict()
-        save_run(
-            self.checkpoints,
-            self.step,
-            self.actor,
-            self.model_dir,
-            state,
-            self.cfg.checkpoint.save_optimizer,
-            critic=self.critic,
+        state = RunState(
+            step=self.step,
+            loader=self.loader.state_dict(),
+            kl_coef=float(self.kl_ctrl.value),
+            # A LoRA run saves only the adapters: resume and export rebuild the base from it.
+            model_dir=self.model_dir,
+            model_rewards=None if self.model_rewards is None else self.model_rewards.state_dict(),
         )
+        self.checkpoints.save(self.step, state)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self.logger is not None:

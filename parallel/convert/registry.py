@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from algorithms.registry import Registry
+
 
 class Rule(NamedTuple):
     kind: str  # "copy" | "qkv" | "gate_up" | "vocab"
@@ -57,35 +59,37 @@ class ModelFamily:
     notes: str = field(default="", compare=False)
 
 
-_FAMILIES: dict[str, ModelFamily] | None = None
+_FAMILIES: Registry[ModelFamily] | None = None  # HF model_type -> family, found on first use
 
 
-def _discover() -> dict[str, ModelFamily]:
+def _discover() -> Registry[ModelFamily]:
     # Family modules import this one (for ModelFamily / Rule); finding them by file keeps the
     # registry from importing its own package back.
-    families: dict[str, ModelFamily] = {}
+    families: Registry[ModelFamily] = Registry(
+        "model family",
+        key="config.json model_type",
+        alternatives=" (a new family is one file in parallel/convert/)",
+    )
     for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
         module = importlib.import_module(f"{__package__}.{info.name}")
         family = getattr(module, "FAMILY", None)
         if isinstance(family, ModelFamily):
             for model_type in family.model_types:
-                families[model_type] = family
+                families[model_type] = family  # a model_type two families claim raises
     return families
 
 
-def supported_model_types() -> list[str]:
+def _families() -> Registry[ModelFamily]:
     global _FAMILIES
     if _FAMILIES is None:
         _FAMILIES = _discover()
-    return sorted(_FAMILIES)
+    return _FAMILIES
+
+
+def supported_model_types() -> list[str]:
+    return _families().names()
 
 
 def get_family(model_type: str) -> ModelFamily:
     """The family for an HF `config.model_type`; ValueError naming the supported ones otherwise."""
-    supported = supported_model_types()
-    if model_type not in supported:
-        raise ValueError(
-            f"unsupported HF model_type {model_type!r} (config.json 'model_type'); "
-            f"supported: {', '.join(supported)}. Add a family file in parallel/convert/."
-        )
-    return _FAMILIES[model_type]
+    return _families().lookup(model_type)

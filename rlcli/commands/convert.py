@@ -155,7 +155,7 @@ def export(
     from rlcli.checkpoint_manifest import check_checkpoint
     from rlcli.lora import spec_of_state
     from rlcli.run_checkpoint import is_complete_checkpoint
-    from rlcli.run_state import load_trainer_state
+    from rlcli.run_state import load_run_state
 
     if not is_complete_checkpoint(checkpoint):
         raise UserError(f"{checkpoint} is not a complete rlcli checkpoint (no COMPLETE marker)")
@@ -174,7 +174,7 @@ def export(
     if critic:  # the critic's own folder says all it needs
         export_critic(checkpoint, out)
         return
-    state = load_trainer_state(checkpoint, rank=0, restore_rng=False)
+    state = load_run_state(checkpoint, rank=0, restore_rng=False)
     spec = spec_of_state(state)
     if (lora or merge) and spec is None:
         raise UserError(
@@ -185,10 +185,10 @@ def export(
         if not (lora or merge):
             raise UserError(
                 f"{checkpoint} holds only the LoRA adapters (actor.lora; the base is "
-                f"{state['model_dir']}): export them with --lora (a PEFT adapter folder) or "
+                f"{state.model_dir}): export them with --lora (a PEFT adapter folder) or "
                 "--merge (a full HF model, the adapters merged into the base)"
             )
-        export_lora(checkpoint, out, spec, Path(base_model or state["model_dir"]), merge=merge)
+        export_lora(checkpoint, out, spec, Path(base_model or state.model_dir), merge=merge)
     else:
         mcore_to_hf(ckpt=checkpoint, out=out, tp=1, pp=1, hf_config_dir=None)
 

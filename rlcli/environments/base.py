@@ -16,12 +16,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from algorithms.registry import Registry
 from rlcli.errors import UserError
 from rlcli.plugins import is_user_spec, load_user_object, load_user_subclass
 
-_BUILTIN_ENVIRONMENTS = {
-    "running_sum": "rlcli.environments.running_sum:RunningSumEnvironment",
-}
+# name -> where the class lives, imported on first use
+BUILTIN_ENVIRONMENTS: Registry[str] = Registry(
+    "environment", error=UserError, alternatives=", or 'module:Class', or 'file.py:Class'"
+)
+BUILTIN_ENVIRONMENTS["running_sum"] = "rlcli.environments.running_sum:RunningSumEnvironment"
 
 
 @dataclass
@@ -55,19 +58,12 @@ class Environment(ABC):
         return None
 
 
-def builtin_environment_names() -> list[str]:
-    return sorted(_BUILTIN_ENVIRONMENTS)
-
-
 def resolve_environment_class(spec: str, key: str = "rollout.multi_turn.environment") -> type:
     """The ``Environment`` subclass a built-in name, ``module:Class`` or ``path/file.py:Class``
     names; ``UserError`` naming ``key`` otherwise."""
-    if spec in _BUILTIN_ENVIRONMENTS:
-        cls, _ = load_user_object(_BUILTIN_ENVIRONMENTS[spec], "environment", "class")
+    if spec in BUILTIN_ENVIRONMENTS:
+        cls, _ = load_user_object(BUILTIN_ENVIRONMENTS[spec], "environment", "class")
         return cls
     if not is_user_spec(spec):
-        raise UserError(
-            f"{key}={spec!r} is not a known environment; built-in: "
-            f"{', '.join(builtin_environment_names())}, or 'module:Class', or 'file.py:Class'"
-        )
+        raise UserError(BUILTIN_ENVIRONMENTS.unknown(spec, key))
     return load_user_subclass(spec, Environment, "an environment", key, "start / respond / release")

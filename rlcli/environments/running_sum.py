@@ -16,23 +16,11 @@ from typing import Any
 from rlcli.environments.base import Environment, EnvironmentResponse
 from rlcli.errors import UserError
 
-DATA_SOURCE = "running_sum"
 _ANSWER = re.compile(r"####\s*(-?\d+)")
 
 
 def question(a: int, b: int) -> str:
     return f"Question: {a} + {b} = ? Answer:"
-
-
-def running_sum_row(numbers: list[int], index: int, split: str = "train") -> dict[str, Any]:
-    """A prompt row for this environment (verl's schema; the ground truth is the final sum)."""
-    return {
-        "data_source": DATA_SOURCE,
-        "agent_name": "environment",
-        "prompt": [{"role": "user", "content": question(numbers[0], numbers[1])}],
-        "reward_model": {"style": "rule", "ground_truth": str(sum(numbers))},
-        "extra_info": {"split": split, "index": index, "interaction_kwargs": {"numbers": numbers}},
-    }
 
 
 class RunningSumEnvironment(Environment):

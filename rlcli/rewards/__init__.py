@@ -8,21 +8,21 @@ from rlcli.rewards import arith, gsm8k, math_answer  # noqa: F401  (registers th
 from rlcli.rewards.default import default_compute_score, reward_fn_for_data_source
 from rlcli.rewards.manager import RewardInput, RewardManager
 from rlcli.rewards.registry import (
+    REWARDS,
     RewardFunction,
     get_reward_fn,
     register_reward,
-    registered_reward_names,
     resolve_reward_fn,
 )
 
 __all__ = [
+    "REWARDS",
     "RewardFunction",
     "RewardInput",
     "RewardManager",
     "default_compute_score",
     "get_reward_fn",
     "register_reward",
-    "registered_reward_names",
     "resolve_reward_fn",
     "reward_fn_for_data_source",
 ]

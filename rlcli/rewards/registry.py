@@ -15,12 +15,14 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from algorithms.registry import Registry
 from rlcli.errors import UserError
 from rlcli.plugins import is_user_spec, load_user_object
 
 RewardFn = Callable[..., Any]
 
-_REGISTRY: dict[str, RewardFn] = {}
+_USER_SPECS = ", or 'module:function', or 'path/to/file.py:function'"
+REWARDS: Registry[RewardFn] = Registry("reward function", error=UserError, alternatives=_USER_SPECS)
 # Builtins known to return quickly; the RewardManager calls them in the trainer's own process.
 _IN_PROCESS: set[RewardFn] = set()
 
@@ -33,9 +35,7 @@ def register_reward(name: str, *, in_process: bool = False) -> Callable[[RewardF
     """
 
     def decorate(fn: RewardFn) -> RewardFn:
-        if name in _REGISTRY and _REGISTRY[name] is not fn:
-            raise ValueError(f"reward function {name!r} is already registered")
-        _REGISTRY[name] = fn
+        REWARDS.register(name)(fn)
         if in_process:
             _IN_PROCESS.add(fn)
         return fn
@@ -43,19 +43,8 @@ def register_reward(name: str, *, in_process: bool = False) -> Callable[[RewardF
     return decorate
 
 
-def registered_reward_names() -> list[str]:
-    """Names accepted by ``get_reward_fn``, sorted."""
-    return sorted(_REGISTRY)
-
-
-def get_reward_fn(name: str) -> RewardFn:
-    """The reward function registered as ``name``; ``UserError`` listing the valid names."""
-    if name not in _REGISTRY:
-        raise UserError(
-            f"unknown reward function {name!r}; registered: {', '.join(registered_reward_names())} "
-            "(or give 'module:function' or 'path/to/file.py:function')"
-        )
-    return _REGISTRY[name]
+# The reward function registered under a name; UserError listing the valid names otherwise.
+get_reward_fn = REWARDS.lookup
 
 
 class RewardFunction:
@@ -115,13 +104,8 @@ def resolve_reward_fn(spec: str, reward_kwargs: Mapping[str, Any] | None = None)
     ``reward_kwargs`` are passed to every call (e.g. ``{"method": "flexible"}`` for gsm8k).
     Raises ``UserError`` naming the spec and the import error when it does not resolve.
     """
-    if spec in _REGISTRY:
-        return RewardFunction(spec, _REGISTRY[spec], reward_kwargs)
-    if not is_user_spec(spec):
-        raise UserError(
-            f"unknown reward function {spec!r}; registered: {', '.join(registered_reward_names())}"
-            ", or 'module:function', or 'path/to/file.py:function'"
-        )
+    if spec in REWARDS or not is_user_spec(spec):
+        return RewardFunction(spec, REWARDS.lookup(spec), reward_kwargs)
     fn, spec = load_user_object(spec, "reward function", "function")
     if not callable(fn):
         raise UserError(f"reward function {spec!r} is not a function")

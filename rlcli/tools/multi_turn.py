@@ -4,8 +4,9 @@ The rollout loop owns the trajectories; per assistant turn it calls, for each li
 
     parsed = components.parse_tool_calls(decoded_turn_text)
     # tools: components.runner.run_turn([(trajectory_tools, parsed.calls), ...]) for all at once
-    ids = components.tool_response_ids(generated_ids, outcomes)     # or, with an environment:
-    ids = components.environment_response_ids(generated_ids, response.text)
+    messages = components.tool_messages(outcomes)   # or, with an environment's response:
+    messages = [{"role": "user", "content": response.text}]
+    ids = components.renderer.append_ids(generated_ids, messages)
 
 and appends ``ids`` (loss mask 0) to the trajectory's token ids.
 """
@@ -69,17 +70,6 @@ class MultiTurnComponents:
             )
             for o in outcomes
         ]
-
-    def tool_response_ids(
-        self, generated_ids: Sequence[int], outcomes: Sequence[ToolCallOutcome]
-    ) -> list[int]:
-        """Ids appended after a turn whose calls gave ``outcomes``: the ``tool_messages``, then
-        the next turn's header."""
-        return self.renderer.append_ids(generated_ids, self.tool_messages(outcomes))
-
-    def environment_response_ids(self, generated_ids: Sequence[int], text: str) -> list[int]:
-        """Ids appended after a turn the environment answered with ``text`` (a ``user`` message)."""
-        return self.renderer.append_ids(generated_ids, [{"role": "user", "content": text}])
 
     def close(self) -> None:
         if self.runner is not None:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from algorithms.registry import Registry
 from rlcli.errors import UserError
 
 
@@ -35,33 +36,13 @@ class ParsedTurn:
 
 
 ToolCallParser = Callable[[str], ParsedTurn]
-_FORMATS: dict[str, ToolCallParser] = {}
-
-
-def register_tool_call_format(name: str) -> Callable[[ToolCallParser], ToolCallParser]:
-    """Decorator registering a parser ``text -> ParsedTurn`` under ``name``."""
-
-    def decorate(parser: ToolCallParser) -> ToolCallParser:
-        if name in _FORMATS and _FORMATS[name] is not parser:
-            raise ValueError(f"tool-call format {name!r} is already registered")
-        _FORMATS[name] = parser
-        return parser
-
-    return decorate
-
-
-def tool_call_format_names() -> list[str]:
-    return sorted(_FORMATS)
-
-
-def get_tool_call_parser(name: str) -> ToolCallParser:
-    """The parser registered as ``name``; ``UserError`` listing the formats."""
-    if name not in _FORMATS:
-        raise UserError(
-            f"rollout.multi_turn.format={name!r} is not a tool-call format; choose one of: "
-            f"{', '.join(tool_call_format_names())}"
-        )
-    return _FORMATS[name]
+TOOL_CALL_FORMATS: Registry[ToolCallParser] = Registry(
+    "tool-call format", error=UserError, key="rollout.multi_turn.format"
+)
+# Decorator registering a parser ``text -> ParsedTurn`` under a name.
+register_tool_call_format = TOOL_CALL_FORMATS.register
+# The parser registered under a name; UserError listing the formats otherwise.
+get_tool_call_parser = TOOL_CALL_FORMATS.lookup
 
 
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)

@@ -41,6 +41,13 @@ CUDA = torch.cuda.is_available()
 SHAPES = {**KNOWN_SHAPES, "tiny": ModelShape(64, 4, 4, 2, 16, 96, 251, False, True)}
 
 
+def device_bytes(offloader: Offloader, kind: str) -> int:
+    """Bytes ``kind`` holds on the device now (0 while offloaded)."""
+    if offloader.is_offloaded(kind):
+        return 0
+    return sum(storage.nbytes() for storage in offloader._storages(kind))
+
+
 def hf_config(name: str) -> Qwen2Config:
     s = SHAPES[name]
     return Qwen2Config(
@@ -114,7 +121,7 @@ def probe(name: str, mesh) -> None:
     ]
     train_step(models, mesh, optimizer, scheduler, micro, loss_fn)  # Adam state now exists
     offloader = Offloader(models, optimizer)
-    state = {k: offloader.device_bytes(k) for k in ("params", "grads", "optimizer")}
+    state = {k: device_bytes(offloader, k) for k in ("params", "grads", "optimizer")}
     planned_state = {
         "params": weight_bytes(plan),
         "grads": grad_bytes(plan),

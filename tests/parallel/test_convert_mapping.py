@@ -81,7 +81,7 @@ def test_te_and_local_norm_names_map_to_the_same_hf_tensor():
 def test_unknown_names_and_model_types_are_explained():
     with pytest.raises(KeyError, match="parallel/convert/qwen2.py"):
         hf_rule(_config(), "decoder.layers.0.mlp.router.weight")
-    with pytest.raises(ValueError, match="supported: llama, qwen2, qwen2_moe, qwen3, qwen3_moe"):
+    with pytest.raises(ValueError, match="valid names: llama, qwen2, qwen2_moe, qwen3, qwen3_moe"):
         get_family("mistral")
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel.logprobs import (
-    vocab_parallel_entropy,
-    vocab_parallel_log_probs,
-    vocab_parallel_log_probs_and_entropy,
-)
+from parallel.logprobs import vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy
+
+
+def vocab_parallel_entropy(logits, tp_group=None, vocab_size=None) -> torch.Tensor:
+    """The entropy alone (no labels: the log-probabilities are skipped)."""
+    return vocab_parallel_log_probs_and_entropy(logits, None, tp_group, vocab_size)[1]
 
 
 def reference_log_probs_and_entropy(

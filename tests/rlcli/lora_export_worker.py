@@ -21,11 +21,11 @@ def main() -> None:
     from parallel.mesh import destroy_parallel, init_parallel
     from parallel.parity import megatron_logits
     from rlcli.lora import spec_of_state
-    from rlcli.run_state import load_trainer_state
+    from rlcli.run_state import load_run_state
 
-    state = load_trainer_state(checkpoint, rank=0, restore_rng=False)
+    state = load_run_state(checkpoint, rank=0, restore_rng=False)
     mesh = init_parallel(tp=1, pp=1)
-    models = load_hf_model(state["model_dir"], mesh)
+    models = load_hf_model(state.model_dir, mesh)
     apply_lora(models, spec_of_state(state))
     load_checkpoint(f"{checkpoint}/model", models, mesh, adapters_only=True)
     for chunk in models:

@@ -158,7 +158,7 @@ def main(recipe: str, out_json: str, *overrides: str) -> None:
 
     trainer.step = 3
     trainer.save()
-    state_file = trainer.checkpoints.latest_dir() / TRAINER_STATE_FILE
+    state_file = trainer.checkpoints.manager.latest_dir() / TRAINER_STATE_FILE
     out["checkpoint"] = json.loads(state_file.read_text())["model_rewards"]
     rewards.close()
     colocated.close()

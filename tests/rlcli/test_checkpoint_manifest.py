@@ -23,7 +23,8 @@ from rlcli.checkpoint_manifest import (
 from rlcli.cli import main
 from rlcli.errors import UserError
 from rlcli.run_checkpoint import CheckpointManager
-from rlcli.run_state import save_trainer_state
+from rlcli.run_state import RunState, save_run_state
+from tests.rlcli.checkpoint_steps import complete_steps
 
 SHARD = "model/__0_0.distcp"
 
@@ -34,7 +35,7 @@ def _save(manager: CheckpointManager, step: int) -> Path:
     with manager.saving(step, subdirs=("model",)) as directory:
         (directory / SHARD).write_bytes(os.urandom(40_000))
         (directory / "model" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
-        save_trainer_state(directory, {"step": step, "kl_coef": 0.05}, rank=0)
+        save_run_state(directory, RunState(step=step, kl_coef=0.05), rank=0)
     return manager.step_dir(step)
 
 
@@ -166,10 +167,10 @@ def test_keep_last_does_not_count_a_damaged_checkpoint(tmp_path, capsys):
     _truncate_shard(_save(manager, 2))
     _save(manager, 3)
     # Plain pruning would have deleted step 1, leaving one intact checkpoint.
-    assert manager.complete_steps() == [1, 2, 3]
+    assert complete_steps(manager) == [1, 2, 3]
     assert "kept, but not counted toward checkpoint.keep_last" in capsys.readouterr().out
     _save(manager, 4)  # two intact checkpoints newer than the damaged one: it goes
-    assert manager.complete_steps() == [3, 4]
+    assert complete_steps(manager) == [3, 4]
 
 
 def test_hashing_shares_cover_every_file_once_and_balance_bytes():

@@ -14,6 +14,7 @@ from rlcli.config_loader import load_config
 from rlcli.errors import UserError
 from rlcli.lora import check_resumed_lora, lora_spec, lora_state, spec_of_state
 from rlcli.residency import Need, residency_plan
+from rlcli.run_state import RunState
 from tests.rlcli.test_cli_errors import QUICKSTART, assert_exit_2, rlcli
 from tests.rlcli.test_plan import SEVEN_B, run_cli
 
@@ -76,10 +77,10 @@ def test_a_resume_continues_the_same_kind_of_actor(tmp_path):
     spec = lora_spec(cfg.actor.lora, seed=3)
     state = lora_state(spec)
     # ["all"] is recorded as the linears it stands for
-    assert spec_of_state({"lora": state}) == dataclasses.replace(
+    assert spec_of_state(RunState(lora=state)) == dataclasses.replace(
         spec, target_modules=spec.targets()
     )
-    assert spec_of_state({}) is None  # checkpoints of full fine-tuning (and older ones)
+    assert spec_of_state(RunState()) is None  # checkpoints of full fine-tuning
     check_resumed_lora(tmp_path, state, dict(state))
     check_resumed_lora(tmp_path, None, None)
     with pytest.raises(UserError, match="actor.lora.rank=8 to continue"):

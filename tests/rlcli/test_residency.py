@@ -1,10 +1,12 @@
 """The residency plan on a real PPO step: at each phase every model holds on the device what the
 plan says (checked against the table written out by hand below), the bytes moved are counted on
 every path (the step's ``offload/bytes_gb`` and ``onload/bytes_gb`` equal what the models
-reported moving), and a skipped update moves no gradient or optimizer state."""
+reported moving), and a skipped update moves no gradient or optimizer state; phase names are a
+closed set (a typo is an error, in a plan row, at a call, and in the step's source)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from rlcli.residency import Phase, Residency, StepPhases
 from tests.rlcli.test_train_e2e import REPO, TINY
 
 WORKER = Path(__file__).with_name("residency_worker.py")
@@ -89,3 +92,36 @@ def test_a_skipped_update_moves_no_optimizer_state(steps):
     assert dapo["metrics"]["actor/skipped_update"] == 1.0
     assert [p["phase"] for p in dapo["phases"]] == ["rollout", "distribute"]
     assert all(m["direction"] == "offload" for m in dapo["moves"]), dapo["moves"]
+
+
+def test_a_phase_name_that_is_not_a_phase_is_an_error():
+    with pytest.raises(ValueError, match="unknown step phase 'updte'; the phases are: rollout"):
+        Residency({"updte": {}}, {})
+    residency = Residency({}, {})
+    assert residency.plan.keys() == set(Phase)  # a phase without a row moves nothing
+    with pytest.raises(ValueError, match="unknown step phase 'updte'"):
+        residency.enter("updte")
+    phases = StepPhases(residency)
+    with pytest.raises(ValueError, match="unknown step phase 'updte'"), phases("updte"):
+        pass
+    with phases("update"), phases(Phase.sync):
+        pass
+    assert {"timing/update", "timing/sync"} <= phases.metrics().keys()
+
+
+def test_every_phase_the_code_enters_by_name_is_a_phase():
+    """``phases("...")`` and ``residency.enter("...")`` with a literal name anywhere in rlcli/:
+    a typo there fails here, not at the step that first enters it."""
+    entered = set()
+    for path in (REPO / "rlcli").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not (isinstance(node, ast.Call) and node.args):
+                continue
+            func, first = node.func, node.args[0]
+            named = (isinstance(func, ast.Name) and func.id == "phases") or (
+                isinstance(func, ast.Attribute) and func.attr == "enter"
+            )
+            if named and isinstance(first, ast.Constant) and isinstance(first.value, str):
+                entered.add((path.name, first.value))
+    assert {name for _, name in entered} >= {"rollout", "update", "checkpoint"}, entered
+    assert not {(f, name) for f, name in entered if name not in set(Phase)}

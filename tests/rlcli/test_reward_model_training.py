@@ -2,7 +2,8 @@
 on the task's text, random weights) is trained as a reward model on the synthetic preference
 pairs (the correct answer preferred); its held-out pairwise accuracy rises, the exported folder
 loads with AutoModelForSequenceClassification and scores the held-out pairs as the run reported,
-checkpoints are written, and a longer run resumes from them. Bad preference rows exit 2."""
+checkpoints are written, and a longer run resumes from them: its newest one damaged, from the one
+before, saying so (as ``rlcli train`` does). Bad preference rows exit 2."""
 
 from __future__ import annotations
 
@@ -88,11 +89,20 @@ def test_rm_learns_exports_checkpoints_and_resumes(quickstart_model, tmp_path):
     checkpoints = sorted(p.name for p in (run / "rm_checkpoints").glob("step_*"))
     assert checkpoints == ["step_000015", "step_000030"], checkpoints
 
+    # The newest checkpoint damaged after its commit: trainer.resume=auto takes the one before.
+    damaged = run / "rm_checkpoints" / "step_000030"
+    shard = sorted((damaged / "model").glob("*.distcp"))[0]
+    with open(shard, "r+b") as handle:
+        handle.truncate(100)
     longer = rlcli("rm", str(recipe), "rm.steps=35")
     assert longer.returncode == 0, (longer.stdout + longer.stderr)[-4000:]
-    assert "resumed the reward model" in longer.stdout and "(step 30)" in longer.stdout
+    assert f"trainer.resume=auto: skipping damaged checkpoint {damaged}" in longer.stdout
+    previous = run / "rm_checkpoints" / "step_000015"
+    assert f"resuming from {previous}, the newest intact checkpoint" in longer.stdout
+    assert f"resumed the reward model from {previous} (step 15)" in longer.stdout
     resumed = json.loads((run / "reward_model_report.json").read_text())
     assert len(resumed["history"]) == 35 and resumed["val_accuracy_before"] == before
+    # steps 16-30 done again from step 15's weights, optimizer and RNGs: the same numbers
     assert resumed["history"][:30] == report["history"]
 
 

@@ -11,11 +11,11 @@ import pytest
 
 from rlcli.errors import UserError
 from rlcli.rewards import (
+    REWARDS,
     RewardInput,
     RewardManager,
     get_reward_fn,
     register_reward,
-    registered_reward_names,
     resolve_reward_fn,
 )
 from rlcli.rewards import gsm8k as gsm8k_module
@@ -52,7 +52,7 @@ def _inputs(*solutions: str) -> list[RewardInput]:
 
 
 def test_registry_names_and_unknown_name():
-    assert {"gsm8k", "math", "arith", "default"} <= set(registered_reward_names())
+    assert {"gsm8k", "math", "arith", "default"} <= set(REWARDS)
     assert get_reward_fn("gsm8k") is gsm8k_module.compute_score
 
     @register_reward("test_always_half")
@@ -60,7 +60,7 @@ def test_registry_names_and_unknown_name():
         return 0.5
 
     assert resolve_reward_fn("test_always_half")("x", "y", "z") == 0.5
-    with pytest.raises(UserError, match="unknown reward function 'nope'; registered: .*gsm8k"):
+    with pytest.raises(UserError, match="unknown reward function 'nope'; valid names: .*gsm8k"):
         get_reward_fn("nope")
     with pytest.raises(UserError, match="unknown reward function 'nope'.*module:function"):
         resolve_reward_fn("nope")

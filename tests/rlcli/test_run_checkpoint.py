@@ -9,7 +9,8 @@ from safetensors import safe_open
 
 from rlcli.errors import UserError
 from rlcli.run_checkpoint import CheckpointManager
-from rlcli.run_state import load_trainer_state, rng_state_file, save_trainer_state
+from rlcli.run_state import RunState, load_run_state, rng_state_file, save_run_state
+from tests.rlcli.checkpoint_steps import complete_steps, latest_step
 
 
 def _save(manager, step, payload="weights"):
@@ -22,14 +23,14 @@ def test_saving_commits_a_complete_directory_and_latest_pointer(tmp_path):
     manager = CheckpointManager(tmp_path)
     with manager.saving(10) as directory:
         assert directory == tmp_path / ".tmp-step_000010"
-        assert manager.latest_step() is None  # not visible while it is being written
+        assert latest_step(manager) is None  # not visible while it is being written
         (directory / "model.bin").write_text("w")
     final = tmp_path / "step_000010"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000010"]
     assert (final / "model.bin").read_text() == "w"
     assert json.loads((final / "COMPLETE").read_text()) == {"step": 10, "sequence": 1}
     assert (tmp_path / "latest").read_text().strip() == "step_000010"
-    assert manager.latest_step() == 10 and manager.latest_dir() == final
+    assert latest_step(manager) == 10 and manager.latest_dir() == final
 
 
 def test_a_crash_inside_saving_leaves_no_complete_checkpoint(tmp_path):
@@ -39,7 +40,7 @@ def test_a_crash_inside_saving_leaves_no_complete_checkpoint(tmp_path):
         (directory / "model.bin").write_text("half")
         raise RuntimeError("disk full")
     assert not (tmp_path / "step_000020").exists()
-    assert manager.latest_step() == 10
+    assert latest_step(manager) == 10
     assert manager.resolve_resume("auto") == tmp_path / "step_000010"
     assert (tmp_path / "latest").read_text().strip() == "step_000010"
     # The next save clears the leftover temporary directory.
@@ -56,7 +57,7 @@ def test_half_written_directories_are_never_loaded(tmp_path):
     (tmp_path / "step_000030" / "model.bin").write_text("half")
     (tmp_path / ".tmp-step_000040").mkdir()
     (tmp_path / ".tmp-step_000040" / "COMPLETE").write_text("{}")
-    assert manager.complete_steps() == [10]
+    assert complete_steps(manager) == [10]
     assert manager.resolve_resume("auto") == tmp_path / "step_000010"
     with pytest.raises(UserError, match=r"trainer\.resume.*no COMPLETE marker.*incomplete"):
         manager.resolve_resume(tmp_path / "step_000030")
@@ -68,7 +69,7 @@ def test_keep_last_prunes_oldest_complete_checkpoints(tmp_path):
     manager = CheckpointManager(tmp_path, keep_last=2)
     for step in (10, 20, 30, 40, 50):
         _save(manager, step)
-    assert manager.complete_steps() == [40, 50]
+    assert complete_steps(manager) == [40, 50]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000040", "step_000050"]
 
 
@@ -80,12 +81,12 @@ def test_after_resuming_an_older_checkpoint_its_new_saves_are_latest(tmp_path):
     assert manager.resolve_resume(tmp_path / "step_000010") == tmp_path / "step_000010"
     _save(manager, 11)
     # A crash now and `trainer.resume: auto` must continue at 11, not jump to the old 30.
-    assert manager.latest_step() == 11
+    assert latest_step(manager) == 11
     assert (tmp_path / "latest").read_text().strip() == "step_000011"
     _save(manager, 12)
     _save(manager, 13)
     # Pruning drops the oldest commits, the abandoned 20 and 30 included.
-    assert manager.complete_steps() == [11, 12, 13]
+    assert complete_steps(manager) == [11, 12, 13]
 
 
 def test_saving_the_same_step_again_replaces_it(tmp_path):
@@ -93,7 +94,7 @@ def test_saving_the_same_step_again_replaces_it(tmp_path):
     _save(manager, 10, payload="first")
     _save(manager, 10, payload="second")
     assert (tmp_path / "step_000010" / "model.bin").read_text() == "second 10"
-    assert manager.complete_steps() == [10]
+    assert complete_steps(manager) == [10]
 
 
 def test_resolve_resume_choices_and_errors(tmp_path):
@@ -122,16 +123,16 @@ def _draw_numbers():
     )
 
 
-def test_trainer_state_and_rng_round_trip_without_pickle(tmp_path):
+def test_run_state_and_rng_round_trip_without_pickle(tmp_path):
     random.seed(1)
     np.random.seed(2)
     torch.manual_seed(3)
     random.gauss(0, 1)  # leaves a cached gaussian in python's state
-    state = {"step": 7, "dataloader": {"epoch": 1, "position": 96}, "kl_coef": 0.05}
-    save_trainer_state(tmp_path, state, rank=0)
+    state = RunState(step=7, loader={"epoch": 1, "position": 96}, kl_coef=0.05)
+    save_run_state(tmp_path, state, rank=0)
     expected = _draw_numbers()
     _draw_numbers()  # move every generator on
-    assert load_trainer_state(tmp_path, rank=0) == state
+    assert load_run_state(tmp_path, rank=0) == state
     assert _draw_numbers() == expected
     # RNG states are plain tensors in safetensors, not pickles.
     with safe_open(str(tmp_path / rng_state_file(0)), framework="pt") as handle:
@@ -140,22 +141,42 @@ def test_trainer_state_and_rng_round_trip_without_pickle(tmp_path):
 
 def test_rng_states_are_per_rank(tmp_path):
     torch.manual_seed(0)
-    save_trainer_state(tmp_path, {"step": 1}, rank=0)
+    save_run_state(tmp_path, RunState(step=1), rank=0)
     rank0_draw = torch.rand(2)
     torch.manual_seed(1)
-    save_trainer_state(tmp_path, {"step": 999}, rank=1)  # only rank 0 writes the JSON
+    save_run_state(tmp_path, RunState(step=999), rank=1)  # only rank 0 writes the JSON
     rank1_draw = torch.rand(2)
-    assert load_trainer_state(tmp_path, rank=1) == {"step": 1}
+    assert load_run_state(tmp_path, rank=1) == RunState(step=1)
     assert torch.equal(torch.rand(2), rank1_draw)
-    load_trainer_state(tmp_path, rank=0)
+    load_run_state(tmp_path, rank=0)
     assert torch.equal(torch.rand(2), rank0_draw)
     with pytest.warns(RuntimeWarning, match="rng_state_rank2"):
-        load_trainer_state(tmp_path, rank=2)
+        load_run_state(tmp_path, rank=2)
 
 
 def test_loading_a_directory_without_trainer_state_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="trainer_state.json is missing"):
-        load_trainer_state(tmp_path, rank=0)
+        load_run_state(tmp_path, rank=0)
+
+
+def test_run_state_file_is_versioned_and_checked(tmp_path):
+    state = RunState(step=3, loader={"epoch": 0, "position": 12}, kl_coef=0.1, model_dir="m")
+    assert state.to_dict() == {
+        "version": 1,
+        "step": 3,
+        "loader": {"epoch": 0, "position": 12},
+        "kl_coef": 0.1,
+        "model_dir": "m",
+    }
+    assert RunState.from_dict(state.to_dict(), "x") == state
+    # written before the version field: version 1
+    assert RunState.from_dict({"step": 2, "history": []}, "x") == RunState(step=2, history=[])
+    with pytest.raises(UserError, match="f.json: run state version 2, this rlcli reads up to 1"):
+        RunState.from_dict({"version": 2, "step": 1}, "f.json")
+    with pytest.raises(UserError, match=r"f.json is not an rlcli run state \(unknown keys \['x'\]"):
+        RunState.from_dict({"step": 1, "x": 0}, "f.json")
+    with pytest.raises(UserError, match="no 'step'"):
+        RunState.from_dict({"kl_coef": 0.1}, "f.json")
 
 
 def _two_rank_save(rank, root, init_file):
@@ -168,9 +189,9 @@ def _two_rank_save(rank, root, init_file):
             with manager.saving(step, subdirs=("model",)) as directory:
                 # Every rank writes its own shard, as megatron dist_checkpointing does.
                 (directory / "model" / f"shard_rank{rank}.bin").write_bytes(os.urandom(1 << 16))
-                save_trainer_state(directory, {"step": step})
+                save_run_state(directory, RunState(step=step))
             # After the context every rank sees the committed checkpoint.
-            assert manager.latest_step() == step
+            assert latest_step(manager) == step
     finally:
         torch.distributed.destroy_process_group()
 
@@ -205,7 +226,7 @@ def test_resaving_a_step_never_leaves_fewer_complete_checkpoints(tmp_path, monke
 
     def watching_replace(src, dst):
         real_replace(src, dst)
-        seen.append(CheckpointManager(tmp_path, rank=0).complete_steps())
+        seen.append(complete_steps(CheckpointManager(tmp_path, rank=0)))
 
     monkeypatch.setattr(os, "replace", watching_replace)
     _save(manager, 10, "new")
@@ -216,8 +237,8 @@ def test_resaving_a_step_never_leaves_fewer_complete_checkpoints(tmp_path, monke
 
     # A crash right after the old copy stepped aside: it still counts, and resume finds it.
     real_replace(tmp_path / "step_000010", tmp_path / ".replaced-step_000010")
-    assert manager.complete_steps() == [10]
+    assert complete_steps(manager) == [10]
     assert manager.resolve_resume("auto") == tmp_path / ".replaced-step_000010"
     _save(manager, 11, "next")  # the next save neither loses it early nor keeps it forever
-    assert manager.complete_steps() == [11]
+    assert complete_steps(manager) == [11]
     assert not (tmp_path / ".replaced-step_000010").exists()

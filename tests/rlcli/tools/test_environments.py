@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from rlcli.environments.base import builtin_environment_names, resolve_environment_class
-from rlcli.environments.running_sum import RunningSumEnvironment, running_sum_row
+from rlcli.environments.base import BUILTIN_ENVIRONMENTS, resolve_environment_class
+from rlcli.environments.running_sum import RunningSumEnvironment, question
 from rlcli.errors import UserError
+
+
+def running_sum_row(numbers: list[int], index: int, split: str = "train") -> dict[str, Any]:
+    """A prompt row for the running_sum environment (verl's schema; the ground truth is the
+    final sum)."""
+    return {
+        "data_source": "running_sum",
+        "agent_name": "environment",
+        "prompt": [{"role": "user", "content": question(numbers[0], numbers[1])}],
+        "reward_model": {"style": "rule", "ground_truth": str(sum(numbers))},
+        "extra_info": {"split": split, "index": index, "interaction_kwargs": {"numbers": numbers}},
+    }
 
 
 def test_running_sum_dialogue_solved_to_the_end():
@@ -41,7 +55,7 @@ def test_running_sum_checks_its_kwargs():
 
 
 def test_registry_and_user_environments():
-    assert builtin_environment_names() == ["running_sum"]
+    assert BUILTIN_ENVIRONMENTS.names() == ["running_sum"]
     assert resolve_environment_class("running_sum") is RunningSumEnvironment
     echo_cls = resolve_environment_class("tests.rlcli.tools.user_environments:EchoEnvironment")
     echo = echo_cls({"turns": 1})
@@ -50,5 +64,7 @@ def test_registry_and_user_environments():
     assert echo.respond(state, "bye").done
     with pytest.raises(UserError, match="is not an environment class"):
         resolve_environment_class("tests.rlcli.tools.user_environments:NotAnEnvironment")
-    with pytest.raises(UserError, match="'nope' is not a known environment; built-in: running_sum"):
+    with pytest.raises(
+        UserError, match="'nope': unknown environment; valid names: running_sum, or 'module:Class'"
+    ):
         resolve_environment_class("nope")

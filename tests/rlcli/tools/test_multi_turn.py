@@ -50,7 +50,7 @@ def test_a_turn_from_text_to_appended_ids(tmp_path, tokenizer):
     assert outcomes[0].text == str(2**200)
     generated = tokenizer(text, add_special_tokens=False)["input_ids"]
     generated += [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    ids = parts.tool_response_ids(generated, outcomes)
+    ids = parts.renderer.append_ids(generated, parts.tool_messages(outcomes))
     cut = parts.renderer.truncate(str(2**200), 12, "right")
     assert cut.endswith(TRUNCATED)
     expected = parts.renderer.append_ids(generated, [{"role": "tool", "content": cut}])
@@ -69,7 +69,7 @@ def test_environment_and_budget(tokenizer):
     assert parts.tools is None and parts.runner is None
     state = parts.environment.start({"numbers": [1, 2, 3]})
     response = parts.environment.respond(state, " #### 3")
-    ids = parts.environment_response_ids([1, 2], response.text)
+    ids = parts.renderer.append_ids([1, 2], [{"role": "user", "content": response.text}])
     assert tokenizer.decode(ids).endswith(
         "Question: 3 + 3 = ? Answer:<|im_end|>\n<|im_start|>assistant\n"
     )
@@ -111,7 +111,9 @@ def test_config_validation_checks_the_tool_config(tmp_path):
         load_config(None, _recipe(tmp_path, tool_config=bad))
     with pytest.raises(UserError, match="needs tools \\(rollout.multi_turn.tool_config=FILE\\)"):
         load_config(None, _recipe(tmp_path))
-    with pytest.raises(UserError, match="rollout.multi_turn.environment='nope' is not a known"):
+    with pytest.raises(
+        UserError, match="rollout.multi_turn.environment='nope': unknown environment; valid names"
+    ):
         load_config(None, _recipe(tmp_path, environment="nope"))
     with pytest.raises(
         UserError, match="tool_response_truncate_side=.up. is not valid; choose one of"

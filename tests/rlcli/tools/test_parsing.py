@@ -6,12 +6,12 @@ import pytest
 
 from rlcli.errors import UserError
 from rlcli.tools.parsing import (
+    TOOL_CALL_FORMATS,
     MalformedToolCall,
     ToolCall,
     get_tool_call_parser,
     parse_hermes,
     register_tool_call_format,
-    tool_call_format_names,
 )
 
 
@@ -93,10 +93,10 @@ def test_arbitrary_text_never_raises():
 
 
 def test_the_format_registry():
-    assert "hermes" in tool_call_format_names()
+    assert "hermes" in TOOL_CALL_FORMATS
     assert get_tool_call_parser("hermes") is parse_hermes
     with pytest.raises(
-        UserError, match="rollout.multi_turn.format='xml' is not a tool-call format"
+        UserError, match="rollout.multi_turn.format='xml': unknown tool-call format; valid names: "
     ):
         get_tool_call_parser("xml")
 

@@ -65,7 +65,7 @@ def test_a_tool_config_with_renames_and_schemas(tmp_path):
 @pytest.mark.parametrize(
     "entry, message",
     [
-        ({"class": "nope"}, "unknown tool class 'nope'; built-in: calculator, python"),
+        ({"class": "nope"}, "unknown tool class 'nope'; valid names: calculator, python"),
         ({"class": "no_such_module:Tool"}, "cannot import module 'no_such_module'"),
         ({"class": f"{USER_TOOLS}:Missing"}, "has no class 'Missing'"),
         ({"class": f"{USER_TOOLS}:NotATool"}, "is not a tool class: it must subclass"),
