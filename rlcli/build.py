@@ -30,6 +30,7 @@ from rlcli.build_rollouts import (
 )
 from rlcli.config import RLConfig, TrainedModelConfig, to_dict
 from rlcli.config_validation import uses_critic
+from rlcli.console import say
 from rlcli.errors import UserError
 from rlcli.inputs import RunInputs, barrier, prepare_inputs
 from rlcli.lora import lora_spec
@@ -43,7 +44,7 @@ from rlcli.trained_model import (
     OptimizerSettings,
     TrainedModel,
 )
-from rlcli.trainer import Trainer, say
+from rlcli.trainer import Trainer
 
 if TYPE_CHECKING:
     from rlcli.rewards import RewardManager

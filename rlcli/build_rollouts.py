@@ -8,6 +8,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from rlcli.config import RLConfig
+from rlcli.console import say
 from rlcli.data import PromptLoader
 from rlcli.inputs import RunInputs
 from rlcli.rewards import RewardManager
@@ -15,7 +16,6 @@ from rlcli.rollout.base import RolloutEngine
 from rlcli.rollout_channel import RolloutChannel
 from rlcli.rollouts import ColocatedRollouts, Rollouts
 from rlcli.sampling import ReplicaInfo
-from rlcli.trainer import say
 from rlcli.trajectory import response_limit
 
 if TYPE_CHECKING:

@@ -26,13 +26,13 @@ from parallel.roles import RoleWorld
 from rlcli.config import RLConfig
 from rlcli.data import PromptDataset, PromptLoader
 from rlcli.metrics import Timer
+from rlcli.process_lifetime import StopRequest
 from rlcli.rewards import RewardManager
 from rlcli.rollout.base import RolloutEngine
 from rlcli.rollout.transport import receive_weights
 from rlcli.rollout_channel import Notice, RolloutChannel, StreamedBatch
 from rlcli.sampling import ReplicaInfo, collect_rollouts, evaluate
 from rlcli.streamed_rollouts import generating_version
-from rlcli.trainer import StopRequest
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -14,14 +14,10 @@ The trainer is built from the config by ``rlcli.build.build_trainer``.
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from parallel.mesh import Mesh
 from parallel.moe import router_load_metrics
@@ -29,6 +25,7 @@ from rlcli.actor_update import agreement_of_actor_pass, old_log_prob_plan, updat
 from rlcli.advantages import KLController, compute_advantages
 from rlcli.batch import RolloutBatch, collate, take_dp_share
 from rlcli.config import RLConfig
+from rlcli.console import say
 from rlcli.critic import update_critic, value_metrics
 from rlcli.data import PromptLoader
 from rlcli.dp_stats import DataParallelStats
@@ -37,6 +34,7 @@ from rlcli.lora import lora_state
 from rlcli.machine import device_summary, format_duration, seconds_since_process_start
 from rlcli.metrics import MetricsLogger
 from rlcli.model_rewards import ModelRewards
+from rlcli.process_lifetime import StopRequest
 from rlcli.residency import Residency, StepPhases, residency_plan
 from rlcli.rollouts import Rollouts
 from rlcli.run_checkpoint import CheckpointManager
@@ -45,10 +43,6 @@ from rlcli.trained_model import LoraReference, TrainedModel
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-# A file whose appearance asks the run to stop after the current step with a checkpoint (the
-# sbatch script creates it when Slurm warns of preemption or the time limit).
-STOP_FILE_ENV = "RLCLI_STOP_FILE"
 
 
 @dataclass
@@ -292,46 +286,6 @@ def check_logprob_diff(t: Trainer, metrics: dict[str, float]) -> None:
     say(t.mesh, "warning: " + message + ".")
 
 
-class StopRequest:
-    """SIGTERM / SIGUSR1 (Slurm preemption, ``scancel``) or a stop file ask the run to end after
-    the current step with a checkpoint. ``agreed`` is a collective: every rank stops together."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self) -> None:
-        self.reason: str | None = None
-        self.stop_file = os.environ.get(STOP_FILE_ENV)
-        self._previous: dict[int, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            for number in self.SIGNALS:
-                self._previous[number] = signal.signal(number, self._handle)
-
-    def _handle(self, number: int, frame: Any) -> None:
-        if self.reason is not None:  # asked twice: stop now
-            signal.signal(number, signal.SIG_DFL)
-            os.kill(os.getpid(), number)
-        self.reason = signal.Signals(number).name
-        print(f"[rlcli] {self.reason}: stopping after this step", flush=True)
-
-    def agreed(self, models: list[torch.nn.Module], elsewhere: str | None = None) -> bool:
-        """``elsewhere``: why a process outside this world (a rollout rank) asked to stop."""
-        if self.reason is None and self.stop_file and os.path.exists(self.stop_file):
-            self.reason = f"stop file {self.stop_file}"
-        if self.reason is None and elsewhere:
-            self.reason = elsewhere
-        wanted = torch.tensor([1.0 if self.reason else 0.0])
-        if dist.is_available() and dist.is_initialized():
-            wanted = wanted.to(next(models[0].parameters()).device)
-            dist.all_reduce(wanted, op=dist.ReduceOp.MAX)
-        if wanted.item() > 0 and self.reason is None:
-            self.reason = "another rank was asked to stop"
-        return wanted.item() > 0
-
-    def uninstall(self) -> None:
-        for number, handler in self._previous.items():
-            signal.signal(number, handler)
-
-
 def sync_rollout_weights(t: Trainer) -> dict[str, float]:
     """Stream the actor's weights after this step into the engines' layout."""
     return t.rollouts.sync_weights(t.actor.models, t.mesh, t.step)
@@ -343,8 +297,3 @@ def peak_memory_gb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
-
-
-def say(mesh: Mesh, message: str) -> None:
-    if mesh.rank == 0:
-        print(f"[rlcli] {message}", flush=True)
