@@ -92,6 +92,7 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
         )
     _check_schedules(cfg)
     _check_sampling(cfg)
+    _check_overlong(cfg)
     if not cfg.model.path and not cfg.model.build:
         raise UserError("model.path is empty: give a HuggingFace model directory (model.path=DIR)")
     if world_size is not None:
@@ -184,6 +185,22 @@ def _check_sampling(cfg: RLConfig) -> None:
             )
     if cfg.actor.clip_ratio_c <= 1:
         raise UserError(f"actor.clip_ratio_c must be > 1 (dual-clip), got {cfg.actor.clip_ratio_c}")
+
+
+def _check_overlong(cfg: RLConfig) -> None:
+    """DAPO's overlong buffer lies inside the response budget (``rlcli.trajectory.
+    response_limit``), which it is measured against (``rlcli.advantages``)."""
+    overlong, multi_turn = cfg.algorithm.overlong, cfg.rollout.multi_turn
+    if not overlong.enabled:
+        return
+    key, budget = "rollout.max_tokens", cfg.rollout.max_tokens
+    if multi_turn.enable:
+        key, budget = "rollout.multi_turn.max_response_tokens", multi_turn.max_response_tokens
+    if not 0 < overlong.buffer_len <= budget:
+        raise UserError(
+            f"algorithm.overlong.buffer_len={overlong.buffer_len} must be in (0, {key}={budget}]: "
+            "the penalty grows over the last buffer_len tokens of the response budget"
+        )
 
 
 def _check_multi_turn(cfg: RLConfig) -> None:
