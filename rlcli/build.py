@@ -29,7 +29,6 @@ from rlcli.build_rollouts import (
     planned_steps,
 )
 from rlcli.config import RLConfig, TrainedModelConfig, to_dict
-from rlcli.config_validation import uses_critic
 from rlcli.console import say
 from rlcli.errors import UserError
 from rlcli.inputs import RunInputs, barrier, prepare_inputs
@@ -85,7 +84,7 @@ def build_trainer(
     """Everything a run needs, from the config. ``reference`` forces building the reference
     model (default: only when a KL term uses it); ``logger=False`` builds no metrics logger.
     ``inputs`` / ``channel``: already prepared (``run_role``)."""
-    separate = cfg.rollout.placement == "separate"
+    separate = cfg.rollout.is_separate
     rewards = None if separate else build_rewards(cfg)
     inputs = inputs or prepare_inputs(cfg)
     check_multi_turn(inputs)
@@ -104,7 +103,7 @@ def build_trainer(
     ref = None
     if needs_reference(cfg) if reference is None else reference:
         ref = build_reference(inputs, actor)
-    critic = build_critic(inputs, total_steps=total) if uses_critic(cfg) else None
+    critic = build_critic(inputs, total_steps=total) if cfg.algorithm.uses_critic else None
     if separate:
         channel = channel or RolloutChannel(inputs.roles, cfg.parallel.timeout_minutes * 60)
         rollouts = build_streamed_rollouts(inputs, channel)
@@ -174,7 +173,7 @@ def check_multi_turn(inputs: RunInputs) -> None:
 
 
 def run_sft_only(cfg: RLConfig) -> Path:
-    if cfg.rollout.placement == "separate":
+    if cfg.rollout.is_separate:
         raise UserError(
             "rlcli sft trains on every process; rollout.placement=separate is rlcli train's "
             "(set rollout.placement=colocated and rollout.num_ranks=0 for the SFT run)"

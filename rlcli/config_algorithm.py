@@ -48,3 +48,8 @@ class AlgorithmConfig:
     # algorithms.get_off_policy_correction): none | decoupled_ppo | tis
     off_policy_correction: str = "none"
     tis_cap: float = 2.0  # truncation of the importance weights (decoupled_ppo, tis)
+
+    @property
+    def uses_critic(self) -> bool:
+        """PPO's learned value model: only the ``gae`` estimator reads values."""
+        return self.adv_estimator == "gae"

@@ -131,7 +131,7 @@ def build_model_rewards(
     """The configured model rewards, in the trainer's layout (every rank builds the same), or
     None when neither ``reward.model.path`` nor ``reward.judge.path`` is set. ``model_options``
     are the actor's ``parallel.model.build_model`` layout options."""
-    if not (cfg.reward.model.path or cfg.reward.judge.path):
+    if not cfg.reward.uses_model_reward:
         return None
     rewards = ModelRewards(cfg, policy_tokenizer=policy_tokenizer)
     if cfg.reward.model.path:

@@ -23,7 +23,6 @@ from parallel import cpu_compat
 from rlcli.agent_loop import AgentLoop, agent_loop_for, multi_turn_metrics
 from rlcli.batch import Sample, groups_of, split_evenly
 from rlcli.config import RLConfig
-from rlcli.config_validation_rewards import uses_model_reward
 from rlcli.data import PromptItem
 from rlcli.errors import UserError
 from rlcli.metrics import Timer
@@ -243,7 +242,7 @@ def collect_rollouts(
     dyn = cfg.algorithm.dynamic_sampling
     # With a model reward (its own phases after this one) DAPO's filter runs on the combined
     # reward there (rlcli.model_rewards), not on the rule's score here.
-    filtering = dyn.enabled and not uses_model_reward(cfg)
+    filtering = dyn.enabled and not cfg.reward.uses_model_reward
     remax = cfg.algorithm.adv_estimator == "remax"
     train = sampling_params(cfg, tokenizer.eos_token_id, step, train=True)
     greedy = sampling_params(cfg, tokenizer.eos_token_id, step, train=False)

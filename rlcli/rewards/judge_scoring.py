@@ -115,27 +115,12 @@ def build_judge(cfg: RLConfig, mesh: Mesh) -> Judge:
     from transformers import AutoTokenizer
 
     from rlcli.data.chat import uses_chat_template
-    from rlcli.rewards.judge import (
-        DEFAULT_NUMBER_TEMPLATE,
-        DEFAULT_SCORE_PATTERN,
-        DEFAULT_VERDICT_TEMPLATE,
-        check_judge_template,
-    )
+    from rlcli.rewards.judge import judge_template
     from rlcli.rollout.base import rollout_replicas
     from rlcli.rollout.factory import make_engine
 
     j = cfg.reward.judge
-    default_template = DEFAULT_NUMBER_TEMPLATE if j.mode == "number" else DEFAULT_VERDICT_TEMPLATE
-    template = j.template if j.template is not None else default_template
-    check_judge_template(template)
-    parser = JudgeScoreParser(
-        mode=j.mode,
-        min_score=j.min_score,
-        max_score=j.max_score,
-        pattern=j.pattern if j.pattern is not None else DEFAULT_SCORE_PATTERN,
-        verdicts=dict(j.verdicts),
-        default_score=j.default_score,
-    )
+    template, parser = judge_template(j), JudgeScoreParser.of(j)
     tokenizer = AutoTokenizer.from_pretrained(j.path)
     try:
         use_chat_template = uses_chat_template(tokenizer, j.apply_chat_template)

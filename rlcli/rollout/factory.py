@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from rlcli.config import EngineConfig, JudgeConfig, RolloutConfig, choices
+from rlcli.config import JudgeConfig, RolloutConfig
 from rlcli.errors import UserError
 from rlcli.rollout.base import RolloutEngine, read_hf_config
 
@@ -34,12 +34,9 @@ def make_engine(
     ``rollout_replicas``); ``seed`` is the run's seed, engines space their request seeds per
     replica. With ``rollout.sleep_level=2`` or dummy start weights, sync whenever
     ``engine.needs_weight_sync`` before ``generate``.
+    (``section`` is a validated config: its engine name, its tp with the hf engine and LoRA
+    adapters only with vLLM are checked by ``rlcli.config_validation``.)
     """
-    if section.engine not in choices(EngineConfig, "engine"):
-        raise UserError(
-            f"{key}.engine={section.engine!r} is not an engine; choose one of "
-            f"{choices(EngineConfig, 'engine')}"
-        )
     read_hf_config(model_dir, key)
     if section.engine == "vllm":
         if importlib.util.find_spec("vllm") is None:
@@ -57,15 +54,6 @@ def make_engine(
             max_model_len=max_model_len,
             key=key,
             max_lora_rank=max_lora_rank,
-        )
-    if max_lora_rank > 0:
-        raise UserError(
-            "rollout.lora_sync=adapter: the hf engine cannot apply LoRA adapters (only "
-            "rollout.engine=vllm can); set rollout.lora_sync=merged"
-        )
-    if section.tp != 1:
-        raise UserError(
-            f"{key}.engine=hf runs one full model per rank; set {key}.tp=1 (got {section.tp})"
         )
     from rlcli.rollout.hf_engine import HFEngine
 

@@ -182,7 +182,7 @@ def make_transport(
     (``engine``: this rank's); separate ones receive broadcasts (``weights_group``: the group of
     ``parallel.roles`` on trainer rank 0, None on the other trainer ranks). ``adapters``: the
     policy has LoRA adapters, which ``rollout.lora_sync`` says how to send."""
-    if rollout.placement == "separate":
+    if rollout.is_separate:
         return BroadcastTransport(weights_group, rollout.sync_bucket_mb)
     if engine is None:
         raise ValueError("colocated engines load in process: make_transport needs the engine")

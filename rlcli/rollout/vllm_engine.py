@@ -93,7 +93,7 @@ class VLLMEngine(RolloutEngine):
         self._on_gpu = torch.cuda.is_available()
         self.sleep_level = section.sleep_level
         # Only a colocated engine sleeps: on ranks of its own nothing else needs the memory.
-        self._sleeps = getattr(section, "placement", "colocated") == "colocated"
+        self._sleeps = not section.is_separate
         self.load_format = section.load_format
         replica_index, self.num_replicas = current_replica(section.tp)
         super().__init__(seed, replica_index)
