@@ -1,10 +1,12 @@
 """The RL trainer: every rank runs the same code (SPMD under torchrun).
 
 ``rl_step`` is the whole algorithm on one screen, one phase per call, in the order a batch
-travels: rollout (gen + reward) -> reward_model / judge -> distribute -> old_log_prob -> ref ->
-values -> adv -> update_critic -> update -> sync (reward_model / judge only with model rewards,
-``rlcli.model_rewards``; values and update_critic only with PPO's critic; during
-``trainer.critic_warmup`` steps only the critic learns). Each phase is entered through
+travels: rollout (gen + reward) -> reward_model / judge -> DAPO's filter -> distribute ->
+old_log_prob -> ref -> values -> adv -> update_critic -> update -> sync (reward_model / judge
+only with model rewards, ``rlcli.model_rewards``; the filter only with
+``algorithm.dynamic_sampling``, ``rlcli.dynamic_sampling``; values and update_critic only with
+PPO's critic; during ``trainer.critic_warmup`` steps only the critic learns). Each phase is
+entered through
 ``rlcli.residency.StepPhases``, which first gives it the device residency its row of the plan
 declares, then times it. Where the samples come from and the weights go is the rollout
 placement's (``rlcli.rollouts``: colocated engines, or engines on their own ranks generating
@@ -29,6 +31,7 @@ from rlcli.console import say
 from rlcli.critic import update_critic, value_metrics
 from rlcli.data import PromptLoader
 from rlcli.dp_stats import DataParallelStats
+from rlcli.dynamic_sampling import keep_informative_groups
 from rlcli.errors import UserError
 from rlcli.lora import lora_state
 from rlcli.machine import device_summary, format_duration, seconds_since_process_start
@@ -214,9 +217,13 @@ def rl_step(t: Trainer) -> dict[str, float]:
         # gen + reward (timed inside): every rank ends with ALL scored samples, exchanged once
         with phases("rollout", timed=False):
             samples, metrics = t.rollouts.collect(t.loader, t.step, phases.timer)
-        if t.model_rewards is not None:  # reward model / judge phases; DAPO's filter after them
-            samples, scored = t.model_rewards.score(samples, phases, t.step)
-            metrics.update(scored)
+        if t.model_rewards is not None:  # reward model / judge phases
+            metrics.update(t.model_rewards.score(samples, phases, t.step))
+        if t.cfg.algorithm.dynamic_sampling.enabled:  # DAPO: the groups whose reward varies
+            samples, kept = keep_informative_groups(
+                samples, t.cfg.algorithm.dynamic_sampling, t.cfg.data.train_batch_size
+            )
+            metrics.update(kept)
         with phases("distribute"):  # this DP rank's whole groups; from here on nothing moves
             mine, fewest_groups = take_dp_share(samples, t.mesh.dp, t.mesh.dp_rank)
             batch = collate(mine, t.tokenizer.pad_token_id) if fewest_groups else None

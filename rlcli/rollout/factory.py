@@ -3,8 +3,9 @@
 Kept apart from ``rlcli.rollout.base`` (the interface every engine imports) so that the interface
 does not import its implementations back. An engine is built from its config section (an
 ``EngineConfig``: ``rollout`` for the policy's engine, ``reward.judge`` for a generative judge's):
-add an option by adding a field to that section and reading it in the engine. Add an engine by subclassing ``rlcli.rollout.base.RolloutEngine`` in
-its own module, adding its name to ``RolloutConfig.engine``'s choices and a branch here.
+add an option by adding a field to that section and reading it in the engine. Add an engine by
+subclassing ``rlcli.rollout.base.RolloutEngine`` in its own module, adding its name to
+``EngineConfig.engine``'s choices and a branch here.
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ def make_engine(
     (whose config key is ``key``: errors name it); ``max_lora_rank`` > 0 makes it take LoRA
     adapters of that rank (``rollout.lora_sync=adapter``).
 
-    Under torchrun every rank calls this: ranks form replicas of ``section.tp`` ranks (see
-    ``rollout_replicas``); ``seed`` is the run's seed, engines space their request seeds per
-    replica. With ``rollout.sleep_level=2`` or dummy start weights, sync whenever
-    ``engine.needs_weight_sync`` before ``generate``.
-    (``section`` is a validated config: its engine name, its tp with the hf engine and LoRA
-    adapters only with vLLM are checked by ``rlcli.config_validation``.)
+    Under torchrun every rank calls this: ranks form replicas of ``section.tp`` ranks (the
+    engine's ``replica``, a ``rlcli.rollout.base.ReplicaInfo``: the one place a rank's replica
+    is worked out); ``seed`` is the run's seed, engines space their request seeds per replica.
+    With ``rollout.sleep_level=2`` or dummy start weights, sync whenever
+    ``engine.needs_weight_sync`` before ``generate``. ``section`` is a validated config: its
+    engine name, the hf engine's tp and LoRA adapters only with vLLM are checked when the config
+    loads (``rlcli.config_validation``), not here.
     """
     read_hf_config(model_dir, key)
     if section.engine == "vllm":

@@ -150,8 +150,8 @@ class InProcessAdapterTransport(WeightTransport):
     def __init__(self, engine: RolloutEngine, bucket_mb: float = 0) -> None:
         from parallel.lora_io import default_adapter_folder
 
-        if not hasattr(engine, "load_lora_adapter"):
-            raise TypeError(f"{type(engine).__name__} cannot load LoRA adapters")
+        if not engine.takes_lora_adapters:
+            raise TypeError(f"{type(engine).__name__} was not started to take LoRA adapters")
         self.engine = engine
         self.bucket_mb = bucket_mb
         self.folder = default_adapter_folder()

@@ -10,7 +10,7 @@ import torch
 
 from rlcli.config import RolloutConfig
 from rlcli.errors import UserError
-from rlcli.rollout import GenerationRequest, SamplingConfig, make_engine, rollout_replicas
+from rlcli.rollout import GenerationRequest, ReplicaInfo, SamplingConfig, make_engine
 from tests.parallel.dist_utils import make_tiny_hf_model
 
 # vLLM's CPU attention needs head_dim >= 32: hidden 128 over 4 heads.
@@ -85,11 +85,12 @@ def test_vllm_missing_suggests_hf(model_dir, monkeypatch):
 
 
 def test_rollout_replicas():
-    assert rollout_replicas(4, 3, 2) == (1, 2)
-    assert rollout_replicas(4, 1, 1) == (1, 4)
-    assert rollout_replicas(2, 1, 2) == (0, 1)
+    assert ReplicaInfo.of(4, 3, 2) == ReplicaInfo(index=1, count=2, is_leader=False, size=2)
+    assert ReplicaInfo.of(4, 2, 2) == ReplicaInfo(index=1, count=2, is_leader=True, size=2)
+    assert ReplicaInfo.of(4, 1, 1) == ReplicaInfo(index=1, count=4, is_leader=True, size=1)
+    assert ReplicaInfo.of(2, 1, 2).index == 0 and ReplicaInfo.of(4, 3, 2).first_rank == 2
     with pytest.raises(UserError, match="rollout.tp"):
-        rollout_replicas(6, 0, 4)
+        ReplicaInfo.of(6, 0, 4)
 
 
 # ---- HF engine ------------------------------------------------------------------------
@@ -248,11 +249,12 @@ def test_vllm_seeds_stop_tokens_and_sleep(vllm_engine):
     again = vllm_engine.generate(PROMPTS, 4, sampling)
     assert [[s.token_ids for s in r] for r in first] == [[s.token_ids for s in r] for r in again]
     # Two replicas with the same base seed must not repeat each other's samples.
-    vllm_engine.replica_index = 1
+    own = vllm_engine.replica
+    vllm_engine.replica = ReplicaInfo(index=1, count=2, is_leader=True)
     try:
         other = vllm_engine.generate(PROMPTS, 4, sampling)
     finally:
-        vllm_engine.replica_index = 0
+        vllm_engine.replica = own
     assert [[s.token_ids for s in r] for r in first] != [[s.token_ids for s in r] for r in other]
 
     stop = first[0][0].token_ids[1]
