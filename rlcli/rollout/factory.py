@@ -57,6 +57,8 @@ def make_engine(
             key=key,
             max_lora_rank=max_lora_rank,
         )
+    if section.engine != "hf":  # a config that did not load through rlcli.config_loader
+        raise ValueError(f"{key}.engine={section.engine!r} is not an engine")
     from rlcli.rollout.hf_engine import HFEngine
 
     return HFEngine(model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len, key=key)

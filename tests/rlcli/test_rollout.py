@@ -62,9 +62,23 @@ def perturbed_weights(model_dir, seed=1):
 
 
 def test_unknown_engine_kind_lists_the_choices(model_dir):
-    with pytest.raises(UserError, match="rollout.engine") as error:
-        engine_for("sglang", model_dir)
-    assert "'vllm'" in str(error.value) and "'hf'" in str(error.value)
+    from rlcli.config_loader import load_config
+
+    # Checked once, as the config loads (the factory takes a validated section).
+    for key in ("rollout.engine", "reward.judge.engine"):
+        with pytest.raises(UserError, match=key) as error:
+            load_config(None, [f"model.path={model_dir}", f"{key}=sglang"])
+        assert "vllm" in str(error.value) and "hf" in str(error.value)
+
+
+def test_hf_engine_tp_is_checked_when_the_config_loads(model_dir):
+    from rlcli.config_loader import load_config
+
+    with pytest.raises(UserError, match=r"rollout.engine=hf runs one full model per rank"):
+        load_config(None, [f"model.path={model_dir}", "rollout.engine=hf", "rollout.tp=2"])
+    judge = [f"reward.judge.path={model_dir}", "reward.judge.engine=hf", "reward.judge.tp=2"]
+    with pytest.raises(UserError, match=r"set reward.judge.tp=1"):
+        load_config(None, [f"model.path={model_dir}", *judge])
 
 
 @pytest.mark.parametrize("kind", ["hf", "vllm"])
