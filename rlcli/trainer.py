@@ -6,9 +6,8 @@ old_log_prob -> ref -> values -> adv -> update_critic -> update -> sync (reward_
 only with model rewards, ``rlcli.model_rewards``; the filter only with
 ``algorithm.dynamic_sampling``, ``rlcli.dynamic_sampling``; values and update_critic only with
 PPO's critic; during ``trainer.critic_warmup`` steps only the critic learns). Each phase is
-entered through
-``rlcli.residency.StepPhases``, which first gives it the device residency its row of the plan
-declares, then times it. Where the samples come from and the weights go is the rollout
+entered through ``rlcli.residency.StepPhases``, which first gives it the device residency its
+row of the plan declares, then times it (the filter moves nothing and is not timed). Where the samples come from and the weights go is the rollout
 placement's (``rlcli.rollouts``: colocated engines, or engines on their own ranks generating
 ahead). ``Trainer.fit`` repeats the step, evaluates on held-out prompts and commits checkpoints.
 The trainer is built from the config by ``rlcli.build.build_trainer``.

@@ -71,7 +71,7 @@ def main(recipe: str, out_json: str, *base: str) -> None:
             step=len(results),
         )
         results[name] = rl_step(run)
-    trainer.rollouts.rewards.close()
+    trainer.rollouts.sampler.rewards.close()
     with open(out_json, "w") as f:
         json.dump(results, f)
 

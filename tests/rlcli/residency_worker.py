@@ -116,7 +116,7 @@ def main(recipe: str, out_json: str, *base: str) -> None:
     phases, moves = recorder.take()
     steps["dapo_skip"] = {"metrics": metrics, "phases": phases, "moves": moves}
     rewards.close()
-    trainer.rollouts.rewards.close()
+    trainer.rollouts.sampler.rewards.close()
     with open(out_json, "w") as f:
         json.dump(steps, f)
 
