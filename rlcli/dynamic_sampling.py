@@ -42,12 +42,12 @@ def informative_groups(samples: list[Sample], metric: str) -> list[list[Sample]]
 
 
 def keep_informative_groups(
-    samples: list[Sample], section: DynamicSamplingConfig, batch_size: int
+    samples: list[Sample], dynamic_sampling: DynamicSamplingConfig, batch_size: int
 ) -> tuple[list[Sample], dict[str, float]]:
     """The step's filter (module docstring): the samples of the first ``batch_size`` groups
-    whose ``section.metric`` varies, and ``dapo/kept_groups_ratio``. Every rank holds every
-    sample, so every rank keeps the same."""
-    groups = informative_groups(samples, section.metric)
+    whose ``dynamic_sampling.metric`` varies, and ``dapo/kept_groups_ratio``. Every rank holds
+    every sample, so every rank keeps the same."""
+    groups = informative_groups(samples, dynamic_sampling.metric)
     drawn = len(groups_of(samples))
     kept = groups[:batch_size]
     return [s for g in kept for s in g], {"dapo/kept_groups_ratio": len(groups) / max(drawn, 1)}

@@ -114,7 +114,8 @@ class Sampler:
         block: on GPU, ``sleep`` discards the weights at level 2, so waking again would need a
         weight sync first. ReMax's greedy baselines are sampled in the same block.
         """
-        cfg, dyn = self.cfg, self.cfg.algorithm.dynamic_sampling
+        cfg = self.cfg
+        dyn = cfg.algorithm.dynamic_sampling
         remax = cfg.algorithm.adv_estimator == "remax"
         train, greedy = self.sampling(step, train=True), self.sampling(step, train=False)
         samples: list[Sample] = []
