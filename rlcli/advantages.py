@@ -14,23 +14,27 @@ import algorithms
 from rlcli.batch import RolloutBatch
 from rlcli.config import RLConfig
 from rlcli.dp_stats import DataParallelStats
+from rlcli.trajectory import response_limit
 
 KLController = algorithms.FixedKLController | algorithms.AdaptiveKLController
 
 
 def token_level_scores(batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
-    """``[B, R]``: the outcome score on each response's last generated token (DAPO overlong
-    shaping by the response's length added)."""
-    lengths = batch.response_mask.sum(-1).long()
+    """``[B, R]``: the outcome score on each response's last generated token, DAPO's overlong
+    shaping added: the tokens the policy generated (``loss_mask``: a multi-turn trajectory's
+    tool / environment tokens are not its length) against the run's response budget
+    (``response_limit``: ``rollout.max_tokens``, or a trajectory's
+    ``rollout.multi_turn.max_response_tokens``; ``rollout.max_tokens`` is then per turn)."""
+    generated = batch.loss_mask
+    lengths = generated.sum(-1).long()
     scores = batch.scores.clone()
     if cfg.algorithm.overlong.enabled:
         scores += algorithms.overlong_penalty(
             lengths,
-            cfg.rollout.max_tokens,
+            response_limit(cfg),
             cfg.algorithm.overlong.buffer_len,
             cfg.algorithm.overlong.penalty_factor,
         )
-    generated = batch.loss_mask
     token_scores = torch.zeros_like(generated)
     # The last position whose loss mask is 1 (a multi-turn response may end with tool tokens).
     positions = torch.arange(generated.shape[1], dtype=torch.float32)

@@ -35,14 +35,21 @@ import torch.distributed as dist
 from parallel import cpu_compat
 from rlcli.batch import Sample
 from rlcli.data import PromptItem
-from rlcli.rollout.base import Completion, GenerationRequest, RolloutEngine, SamplingConfig
+from rlcli.rollout.base import (
+    Completion,
+    GenerationRequest,
+    ReplicaInfo,
+    RolloutEngine,
+    SamplingConfig,
+    current_replica,
+)
 from rlcli.tools.multi_turn import MultiTurnComponents, build_multi_turn
 from rlcli.tools.runner import ToolCallOutcome, tool_metrics
 from rlcli.tools.tool_config import TrajectoryTools
 from rlcli.trajectory import BudgetCut, TrajectoryRecord
 
 if TYPE_CHECKING:
-    from rlcli.config import RLConfig
+    from rlcli.config import MultiTurnConfig
 
 
 def turn_seed(step_seed: int, replica: int, trajectory: int, turn: int) -> int:
@@ -128,7 +135,7 @@ class Trajectory:
 
 
 class AgentLoop:
-    """Runs a replica's multi-turn trajectories; built once per run (``agent_loop_for``).
+    """Runs a replica's multi-turn trajectories; built once per run (``build_agent_loop``).
 
     ``replica_group`` (with ``leader_rank``, a global rank) joins the ranks of this rank's
     rollout replica when it has more than one; None otherwise."""
@@ -302,40 +309,29 @@ def multi_turn_metrics(samples: Sequence[Sample], prefix: str = "") -> dict[str,
     return {f"{prefix}{key}": value for key, value in metrics.items()}
 
 
-_built: list[tuple[Any, Any, AgentLoop]] = []  # (multi_turn section, tokenizer, loop): at most one
-
-
-def agent_loop_for(cfg: RLConfig, tokenizer: Any) -> AgentLoop | None:
-    """The run's agent loop (None unless ``rollout.multi_turn.enable``): built on first use for
-    this ``rollout.multi_turn`` section and tokenizer, then reused, so that every caller of the
-    rollout (``rlcli.sampling``) reaches the same tools and thread pool. Collective on first use
-    with ``rollout.tp > 1`` (it makes the replicas' process groups): every rank calls it at the
-    same point (``build_trainer`` does, before anything is sampled)."""
-    from rlcli.inputs import tokenizer_setting
-
-    multi_turn = cfg.rollout.multi_turn
+def build_agent_loop(
+    multi_turn: MultiTurnConfig, tokenizer: Any, tokenizer_key: str, rollout_tp: int
+) -> AgentLoop | None:
+    """The run's agent loop (None unless ``multi_turn.enable``), built once by the run's builder
+    and held by its ``rlcli.sampling.Sampler``; ``tokenizer_key``: the config key naming the
+    tokenizer (for errors). Collective with ``rollout_tp > 1`` (it makes the replicas' process
+    groups over the engines' world): every rank calls it at the same point."""
     if not multi_turn.enable:
         return None
-    if _built and _built[0][0] == multi_turn and _built[0][1] is tokenizer:
-        return _built[0][2]
-    components = build_multi_turn(multi_turn, tokenizer, tokenizer_setting(cfg))
-    group, leader = replica_group(cfg.rollout.tp)
-    loop = AgentLoop(components, tokenizer, group, leader)
-    if _built:
-        _built.pop()[2].close()
-    _built.append((copy.deepcopy(multi_turn), tokenizer, loop))
-    return loop
+    components = build_multi_turn(multi_turn, tokenizer, tokenizer_key)
+    group, leader = replica_group(current_replica(rollout_tp))
+    return AgentLoop(components, tokenizer, group, leader)
 
 
-def replica_group(rollout_tp: int) -> tuple[Any, int]:
+def replica_group(replica: ReplicaInfo) -> tuple[Any, int]:
     """(the process group of this rank's rollout replica, its first rank), or (None, 0) when a
     replica is one rank. Every rank creates every replica's group, in the same order."""
-    if rollout_tp == 1 or not (dist.is_available() and dist.is_initialized()):
+    if replica.size == 1 or not (dist.is_available() and dist.is_initialized()):
         return None, 0
-    world, rank = dist.get_world_size(), dist.get_rank()
-    mine, leader = None, 0
-    for first in range(0, world, rollout_tp):
-        group = dist.new_group(list(range(first, first + rollout_tp)))
-        if first <= rank < first + rollout_tp:
-            mine, leader = group, first
-    return mine, leader
+    mine = None
+    for index in range(replica.count):
+        first = index * replica.size
+        group = dist.new_group(list(range(first, first + replica.size)))
+        if index == replica.index:
+            mine = group
+    return mine, replica.first_rank

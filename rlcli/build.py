@@ -2,9 +2,10 @@
 
 Every rank builds the same things in the same order: rewards (a reward spec that does not import
 fails at once), inputs (process groups, data, model), the SFT warm start, the reward-model stage
-(``rm.before_rl``; with ``rm.on_policy_samples`` it starts the rollout engine, which the
-rollouts then keep), the actor, the reference, PPO's critic, the model rewards (reward model,
-judge), the rollout engine, then resumes from the newest checkpoint when asked.
+(``rm.before_rl``; with ``rm.on_policy_samples`` it starts the rollout sampler, which the
+rollouts then keep), the actor, the reference, PPO's critic, the rollout sampler (engine, rule
+rewards, agent loop), the model rewards (reward model, judge), then resumes from the newest
+checkpoint when asked.
 With ``rollout.placement=separate`` (``run_role``) the trainer ranks build all of that but the
 engine and the rewards; the rollout ranks build only those (``RolloutWorker``). The rollout
 side's builders are ``rlcli.build_rollouts``.
@@ -19,16 +20,17 @@ from typing import TYPE_CHECKING, Any
 import algorithms
 from rlcli.advantages import KLController
 from rlcli.build_rollouts import (
+    build_agent_loop_of,
     build_colocated_rollouts,
-    build_engine,
     build_loader,
     build_rewards,
     build_rollout_worker,
+    build_sampler,
     build_streamed_rollouts,
     planned_steps,
 )
 from rlcli.config import RLConfig, TrainedModelConfig, to_dict
-from rlcli.config_validation import uses_critic
+from rlcli.console import say
 from rlcli.errors import UserError
 from rlcli.inputs import RunInputs, prepare_inputs
 from rlcli.lora import lora_spec
@@ -42,12 +44,12 @@ from rlcli.trained_model import (
     OptimizerSettings,
     TrainedModel,
 )
-from rlcli.trainer import Trainer, say
+from rlcli.trainer import Trainer
 
 if TYPE_CHECKING:
+    from rlcli.agent_loop import AgentLoop
     from rlcli.rewards import RewardManager
-    from rlcli.rollout.base import RolloutEngine
-    from rlcli.sampling import ReplicaInfo
+    from rlcli.sampling import Sampler
 
 
 def run_role(cfg: RLConfig) -> None:
@@ -83,15 +85,15 @@ def build_trainer(
     """Everything a run needs, from the config. ``reference`` forces building the reference
     model (default: only when a KL term uses it); ``logger=False`` builds no metrics logger.
     ``inputs`` / ``channel``: already prepared (``run_role``)."""
-    separate = cfg.rollout.placement == "separate"
+    separate = cfg.rollout.is_separate
     rewards = None if separate else build_rewards(cfg)
     inputs = inputs or prepare_inputs(cfg)
-    check_multi_turn(inputs)
+    agent = check_multi_turn(inputs)
     if inputs.mesh is None:
         raise RuntimeError("a rollout rank builds a RolloutWorker, not a Trainer (run_role)")
     if cfg.sft.steps > 0:
         inputs.model_dir = str(warm_start(inputs))
-    engine = reward_model_stage(inputs, rewards) if cfg.rm.before_rl else None
+    sampler = reward_model_stage(inputs, rewards, agent) if cfg.rm.before_rl else None
     if inputs.roles is not None:  # the rollout ranks wait for the model the engines load
         inputs.roles.barrier_all("warm_start")
     loader = build_loader(inputs)
@@ -102,13 +104,13 @@ def build_trainer(
     ref = None
     if needs_reference(cfg) if reference is None else reference:
         ref = build_reference(inputs, actor)
-    critic = build_critic(inputs, total_steps=total) if uses_critic(cfg) else None
+    critic = build_critic(inputs, total_steps=total) if cfg.algorithm.uses_critic else None
     if separate:
         channel = channel or RolloutChannel(inputs.roles, cfg.parallel.timeout_minutes * 60)
         rollouts = build_streamed_rollouts(inputs, channel)
     else:
         rollouts = build_colocated_rollouts(
-            inputs, rewards, adapters=actor.lora is not None, engine=engine
+            inputs, rewards, agent, adapters=actor.lora is not None, sampler=sampler
         )
     from rlcli.model_rewards import build_model_rewards
 
@@ -185,19 +187,23 @@ def rl_checkpoints(
     )
 
 
-def check_multi_turn(inputs: RunInputs) -> None:
-    """Build the multi-turn rollout's tools and environment now (the python tool probes its
-    sandbox), and check every row's ``extra_info.tools_kwargs``: a mistake stops the run before
-    the model is built, naming the tool config or the row."""
-    from rlcli.agent_loop import agent_loop_for
-
-    agent = agent_loop_for(inputs.cfg, inputs.tokenizer)
+def check_multi_turn(inputs: RunInputs) -> AgentLoop | None:
+    """Build the multi-turn rollout's agent loop now (its tools and environment: the python tool
+    probes its sandbox), and check every row's ``extra_info.tools_kwargs``: a mistake stops the
+    run before the model is built, naming the tool config or the row. Returns it for this rank's
+    sampler (None without multi-turn, or on trainer ranks whose engines run elsewhere)."""
+    separate = inputs.cfg.rollout.is_separate
+    agent = build_agent_loop_of(inputs, samples_here=not separate)
     if agent is not None:
         agent.check_items([*inputs.train_data, *(inputs.val_data or [])])
+        if separate:  # the rollout ranks build their own
+            agent.close()
+            return None
+    return agent
 
 
 def run_sft_only(cfg: RLConfig) -> Path:
-    if cfg.rollout.placement == "separate":
+    if cfg.rollout.is_separate:
         raise UserError(
             "rlcli sft trains on every process; rollout.placement=separate is rlcli train's "
             "(set rollout.placement=colocated and rollout.num_ranks=0 for the SFT run)"
@@ -229,12 +235,12 @@ def warm_start(inputs: RunInputs, force: bool = False) -> Path:
 
 
 def reward_model_stage(
-    inputs: RunInputs, rewards: RewardManager | None
-) -> tuple[RolloutEngine, ReplicaInfo] | None:
+    inputs: RunInputs, rewards: RewardManager | None, agent: AgentLoop | None
+) -> Sampler | None:
     """``rm.before_rl``: train a reward model as ``rlcli rm`` does into ``rm.out_dir``, from
     ``rm.init_path`` or the RL start model (the SFT policy), unless one is there already. With
-    ``rm.on_policy_samples`` the RL start policy's graded samples add pairs; returns the engine
-    that drew them (the rollouts' engine from then on), else None."""
+    ``rm.on_policy_samples`` the RL start policy's graded samples add pairs; returns the sampler
+    that drew them (the rollouts' from then on), else None."""
     from rlcli.reward_model_training import train_reward_model
 
     cfg, mesh = inputs.cfg, inputs.mesh
@@ -242,13 +248,13 @@ def reward_model_stage(
     if (out / "config.json").exists():
         say(mesh, f"reward model: reusing {out}")
         return None
-    engine, extra_pairs = None, ([], [])
+    sampler, extra_pairs = None, ([], [])
     if cfg.rm.on_policy_samples:
         from rlcli.on_policy_pairs import write_on_policy_pairs
 
         say(mesh, f"starting the {cfg.rollout.engine} engine for on-policy preference pairs")
-        engine = build_engine(inputs, read_weights=True)
-        extra_pairs = write_on_policy_pairs(inputs, *engine, rewards, lambda m: say(mesh, m))
+        sampler = build_sampler(inputs, rewards, agent, read_weights=True)
+        extra_pairs = write_on_policy_pairs(inputs, sampler, lambda m: say(mesh, m))
     start = cfg.rm.init_path or inputs.model_dir
     say(mesh, f"reward model: {cfg.rm.steps} Bradley-Terry steps from {start} into {out}")
     report = train_reward_model(
@@ -267,7 +273,7 @@ def reward_model_stage(
             + ("n/a" if before is None else f"{before:.3f}")
             + f" -> {report.val_accuracy_after:.3f} ({report.val_pairs} pairs)",
         )
-    return engine
+    return sampler
 
 
 def build_actor(inputs: RunInputs, total_steps: int, sft: bool = False) -> TrainedModel:

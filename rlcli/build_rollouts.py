@@ -1,21 +1,22 @@
-"""The rollout side of ``rlcli.build``: the prompt loader, the engines and rewards, and the two
-placements' rollouts (``rlcli.rollouts``): every rank's own engine (colocated), or the trainer's
-view of engines on rollout ranks and those ranks' ``RolloutWorker`` (separate)."""
+"""The rollout side of ``rlcli.build``: the prompt loader, the sampler (engine, rewards, agent
+loop) and the two placements' rollouts (``rlcli.rollouts``): every rank's own engine
+(colocated), or the trainer's view of engines on rollout ranks and those ranks'
+``RolloutWorker`` (separate)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import TYPE_CHECKING
 
+from rlcli.agent_loop import AgentLoop, build_agent_loop
 from rlcli.config import RLConfig
+from rlcli.console import say
 from rlcli.data import PromptLoader
-from rlcli.inputs import RunInputs
+from rlcli.inputs import RunInputs, tokenizer_setting
 from rlcli.rewards import RewardManager
-from rlcli.rollout.base import RolloutEngine
 from rlcli.rollout_channel import RolloutChannel
 from rlcli.rollouts import ColocatedRollouts, Rollouts
-from rlcli.sampling import ReplicaInfo
-from rlcli.trainer import say
+from rlcli.sampling import Sampler
 from rlcli.trajectory import response_limit
 
 if TYPE_CHECKING:
@@ -37,31 +38,59 @@ def planned_steps(cfg: RLConfig, loader: PromptLoader) -> int:
     return cfg.trainer.total_steps or cfg.trainer.total_epochs * loader.batches_per_epoch
 
 
+def build_agent_loop_of(inputs: RunInputs, samples_here: bool = True) -> AgentLoop | None:
+    """The run's agent loop (``rollout.multi_turn``; None without); ``samples_here=False``: for
+    checks only, on ranks that never sample (no replica process groups)."""
+    cfg = inputs.cfg
+    tp = cfg.rollout.tp if samples_here else 1
+    return build_agent_loop(cfg.rollout.multi_turn, inputs.tokenizer, tokenizer_setting(cfg), tp)
+
+
+def build_sampler(
+    inputs: RunInputs,
+    rewards: RewardManager,
+    agent: AgentLoop | None,
+    read_weights: bool = False,
+) -> Sampler:
+    """This rank's sampler: its engine over ``inputs.model_dir`` (a TP shard of a replica of
+    ``rollout.tp`` ranks of the engines' world), with ``rewards`` and ``agent``;
+    ``read_weights``: the engine reads the checkpoint whatever ``rollout.load_format`` says (it
+    samples before the trainer's first sync)."""
+    from rlcli.rollout.factory import make_engine
+
+    cfg = inputs.cfg
+    r = dataclasses.replace(cfg.rollout, load_format="auto") if read_weights else cfg.rollout
+    adapters = cfg.actor.lora.enable and r.lora_sync == "adapter"
+    engine = make_engine(
+        r,
+        inputs.model_dir,
+        dtype=cfg.model.dtype,
+        seed=cfg.trainer.seed,  # engines space request seeds per replica themselves
+        # A multi-turn trajectory is the prompt and up to max_response_tokens after it.
+        max_model_len=r.max_model_len or (cfg.data.max_prompt_length + response_limit(cfg)),
+        max_lora_rank=cfg.actor.lora.rank if adapters else 0,
+    )
+    return Sampler(cfg, engine, rewards, inputs.tokenizer, agent)
+
+
 def build_colocated_rollouts(
     inputs: RunInputs,
     rewards: RewardManager,
+    agent: AgentLoop | None,
     adapters: bool = False,
-    engine: tuple[RolloutEngine, ReplicaInfo] | None = None,
+    sampler: Sampler | None = None,
 ) -> ColocatedRollouts:
-    """Every rank's own engine (``engine``: one started already, by ``build_engine``);
-    ``adapters``: the actor has LoRA adapters (``rollout.lora_sync`` says how they reach the
-    engine)."""
+    """Every rank's own sampler (``sampler``: one started already, by ``rm.on_policy_samples``;
+    else built here from ``rewards`` and ``agent``); ``adapters``: the actor has LoRA adapters
+    (``rollout.lora_sync`` says how they reach the engine)."""
     from rlcli.rollout.transport import make_transport
 
     cfg = inputs.cfg
-    if engine is None:
+    if sampler is None:
         say(inputs.mesh, f"starting the {cfg.rollout.engine} engine (rollout.tp={cfg.rollout.tp})")
-        engine = build_engine(inputs)
-    engine, replica = engine
-    return ColocatedRollouts(
-        cfg,
-        engine,
-        replica,
-        make_transport(cfg.rollout, engine, adapters=adapters),
-        rewards,
-        inputs.tokenizer,
-        inputs.val_data,
-    )
+        sampler = build_sampler(inputs, rewards, agent)
+    transport = make_transport(cfg.rollout, sampler.engine, adapters=adapters)
+    return ColocatedRollouts(sampler, transport, inputs.val_data)
 
 
 def build_streamed_rollouts(inputs: RunInputs, channel: RolloutChannel) -> Rollouts:
@@ -81,10 +110,8 @@ def build_streamed_rollouts(inputs: RunInputs, channel: RolloutChannel) -> Rollo
 
 
 def build_rollout_worker(inputs: RunInputs, channel: RolloutChannel) -> RolloutWorker:
-    """A rollout rank: its engine (one TP shard of a replica of rollout.tp rollout ranks), the
-    rewards, its own loader (set to the trainer's position by the first notice)."""
-    from rlcli.rollout.base import rollout_replicas
-    from rlcli.rollout.factory import make_engine
+    """A rollout rank: its sampler (its engine one TP shard of a replica of rollout.tp rollout
+    ranks), its own loader (set to the trainer's position by the first notice)."""
     from rlcli.rollout_worker import RolloutWorker
 
     cfg, roles = inputs.cfg, inputs.roles
@@ -92,54 +119,19 @@ def build_rollout_worker(inputs: RunInputs, channel: RolloutChannel) -> RolloutW
     roles.barrier_all("warm_start")  # the trainer ranks' SFT writes the model the engines load
     if cfg.sft.steps > 0:
         inputs.model_dir = str(inputs.output_dir / "sft_model")
-    r = cfg.rollout
-    index, count = rollout_replicas(roles.size, roles.rank, r.tp)
+    agent = build_agent_loop_of(inputs)
     with roles.role_environment():
-        engine = make_engine(
-            r,
-            inputs.model_dir,
-            dtype=cfg.model.dtype,
-            seed=cfg.trainer.seed,
-            max_model_len=r.max_model_len or (cfg.data.max_prompt_length + response_limit(cfg)),
-        )
+        sampler = build_sampler(inputs, rewards, agent)
     loader = build_loader(inputs)
     return RolloutWorker(
         cfg=cfg,
         world=roles,
         channel=channel,
-        engine=engine,
-        replica=ReplicaInfo(index=index, count=count, is_leader=roles.rank % r.tp == 0),
-        rewards=rewards,
-        tokenizer=inputs.tokenizer,
+        sampler=sampler,
         loader=loader,
         val_data=inputs.val_data,
         total_steps=planned_steps(cfg, loader),
     )
-
-
-def build_engine(
-    inputs: RunInputs, read_weights: bool = False
-) -> tuple[RolloutEngine, ReplicaInfo]:
-    """This rank's engine over ``inputs.model_dir``; ``read_weights``: it reads the checkpoint
-    whatever ``rollout.load_format`` says (it samples before the trainer's first sync)."""
-    from rlcli.rollout.base import rollout_replicas
-    from rlcli.rollout.factory import make_engine
-
-    cfg, mesh = inputs.cfg, inputs.mesh
-    r = dataclasses.replace(cfg.rollout, load_format="auto") if read_weights else cfg.rollout
-    index, count = rollout_replicas(mesh.world_size, mesh.rank, r.tp)
-    # A multi-turn trajectory is the prompt and up to max_response_tokens after it.
-    adapters = cfg.actor.lora.enable and r.lora_sync == "adapter"
-    engine = make_engine(
-        r,
-        inputs.model_dir,
-        dtype=cfg.model.dtype,
-        seed=cfg.trainer.seed,  # engines space request seeds per replica themselves
-        max_model_len=r.max_model_len or (cfg.data.max_prompt_length + response_limit(cfg)),
-        max_lora_rank=cfg.actor.lora.rank if adapters else 0,
-    )
-    replica = ReplicaInfo(index=index, count=count, is_leader=mesh.rank % r.tp == 0)
-    return engine, replica
 
 
 def build_rewards(cfg: RLConfig) -> RewardManager:

@@ -153,6 +153,11 @@ class RolloutConfig(EngineConfig):
     logprob_diff_action: Literal["warn", "stop"] = "warn"
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
+    @property
+    def is_separate(self) -> bool:
+        """Engines on ranks of their own (``rollout.placement=separate``)."""
+        return self.placement == "separate"
+
 
 @dataclass
 class TrainedModelConfig:
@@ -263,6 +268,11 @@ class RewardConfig:
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     combine: RewardCombineConfig = field(default_factory=RewardCombineConfig)
+
+    @property
+    def uses_model_reward(self) -> bool:
+        """A reward model or a generative judge scores the samples (``rlcli.model_rewards``)."""
+        return bool(self.model.path or self.judge.path)
 
 
 @dataclass

@@ -25,9 +25,11 @@ class DynamicSamplingConfig:
 
 @dataclass
 class OverlongConfig:
-    enabled: bool = False  # DAPO: soft penalty inside a buffer before rollout.max_tokens
-    buffer_len: int = 16  # tokens before rollout.max_tokens where the penalty starts
-    penalty_factor: float = 1.0  # penalty at rollout.max_tokens
+    # DAPO: soft penalty on the generated tokens inside a buffer before the response budget
+    # (rollout.max_tokens; multi-turn: rollout.multi_turn.max_response_tokens)
+    enabled: bool = False
+    buffer_len: int = 16  # tokens before the response budget where the penalty starts
+    penalty_factor: float = 1.0  # penalty at the response budget
 
 
 @dataclass
@@ -46,3 +48,8 @@ class AlgorithmConfig:
     # algorithms.get_off_policy_correction): none | decoupled_ppo | tis
     off_policy_correction: str = "none"
     tis_cap: float = 2.0  # truncation of the importance weights (decoupled_ppo, tis)
+
+    @property
+    def uses_critic(self) -> bool:
+        """PPO's learned value model: only the ``gae`` estimator reads values."""
+        return self.adv_estimator == "gae"

@@ -19,3 +19,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.5  # GPU: share of memory vLLM takes for weights + KV cache
     kv_cache_gb: float = 1.0  # CPU only: resident KV cache per engine
     enforce_eager: bool = True  # GPU: no CUDA graphs (faster start, slower decoding)
+
+    @property
+    def is_separate(self) -> bool:
+        """The engines run on ranks of their own (``rollout.placement=separate``), not between
+        the trainer's phases on its ranks (a judge's engine always shares them)."""
+        return False

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rlcli.config_validation_model import check_lora, check_moe_settings, check_packing
+from rlcli.config_validation_model import (
+    check_hf_engine,
+    check_lora,
+    check_moe_settings,
+    check_packing,
+)
 from rlcli.config_validation_rewards import check_model_rewards
 from rlcli.errors import UserError
-from rlcli.placement_validation import check_off_policy, check_placement, is_separate
+from rlcli.placement_validation import check_off_policy, check_placement
 
 if TYPE_CHECKING:
     from rlcli.config import ParallelConfig, RLConfig, TrainedModelConfig
@@ -52,13 +57,13 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
         raise UserError("trainer.resume is empty: use 'auto', 'none' or a checkpoint directory")
     _check_algorithm_names(cfg)
     _check_trained_model("actor", cfg.actor, cfg)
-    if uses_critic(cfg):  # other runs ignore the critic section
+    if cfg.algorithm.uses_critic:  # other runs ignore the critic section
         _check_trained_model("critic", cfg.critic, cfg)
         if cfg.critic.cliprange_value <= 0:
             raise UserError(f"critic.cliprange_value must be > 0, got {cfg.critic.cliprange_value}")
     if cfg.trainer.critic_warmup < 0:
         raise UserError(f"trainer.critic_warmup must be >= 0, got {cfg.trainer.critic_warmup}")
-    if cfg.trainer.critic_warmup and not uses_critic(cfg):
+    if cfg.trainer.critic_warmup and not cfg.algorithm.uses_critic:
         raise UserError(
             f"trainer.critic_warmup={cfg.trainer.critic_warmup} needs a critic "
             "(algorithm.adv_estimator=gae); set trainer.critic_warmup=0"
@@ -80,6 +85,7 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
     for key, value in positive.items():
         if value < 1:
             raise UserError(f"{key} must be >= 1, got {value}")
+    check_hf_engine("rollout", cfg.rollout)
     if not 0.0 <= cfg.data.synthetic_tool_share <= 1.0:
         raise UserError(
             f"data.synthetic_tool_share must be in [0, 1], got {cfg.data.synthetic_tool_share}"
@@ -92,6 +98,7 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
         )
     _check_schedules(cfg)
     _check_sampling(cfg)
+    _check_overlong(cfg)
     if not cfg.model.path and not cfg.model.build:
         raise UserError("model.path is empty: give a HuggingFace model directory (model.path=DIR)")
     if world_size is not None:
@@ -101,7 +108,7 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
 def _check_world(cfg: RLConfig, world_size: int) -> None:
     """The layout of ``world_size`` ranks: the trainer's TP x PP x DP, the engines' TP."""
     r, par = cfg.rollout, cfg.parallel
-    if not is_separate(cfg):
+    if not r.is_separate:
         derive_dp(par, world_size)
         if world_size % r.tp:
             raise UserError(f"world size {world_size} is not divisible by rollout.tp={r.tp}")
@@ -119,11 +126,6 @@ def _check_world(cfg: RLConfig, world_size: int) -> None:
             f"{r.num_ranks}) are not divisible by parallel.tp x parallel.pp = {par.tp * par.pp}"
         )
     derive_dp(par, trainers)
-
-
-def uses_critic(cfg: RLConfig) -> bool:
-    """PPO's learned value model: only the ``gae`` estimator reads values."""
-    return cfg.algorithm.adv_estimator == "gae"
 
 
 def _check_trained_model(key: str, section: TrainedModelConfig, cfg: RLConfig) -> None:
@@ -184,6 +186,22 @@ def _check_sampling(cfg: RLConfig) -> None:
             )
     if cfg.actor.clip_ratio_c <= 1:
         raise UserError(f"actor.clip_ratio_c must be > 1 (dual-clip), got {cfg.actor.clip_ratio_c}")
+
+
+def _check_overlong(cfg: RLConfig) -> None:
+    """DAPO's overlong buffer lies inside the response budget (``rlcli.trajectory.
+    response_limit``), which it is measured against (``rlcli.advantages``)."""
+    overlong, multi_turn = cfg.algorithm.overlong, cfg.rollout.multi_turn
+    if not overlong.enabled:
+        return
+    key, budget = "rollout.max_tokens", cfg.rollout.max_tokens
+    if multi_turn.enable:
+        key, budget = "rollout.multi_turn.max_response_tokens", multi_turn.max_response_tokens
+    if not 0 < overlong.buffer_len <= budget:
+        raise UserError(
+            f"algorithm.overlong.buffer_len={overlong.buffer_len} must be in (0, {key}={budget}]: "
+            "the penalty grows over the last buffer_len tokens of the response budget"
+        )
 
 
 def _check_multi_turn(cfg: RLConfig) -> None:

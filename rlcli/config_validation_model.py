@@ -1,6 +1,7 @@
-"""The checks of a config about the model's structure: its LoRA adapters (``actor.lora``) and its
+"""The checks of a config about the model's structure: its LoRA adapters (``actor.lora``), its
 expert layout (``parallel.ep``, ``parallel.expert_tp``, the MoE training knobs), the latter also
-against the model's config.json (``validate_against_model``)."""
+against the model's config.json (``validate_against_model``), and how an engine section holds
+the model (``check_hf_engine``)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,18 @@ from rlcli.errors import UserError
 
 if TYPE_CHECKING:
     from rlcli.config import RLConfig
+    from rlcli.config_engine import EngineConfig
 
 
 MOE_SETTINGS = ("moe_load_balancing", "moe_aux_loss_coef", "moe_token_dispatcher")
+
+
+def check_hf_engine(key: str, section: EngineConfig) -> None:
+    """An engine section (``rollout``, ``reward.judge``) with ``engine=hf``: one full model."""
+    if section.engine == "hf" and section.tp != 1:
+        raise UserError(
+            f"{key}.engine=hf runs one full model per rank; set {key}.tp=1 (got {section.tp})"
+        )
 
 
 def check_packing(key: str, pack_sequences: bool, cfg: RLConfig) -> None:

@@ -7,16 +7,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rlcli.config_validation_model import check_packing
+from rlcli.config_validation_model import check_hf_engine, check_packing
 from rlcli.errors import UserError
 
 if TYPE_CHECKING:
     from rlcli.config import RLConfig
-
-
-def uses_model_reward(cfg: RLConfig) -> bool:
-    """A reward model or a generative judge scores the samples (``rlcli.model_rewards``)."""
-    return bool(cfg.reward.model.path or cfg.reward.judge.path)
 
 
 def check_model_rewards(cfg: RLConfig, world_size: int | None) -> None:
@@ -28,7 +23,7 @@ def check_model_rewards(cfg: RLConfig, world_size: int | None) -> None:
             f"rm.before_rl=true trains the reward model into rm.out_dir={cfg.rm.out_dir}, but "
             f"reward.model.path={m.path!r}: set reward.model.path to rm.out_dir"
         )
-    if not uses_model_reward(cfg):
+    if not cfg.reward.uses_model_reward:
         return
     if m.path and m.micro_batch_size < 1:
         raise UserError(f"reward.model.micro_batch_size must be >= 1, got {m.micro_batch_size}")
@@ -55,19 +50,12 @@ def check_model_rewards(cfg: RLConfig, world_size: int | None) -> None:
 
 
 def _check_judge(cfg: RLConfig, world_size: int | None) -> None:
-    from rlcli.rewards.judge import DEFAULT_SCORE_PATTERN, JudgeScoreParser, check_judge_template
+    from rlcli.rewards.judge import JudgeScoreParser, judge_template
 
     j = cfg.reward.judge
-    if j.template is not None:
-        check_judge_template(j.template)
-    JudgeScoreParser(  # checks the parser settings (UserError naming reward.judge.<key>)
-        mode=j.mode,
-        min_score=j.min_score,
-        max_score=j.max_score,
-        pattern=j.pattern if j.pattern is not None else DEFAULT_SCORE_PATTERN,
-        verdicts=dict(j.verdicts),
-        default_score=j.default_score,
-    )
+    judge_template(j)  # checks the template
+    JudgeScoreParser.of(j)  # checks the parser settings (UserError naming reward.judge.<key>)
+    check_hf_engine("reward.judge", j)
     for key in ("tp", "max_tokens"):
         if getattr(j, key) < 1:
             raise UserError(f"reward.judge.{key} must be >= 1, got {getattr(j, key)}")

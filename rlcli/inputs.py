@@ -66,7 +66,7 @@ def prepare_inputs(cfg: RLConfig) -> RunInputs:
 
     timeout_s = cfg.parallel.timeout_minutes * 60
     roles = None
-    if cfg.rollout.placement == "separate":
+    if cfg.rollout.is_separate:
         validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))  # before the split
         roles = init_role_world(cfg.rollout.num_ranks, timeout_s=timeout_s)
     mesh = None

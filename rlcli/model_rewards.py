@@ -3,15 +3,15 @@ generative judge on an engine (``reward.judge.*``) score every sample after the 
 its own phase, and their scores are combined with the rule reward (``reward.combine.*``).
 
     rewards = build_model_rewards(cfg, mesh, policy_tokenizer)   # None without either
-    samples, metrics = rewards.score(samples, phases, step)      # every rank, every sample
+    metrics = rewards.score(samples, phases, step)      # every rank, every sample, in place
 
-Where this sits in the step: the rollout phase scores rule rewards inside ``collect_rollouts``
+Where this sits in the step: the rollout phase scores rule rewards inside ``Sampler.collect``
 while the engine is awake; the reward model needs Megatron on every rank and the judge its own
 engine, so both run after the rollout, when the policy's engine sleeps (on GPU its KV cache
-would otherwise sit beside the reward model's forward). DAPO's group filter must see the reward
-the policy is trained on, so with a model reward it runs here, on the combined reward, instead of
-inside the rollout; its re-sampling rounds (``max_gen_batches`` > 1) would need the model reward
-inside the rollout and are refused (``rlcli.config_validation``).
+would otherwise sit beside the reward model's forward). DAPO's group filter sees the reward the
+policy is trained on: it is the step's phase after these (``rlcli.dynamic_sampling``); its
+re-sampling rounds (``max_gen_batches`` > 1) would need the model reward inside the rollout and
+are refused (``rlcli.config_validation_rewards``).
 
 A sample's ``score`` becomes the combined reward; the rule's score stays in ``reward/
 rule_score_mean`` and the rule's ``acc`` in ``reward/accuracy`` (held-out accuracy is graded by
@@ -29,7 +29,6 @@ from algorithms.reward_shaping import RunningMeanStd, combine_rewards
 from rlcli.batch import Sample
 from rlcli.errors import UserError
 from rlcli.rewards.reward_model import RewardModelInputs, reward_model_scores
-from rlcli.sampling import informative_groups
 
 if TYPE_CHECKING:
     from parallel.mesh import Mesh
@@ -51,12 +50,9 @@ class ModelRewards:
     judge: Judge | None = None
     policy_tokenizer: Any = None
 
-    def score(
-        self, samples: list[Sample], phases: StepPhases, step: int
-    ) -> tuple[list[Sample], dict[str, float]]:
-        """Score every sample (phases ``reward_model`` and ``judge``), set each one's ``score``
-        to its combined reward, and with DAPO keep the informative groups (module docstring).
-        Collective; every rank returns the same samples and metrics."""
+    def score(self, samples: list[Sample], phases: StepPhases, step: int) -> dict[str, float]:
+        """Score every sample (phases ``reward_model`` and ``judge``) and set each one's
+        ``score`` to its combined reward. Collective; every rank returns the same metrics."""
         cfg, metrics = self.cfg, {}
         rule = torch.tensor([s.score for s in samples], dtype=torch.float64)
         model = torch.zeros_like(rule)
@@ -92,12 +88,7 @@ class ModelRewards:
             sample.score = reward
         metrics["reward/rule_score_mean"] = rule.mean().item()
         metrics.update(spread("reward/score", rewards, ("mean", "std")))
-        if cfg.algorithm.dynamic_sampling.enabled:
-            kept = informative_groups(samples, cfg.algorithm.dynamic_sampling.metric)
-            metrics["dapo/kept_groups_ratio"] = len(kept) / max(len({s.group for s in samples}), 1)
-            metrics["dapo/gen_batches"] = 1.0
-            samples = [s for group in kept for s in group]
-        return samples, metrics
+        return metrics
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps: the running normaliser's statistics."""
@@ -131,7 +122,7 @@ def build_model_rewards(
     """The configured model rewards, in the trainer's layout (every rank builds the same), or
     None when neither ``reward.model.path`` nor ``reward.judge.path`` is set. ``model_options``
     are the actor's ``parallel.model.build_model`` layout options."""
-    if not (cfg.reward.model.path or cfg.reward.judge.path):
+    if not cfg.reward.uses_model_reward:
         return None
     rewards = ModelRewards(cfg, policy_tokenizer=policy_tokenizer)
     if cfg.reward.model.path:
@@ -143,7 +134,7 @@ def build_model_rewards(
     if cfg.reward.judge.path:
         from rlcli.rewards.judge_scoring import build_judge
 
-        rewards.judge = build_judge(cfg, mesh)
+        rewards.judge = build_judge(cfg)
     return rewards
 
 

@@ -9,7 +9,7 @@ prompt gives one pair per distinct response graded below its best one (the best 
 prompt whose responses all grade alike gives none.
 
 The pairs land in ``<output_dir>/data/rm_on_policy_{train,val}.jsonl`` (rows of
-``rlcli.data.preferences``); the engine is kept and later serves the RL rollouts.
+``rlcli.data.preferences``); the sampler (its engine) is kept and later serves the RL rollouts.
 """
 
 from __future__ import annotations
@@ -21,16 +21,8 @@ from typing import Any
 from rlcli.batch import Sample
 from rlcli.data import PromptItem, write_jsonl
 from rlcli.inputs import RunInputs, barrier
-from rlcli.rewards import RewardManager
-from rlcli.rollout.base import RolloutEngine
-from rlcli.sampling import (
-    ReplicaInfo,
-    accuracy_of,
-    awake,
-    generate_samples,
-    sampling_params,
-    score_samples,
-)
+from rlcli.rollout.base import awake
+from rlcli.sampling import Sampler, accuracy_of
 
 _SAMPLING_STEP = -1  # the seed stream of these samples, apart from every RL step's
 
@@ -55,29 +47,22 @@ def preference_rows(samples: Sequence[Sample], texts: Sequence[str]) -> list[dic
 
 
 def _graded_rows(
-    inputs: RunInputs,
-    engine: RolloutEngine,
-    replica: ReplicaInfo,
-    items: Sequence[PromptItem],
-    rewards: RewardManager,
+    sampler: Sampler, items: Sequence[PromptItem]
 ) -> tuple[list[dict[str, Any]], float]:
     """The rows of ``items`` and the samples' accuracy (``rlcli.sampling.accuracy_of``)."""
-    cfg, tokenizer = inputs.cfg, inputs.tokenizer
-    sampling = sampling_params(cfg, tokenizer.eos_token_id, _SAMPLING_STEP, train=True)
-    with awake(engine):
-        samples = generate_samples(engine, items, cfg.rm.on_policy_samples, sampling, replica)
+    sampling = sampler.sampling(_SAMPLING_STEP, train=True)
+    with awake(sampler.engine):
+        samples = sampler.generate(items, sampler.cfg.rm.on_policy_samples, sampling)
     # Every rank needs every text for the pairs; scoring reuses them instead of decoding again.
-    texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
-    score_samples(samples, rewards, tokenizer, cfg.reward.max_failure_rate, texts=texts)
+    texts = sampler.tokenizer.batch_decode(
+        [s.response_ids for s in samples], skip_special_tokens=True
+    )
+    sampler.score(samples, texts=texts)
     return preference_rows(samples, texts), accuracy_of(samples)
 
 
 def write_on_policy_pairs(
-    inputs: RunInputs,
-    engine: RolloutEngine,
-    replica: ReplicaInfo,
-    rewards: RewardManager,
-    log: Callable[[str], None],
+    inputs: RunInputs, sampler: Sampler, log: Callable[[str], None]
 ) -> tuple[list[str], list[str]]:
     """Sample, grade and write the pairs (collective: every rank calls it); returns the training
     and held-out pair files (no held-out file without held-out prompts)."""
@@ -87,7 +72,7 @@ def write_on_policy_pairs(
     for split, items in splits.items():
         if items is None or not len(items):
             continue
-        rows, accuracy = _graded_rows(inputs, engine, replica, list(items), rewards)
+        rows, accuracy = _graded_rows(sampler, list(items))
         path = data_dir / f"rm_on_policy_{split}.jsonl"
         if inputs.mesh.rank == 0:
             write_jsonl(str(path), rows)

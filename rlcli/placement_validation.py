@@ -12,15 +12,10 @@ if TYPE_CHECKING:
     from rlcli.config import RLConfig
 
 
-def is_separate(cfg: RLConfig) -> bool:
-    """Engines on their own ranks (``rollout.placement=separate``)."""
-    return cfg.rollout.placement == "separate"
-
-
 def trainer_ranks(cfg: RLConfig, world_size: int) -> int:
     """How many of ``world_size`` ranks train: all of them colocated, all but the
     ``rollout.num_ranks`` engine ranks in the separate placement."""
-    return world_size - cfg.rollout.num_ranks if is_separate(cfg) else world_size
+    return world_size - cfg.rollout.num_ranks if cfg.rollout.is_separate else world_size
 
 
 def check_placement(cfg: RLConfig) -> None:
@@ -28,7 +23,7 @@ def check_placement(cfg: RLConfig) -> None:
     r = cfg.rollout
     if r.num_ranks < 0:
         raise UserError(f"rollout.num_ranks must be >= 0, got {r.num_ranks}")
-    if not is_separate(cfg):
+    if not r.is_separate:
         if r.num_ranks:
             raise UserError(
                 f"rollout.num_ranks={r.num_ranks} applies only to rollout.placement=separate "
@@ -62,7 +57,7 @@ def check_placement(cfg: RLConfig) -> None:
             "rollout.placement=colocated (and rollout.num_ranks=0), or actor.lora.enable=false"
         )
 
-    if cfg.reward.model.path or cfg.reward.judge.path:
+    if cfg.reward.uses_model_reward:
         # Model rewards score on the trainer's ranks after the rollout; with engines on their
         # own ranks the samples (and DAPO's filter) are made there, ahead, without them.
         raise UserError(
@@ -93,7 +88,7 @@ def check_off_policy(cfg: RLConfig) -> None:
         )
     if k == 0:
         return
-    if not is_separate(cfg):
+    if not cfg.rollout.is_separate:
         raise UserError(
             f"trainer.max_staleness={k} needs rollout.placement=separate: colocated engines "
             "generate between the trainer's phases on the same ranks, so there is nothing to "

@@ -27,6 +27,10 @@ What runs beside a rank, and what ends it:
   its agent (the agent itself kills each live rank's process group when it stops a group).
 
 These are Linux guarantees (``prctl``); elsewhere the helpers end at a normal exit only.
+
+And a run asked to end (SIGTERM / SIGUSR1 from Slurm or ``scancel``, or a stop file) ends after
+its current step with a checkpoint: :class:`StopRequest`, which the trainer and the rollout ranks
+both hold.
 """
 
 from __future__ import annotations
@@ -35,8 +39,16 @@ import ctypes
 import multiprocessing
 import os
 import signal
+import threading
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 _PR_SET_PDEATHSIG = 1
+# A file whose appearance asks the run to stop after the current step with a checkpoint (the
+# sbatch script creates it when Slurm warns of preemption or the time limit).
+STOP_FILE_ENV = "RLCLI_STOP_FILE"
 
 
 def die_with_parent(signal_number: int = signal.SIGKILL) -> bool:
@@ -67,3 +79,46 @@ def tie_rank_to_agent() -> None:
     its agent the group can neither be restarted nor report, and the newest committed
     checkpoint is safe whenever the rank dies."""
     die_with_parent()
+
+
+class StopRequest:
+    """SIGTERM / SIGUSR1 (Slurm preemption, ``scancel``) or a stop file ask the run to end after
+    the current step with a checkpoint. ``agreed`` is a collective: every rank stops together."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self.stop_file = os.environ.get(STOP_FILE_ENV)
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for number in self.SIGNALS:
+                self._previous[number] = signal.signal(number, self._handle)
+
+    def _handle(self, number: int, frame: Any) -> None:
+        if self.reason is not None:  # asked twice: stop now
+            signal.signal(number, signal.SIG_DFL)
+            os.kill(os.getpid(), number)
+        self.reason = signal.Signals(number).name
+        print(f"[rlcli] {self.reason}: stopping after this step", flush=True)
+
+    def agreed(self, models: list[torch.nn.Module], elsewhere: str | None = None) -> bool:
+        """``elsewhere``: why a process outside this world (a rollout rank) asked to stop."""
+        import torch  # not at import: rlcli.cli imports this module in every spawned helper
+        import torch.distributed as dist
+
+        if self.reason is None and self.stop_file and os.path.exists(self.stop_file):
+            self.reason = f"stop file {self.stop_file}"
+        if self.reason is None and elsewhere:
+            self.reason = elsewhere
+        wanted = torch.tensor([1.0 if self.reason else 0.0])
+        if dist.is_available() and dist.is_initialized():
+            wanted = wanted.to(next(models[0].parameters()).device)
+            dist.all_reduce(wanted, op=dist.ReduceOp.MAX)
+        if wanted.item() > 0 and self.reason is None:
+            self.reason = "another rank was asked to stop"
+        return wanted.item() > 0
+
+    def uninstall(self) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)

@@ -50,7 +50,7 @@ class StreamedBatch:
 
     step: int  # the trainer's step that trains on them
     samples: list[Sample]
-    metrics: dict[str, float]  # collect_rollouts' (rewards, lengths, DAPO) and the engines' own
+    metrics: dict[str, float]  # Sampler.collect's (rewards, lengths, DAPO) and the engines' own
     weight_version: int  # the weights that generated them
     loader_before: dict[str, Any]  # the loader before the step's prompts were drawn ...
     loader_after: dict[str, Any]  # ... and after (what the trainer has consumed once trained)

@@ -1,8 +1,9 @@
 """The rollout ranks of ``rollout.placement=separate``: engines only, generating ahead of the trainer.
 
-Each step's samples are one ``collect_rollouts`` call (the colocated step's rollout phase, so
+Each step's samples are one ``Sampler.collect`` (the colocated step's rollout phase, so
 multi-turn tool rollouts and DAPO's dynamic sampling work unchanged: DAPO's extra rounds for
-filtered groups draw further prompts from the stream while the trainer trains). The loop::
+filtered groups draw further prompts from the stream while the trainer trains; the trainer's step
+filters them, ``rlcli.dynamic_sampling``). The loop::
 
     wait for notice 0: the run's start step and loader position, the start weights
     for each step t from start + 1 to the last:
@@ -20,22 +21,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from parallel.roles import RoleWorld
 from rlcli.config import RLConfig
 from rlcli.data import PromptDataset, PromptLoader
 from rlcli.metrics import Timer
-from rlcli.rewards import RewardManager
-from rlcli.rollout.base import RolloutEngine
+from rlcli.process_lifetime import StopRequest
 from rlcli.rollout.transport import receive_weights
 from rlcli.rollout_channel import Notice, RolloutChannel, StreamedBatch
-from rlcli.sampling import ReplicaInfo, collect_rollouts, evaluate
+from rlcli.sampling import Sampler
 from rlcli.streamed_rollouts import generating_version
-from rlcli.trainer import StopRequest
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -43,10 +38,7 @@ class RolloutWorker:
     cfg: RLConfig
     world: RoleWorld
     channel: RolloutChannel
-    engine: RolloutEngine
-    replica: ReplicaInfo
-    rewards: RewardManager
-    tokenizer: PreTrainedTokenizerBase
+    sampler: Sampler  # this rank's engine (a TP shard of a replica), rewards, agent loop
     loader: PromptLoader  # drawn from ahead of the trainer; set from notice 0 at the start
     val_data: PromptDataset | None
     total_steps: int
@@ -68,8 +60,7 @@ class RolloutWorker:
             self._serve(stop)
         finally:
             stop.uninstall()
-            self.rewards.close()
-            self.engine.close()
+            self.sampler.close()
 
     def _serve(self, stop: StopRequest) -> None:
         notice = self._next_notice(stop)
@@ -102,7 +93,7 @@ class RolloutWorker:
             raise RuntimeError(f"weights {notice.version} announced after {self.version}")
         if notice.weights:
             with self.engine_times("sync"):
-                receive_weights(self.world.weights, self.engine)
+                receive_weights(self.world.weights, self.sampler.engine)
         self.version = notice.version
         if notice.validate:
             metrics = self._evaluate(notice.version)
@@ -112,23 +103,13 @@ class RolloutWorker:
     def _evaluate(self, version: int) -> dict[str, float]:
         if self.val_data is None:
             return {}
-        args = (self.cfg, self.engine, self.replica, self.val_data, self.rewards, self.tokenizer)
-        return evaluate(*args, version)
+        return self.sampler.evaluate(self.val_data, version)
 
     def _generate(self, step: int) -> None:
         before = self.loader.state_dict()
         timer = Timer()
         started = time.perf_counter()
-        samples, metrics = collect_rollouts(
-            self.cfg,
-            self.engine,
-            self.replica,
-            self.loader,
-            self.rewards,
-            self.tokenizer,
-            step,
-            timer,
-        )
+        samples, metrics = self.sampler.collect(self.loader, step, timer)
         self.engine_times.add("busy", time.perf_counter() - started)
         engine = {
             key.replace("timing/", "engine/") + "_s": value

@@ -1,80 +1,171 @@
 """The step's rollout phase: prompts -> engine samples on every replica -> all ranks -> rewards.
 
-The engines themselves live in ``rlcli.rollout``. Every rank draws the same global batch of
-prompts; rollout replica ``r`` of ``R`` (a replica is ``rollout.tp`` ranks sharing one engine)
-samples its contiguous slice. The samples are then exchanged ONCE so every rank holds all of
-them (they are small: token ids and floats); each training data-parallel rank then takes its own
-whole groups (``rlcli.batch.take_dp_share``) and everything after that stays on the rank.
+    sampler = build_sampler(inputs, rewards, agent)      # rlcli.build_rollouts, once per run
+    samples, metrics = sampler.collect(loader, step, timer)     # the step's scored samples
+    metrics = sampler.evaluate(val_data, step)                  # held-out accuracy
+
+A ``Sampler`` is the rollout side of a run, built once and used by both placements (the
+colocated trainer's ``rlcli.rollouts.ColocatedRollouts`` and the separate placement's
+``rlcli.rollout_worker.RolloutWorker``): this rank's engine (``rlcli.rollout``; its ``replica``),
+the rule reward, the tokenizer and, with multi-turn rollouts, the agent loop.
+
+Every rank draws the same global batch of prompts; rollout replica ``r`` of ``R`` (a replica is
+``rollout.tp`` ranks sharing one engine) samples its contiguous slice. The samples are then
+exchanged ONCE so every rank holds all of them (they are small: token ids and floats); each
+training data-parallel rank then takes its own whole groups (``rlcli.batch.take_dp_share``) and
+everything after that stays on the rank.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-import algorithms
 from parallel import cpu_compat
-from rlcli.agent_loop import AgentLoop, agent_loop_for, multi_turn_metrics
-from rlcli.batch import Sample, groups_of, split_evenly
+from rlcli.agent_loop import AgentLoop, multi_turn_metrics
+from rlcli.batch import Sample, split_evenly
 from rlcli.config import RLConfig
-from rlcli.config_validation_rewards import uses_model_reward
 from rlcli.data import PromptItem
+from rlcli.dynamic_sampling import informative_groups
 from rlcli.errors import UserError
 from rlcli.metrics import Timer
 from rlcli.rewards import RewardInput, RewardManager
-from rlcli.rollout.base import RolloutEngine, SamplingConfig
+from rlcli.rollout.base import ReplicaInfo, RolloutEngine, SamplingConfig, awake
 from rlcli.trajectory import response_limit
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-@dataclass(frozen=True)
-class ReplicaInfo:
-    index: int  # this rank's replica
-    count: int  # replicas in the world
-    is_leader: bool  # the replica's first rank reports its samples (the others hold the same)
+@dataclass
+class Sampler:
+    """This rank's rollout side (module docstring). Every method that samples is collective over
+    the engines' world: every rank calls it with the same arguments."""
 
+    cfg: RLConfig
+    engine: RolloutEngine
+    rewards: RewardManager  # the rule reward (reward.fn)
+    tokenizer: PreTrainedTokenizerBase
+    agent: AgentLoop | None = None  # multi-turn rollouts (rollout.multi_turn.enable)
 
-def generate_samples(
-    engine: RolloutEngine,
-    items: Sequence[PromptItem],
-    n: int,
-    sampling: SamplingConfig,
-    replica: ReplicaInfo,
-    group_offset: int = 0,
-    agent: AgentLoop | None = None,
-) -> list[Sample]:
-    """Sample ``n`` responses for each prompt of ``items``; returns ALL replicas' samples, on every
-    rank, ordered by prompt. ``group`` numbers prompts from ``group_offset``. With an ``agent``
-    (multi-turn rollouts) each response is a whole trajectory (``rlcli.agent_loop``)."""
-    mine = split_evenly(list(enumerate(items)), replica.count)[replica.index]
-    if agent is not None:
-        prompts = [(group_offset + position, item) for position, item in mine]
-        return _gathered(agent.run(engine, prompts, n, sampling, replica.index), replica)
-    # Called even with no prompts: the ranks of a replica (and vLLM's groups) step together.
-    with cpu_compat.suspended():  # the engine never calls megatron-core
-        outputs = engine.generate([item.prompt_token_ids for _, item in mine], n, sampling)
-    local: list[Sample] = []
-    for (position, item), completions in zip(mine, outputs, strict=True):
-        for completion in completions:
-            local.append(
-                Sample(
-                    group=group_offset + position,
-                    prompt_ids=list(item.prompt_token_ids),
-                    response_ids=list(completion.token_ids),
-                    engine_log_probs=list(completion.logprobs),
-                    finish_reason=completion.finish_reason,
-                    item=item,
+    @property
+    def replica(self) -> ReplicaInfo:
+        return self.engine.replica
+
+    def sampling(self, step: int, train: bool) -> SamplingConfig:
+        """Training sampling (``rollout.*``) or greedy held-out sampling (``rollout.val_*``)."""
+        return sampling_params(self.cfg, self.tokenizer.eos_token_id, step, train)
+
+    def generate(
+        self,
+        items: Sequence[PromptItem],
+        n: int,
+        sampling: SamplingConfig,
+        group_offset: int = 0,
+    ) -> list[Sample]:
+        """Sample ``n`` responses for each prompt of ``items`` (the engine awake); returns ALL
+        replicas' samples, on every rank, ordered by prompt. ``group`` numbers prompts from
+        ``group_offset``. With the agent loop each response is a whole trajectory."""
+        replica = self.replica
+        mine = split_evenly(list(enumerate(items)), replica.count)[replica.index]
+        if self.agent is not None:
+            prompts = [(group_offset + position, item) for position, item in mine]
+            trajectories = self.agent.run(self.engine, prompts, n, sampling, replica.index)
+            return _gathered(trajectories, replica)
+        # Called even with no prompts: the ranks of a replica (and vLLM's groups) step together.
+        with cpu_compat.suspended():  # the engine never calls megatron-core
+            outputs = self.engine.generate([item.prompt_token_ids for _, item in mine], n, sampling)
+        local: list[Sample] = []
+        for (position, item), completions in zip(mine, outputs, strict=True):
+            for completion in completions:
+                local.append(
+                    Sample(
+                        group=group_offset + position,
+                        prompt_ids=list(item.prompt_token_ids),
+                        response_ids=list(completion.token_ids),
+                        engine_log_probs=list(completion.logprobs),
+                        finish_reason=completion.finish_reason,
+                        item=item,
+                    )
                 )
-            )
-    return _gathered(local, replica)
+        return _gathered(local, replica)
+
+    def score(
+        self, samples: list[Sample], step: int | None = None, texts: Sequence[str] | None = None
+    ) -> dict[str, float]:
+        """``score_samples`` with the rule reward, held to ``reward.max_failure_rate``."""
+        limit = self.cfg.reward.max_failure_rate
+        return score_samples(samples, self.rewards, self.tokenizer, limit, step, texts)
+
+    def collect(
+        self, loader: Iterator[list[PromptItem]], step: int, timer: Timer
+    ) -> tuple[list[Sample], dict[str, float]]:
+        """Sample the step's prompts and score them by the rule reward (every rank returns ALL
+        samples).
+
+        With DAPO's dynamic sampling more prompts are drawn (``max_gen_batches`` rounds at most)
+        until the rounds hold ``data.train_batch_size`` groups whose reward varies; the step's
+        filter (``rlcli.dynamic_sampling``) then keeps those. All rounds run inside ONE awake
+        block: on GPU, ``sleep`` discards the weights at level 2, so waking again would need a
+        weight sync first. ReMax's greedy baselines are sampled in the same block.
+        """
+        cfg = self.cfg
+        dyn = cfg.algorithm.dynamic_sampling
+        remax = cfg.algorithm.adv_estimator == "remax"
+        train, greedy = self.sampling(step, train=True), self.sampling(step, train=False)
+        samples: list[Sample] = []
+        metrics: dict[str, float] = {}
+        drawn = informative = 0
+        with awake(self.engine):
+            for round_index in range(dyn.max_gen_batches if dyn.enabled else 1):
+                items = next(loader)
+                with timer("gen"):
+                    drawn_now = self.generate(items, cfg.rollout.n, train, drawn)
+                    baselines = self.generate(items, 1, greedy, drawn) if remax else []
+                drawn += len(items)
+                with timer("reward"):
+                    reward_stats = self.score(drawn_now, step)
+                    if remax:  # the baseline: each prompt's greedy answer's score
+                        self.score(baselines, step)
+                        baseline = {b.group: b.score for b in baselines}
+                        for s in drawn_now:
+                            s.reward_baseline = baseline[s.group]
+                if round_index == 0:
+                    metrics.update(rollout_metrics(drawn_now, response_limit(cfg)))
+                    metrics.update(reward_stats)
+                    metrics.update(multi_turn_metrics(drawn_now))
+                samples += drawn_now
+                if dyn.enabled:
+                    informative += len(informative_groups(drawn_now, dyn.metric))
+                    if informative >= cfg.data.train_batch_size:
+                        break
+        if dyn.enabled:
+            metrics["dapo/gen_batches"] = float(round_index + 1)
+        return samples, metrics
+
+    def evaluate(self, data: Sequence[PromptItem], step: int) -> dict[str, float]:
+        """Held-out accuracy: greedy (``rollout.val_temperature``) answers to ``data``, scored."""
+        start = time.perf_counter()
+        with awake(self.engine):
+            samples = self.generate(list(data), self.cfg.rollout.val_n, self.sampling(step, False))
+        self.score(samples, step)
+        metrics = rollout_metrics(samples, response_limit(self.cfg), prefix="val/")
+        metrics.update(multi_turn_metrics(samples, prefix="val/"))
+        metrics["val/num_prompts"] = float(len(data))
+        metrics["timing/val"] = time.perf_counter() - start
+        return metrics
+
+    def close(self) -> None:
+        """Free the reward workers, the agent loop's tools and the engine."""
+        self.rewards.close()
+        if self.agent is not None:
+            self.agent.close()
+        self.engine.close()
 
 
 def _gathered(local: list[Sample], replica: ReplicaInfo) -> list[Sample]:
@@ -195,17 +286,6 @@ def rollout_metrics(samples: list[Sample], max_tokens: int, prefix: str = "") ->
     }
 
 
-@contextmanager
-def awake(engine: RolloutEngine) -> Iterator[None]:
-    """The engine holds its KV cache only while it generates; on GPU, ``sleep`` hands the memory
-    back to Megatron for the log-prob and update phases (a no-op on CPU)."""
-    engine.wake_up()
-    try:
-        yield
-    finally:
-        engine.sleep()
-
-
 def sampling_params(
     cfg: RLConfig, eos_token_id: int | None, step: int, train: bool
 ) -> SamplingConfig:
@@ -221,110 +301,3 @@ def sampling_params(
         ),
         seed=cfg.trainer.seed * 100_003 + step * 7_919,
     )
-
-
-def collect_rollouts(
-    cfg: RLConfig,
-    engine: RolloutEngine,
-    replica: ReplicaInfo,
-    loader: Iterator[list[PromptItem]],
-    rewards: RewardManager,
-    tokenizer: PreTrainedTokenizerBase,
-    step: int,
-    timer: Timer,
-) -> tuple[list[Sample], dict[str, float]]:
-    """Sample the step's prompts and score them (every rank returns ALL samples).
-
-    With DAPO dynamic sampling only groups whose metric varies are kept, and more prompts are
-    drawn until the batch is full (up to ``max_gen_batches`` rounds). All rounds run inside ONE
-    awake block: on GPU, ``sleep`` discards the weights at level 2, so waking again would need a
-    weight sync first. ReMax's greedy baselines are sampled in the same block.
-    """
-    dyn = cfg.algorithm.dynamic_sampling
-    # With a model reward (its own phases after this one) DAPO's filter runs on the combined
-    # reward there (rlcli.model_rewards), not on the rule's score here.
-    filtering = dyn.enabled and not uses_model_reward(cfg)
-    remax = cfg.algorithm.adv_estimator == "remax"
-    train = sampling_params(cfg, tokenizer.eos_token_id, step, train=True)
-    greedy = sampling_params(cfg, tokenizer.eos_token_id, step, train=False)
-    agent = agent_loop_for(cfg, tokenizer)  # None: single-turn
-    kept: list[list[Sample]] = []
-    metrics: dict[str, float] = {}
-    drawn = 0
-    with awake(engine):
-        for round_index in range(dyn.max_gen_batches if filtering else 1):
-            items = next(loader)
-            with timer("gen"):
-                samples = generate_samples(
-                    engine, items, cfg.rollout.n, train, replica, drawn, agent
-                )
-                baselines = (
-                    generate_samples(engine, items, 1, greedy, replica, drawn, agent)
-                    if remax
-                    else []
-                )
-            drawn += len(items)
-            with timer("reward"):
-                limit = cfg.reward.max_failure_rate
-                reward_stats = score_samples(samples, rewards, tokenizer, limit, step)
-                if remax:  # the baseline: each prompt's greedy answer's score
-                    score_samples(baselines, rewards, tokenizer, limit, step)
-                    baseline = {b.group: b.score for b in baselines}
-                    for s in samples:
-                        s.reward_baseline = baseline[s.group]
-            if round_index == 0:
-                metrics.update(rollout_metrics(samples, response_limit(cfg)))
-                metrics.update(reward_stats)
-                metrics.update(multi_turn_metrics(samples))
-            groups = groups_of(samples)
-            if filtering:
-                groups = informative_groups(samples, dyn.metric)
-            kept.extend(groups)
-            if len(kept) >= cfg.data.train_batch_size:
-                break
-    if filtering:
-        metrics["dapo/kept_groups_ratio"] = len(kept) / max(drawn, 1)
-        metrics["dapo/gen_batches"] = float(round_index + 1)
-    kept = kept[: cfg.data.train_batch_size]
-    return [s for g in kept for s in g], metrics
-
-
-def filter_metric(sample: Sample, name: str) -> float:
-    """DAPO's filter value of a sample: the reward field ``name`` (e.g. ``acc``), else its score."""
-    return float(sample.extras.get(name, sample.score))
-
-
-def informative_groups(samples: list[Sample], metric: str) -> list[list[Sample]]:
-    """DAPO dynamic sampling: the groups whose ``metric`` varies (the others carry no signal)."""
-    values = torch.tensor([filter_metric(s, metric) for s in samples])
-    keep, _ = algorithms.filter_groups(values, torch.tensor([s.group for s in samples]))
-    keep_ids = {s.group for s, k in zip(samples, keep.tolist(), strict=True) if k}
-    return [g for g in groups_of(samples) if g[0].group in keep_ids]
-
-
-def evaluate(
-    cfg: RLConfig,
-    engine: RolloutEngine,
-    replica: ReplicaInfo,
-    data: Sequence[PromptItem],
-    rewards: RewardManager,
-    tokenizer: PreTrainedTokenizerBase,
-    step: int,
-) -> dict[str, float]:
-    """Held-out accuracy: greedy (``rollout.val_temperature``) answers to ``data``, scored."""
-    start = time.perf_counter()
-    with awake(engine):
-        samples = generate_samples(
-            engine,
-            list(data),
-            cfg.rollout.val_n,
-            sampling_params(cfg, tokenizer.eos_token_id, step, train=False),
-            replica,
-            agent=agent_loop_for(cfg, tokenizer),
-        )
-    score_samples(samples, rewards, tokenizer, cfg.reward.max_failure_rate, step)
-    metrics = rollout_metrics(samples, response_limit(cfg), prefix="val/")
-    metrics.update(multi_turn_metrics(samples, prefix="val/"))
-    metrics["val/num_prompts"] = float(len(data))
-    metrics["timing/val"] = time.perf_counter() - start
-    return metrics

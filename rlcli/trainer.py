@@ -1,12 +1,13 @@
 """The RL trainer: every rank runs the same code (SPMD under torchrun).
 
 ``rl_step`` is the whole algorithm on one screen, one phase per call, in the order a batch
-travels: rollout (gen + reward) -> reward_model / judge -> distribute -> old_log_prob -> ref ->
-values -> adv -> update_critic -> update -> sync (reward_model / judge only with model rewards,
-``rlcli.model_rewards``; values and update_critic only with PPO's critic; during
-``trainer.critic_warmup`` steps only the critic learns). Each phase is entered through
-``rlcli.residency.StepPhases``, which first gives it the device residency its row of the plan
-declares, then times it. Where the samples come from and the weights go is the rollout
+travels: rollout (gen + reward) -> reward_model / judge -> DAPO's filter -> distribute ->
+old_log_prob -> ref -> values -> adv -> update_critic -> update -> sync (reward_model / judge
+only with model rewards, ``rlcli.model_rewards``; the filter only with
+``algorithm.dynamic_sampling``, ``rlcli.dynamic_sampling``; values and update_critic only with
+PPO's critic; during ``trainer.critic_warmup`` steps only the critic learns). Each phase is
+entered through ``rlcli.residency.StepPhases``, which first gives it the device residency its
+row of the plan declares, then times it (the filter moves nothing and is not timed). Where the samples come from and the weights go is the rollout
 placement's (``rlcli.rollouts``: colocated engines, or engines on their own ranks generating
 ahead). ``Trainer.fit`` repeats the step, evaluates on held-out prompts and commits checkpoints.
 The trainer is built from the config by ``rlcli.build.build_trainer``.
@@ -14,14 +15,10 @@ The trainer is built from the config by ``rlcli.build.build_trainer``.
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from parallel.mesh import Mesh
 from parallel.moe import router_load_metrics
@@ -29,13 +26,16 @@ from rlcli.actor_update import agreement_of_actor_pass, old_log_prob_plan, updat
 from rlcli.advantages import KLController, compute_advantages
 from rlcli.batch import RolloutBatch, collate, take_dp_share
 from rlcli.config import RLConfig
+from rlcli.console import say
 from rlcli.critic import update_critic, value_metrics
 from rlcli.data import PromptLoader
 from rlcli.dp_stats import DataParallelStats
+from rlcli.dynamic_sampling import keep_informative_groups
 from rlcli.errors import UserError
 from rlcli.machine import device_summary, format_duration, seconds_since_process_start
 from rlcli.metrics import MetricsLogger
 from rlcli.model_rewards import ModelRewards
+from rlcli.process_lifetime import StopRequest
 from rlcli.residency import Residency, StepPhases, residency_plan
 from rlcli.rollouts import Rollouts
 from rlcli.run_save_resume import RunCheckpoints
@@ -44,10 +44,6 @@ from rlcli.trained_model import LoraReference, TrainedModel
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-# A file whose appearance asks the run to stop after the current step with a checkpoint (the
-# sbatch script creates it when Slurm warns of preemption or the time limit).
-STOP_FILE_ENV = "RLCLI_STOP_FILE"
 
 
 @dataclass
@@ -208,9 +204,13 @@ def rl_step(t: Trainer) -> dict[str, float]:
         # gen + reward (timed inside): every rank ends with ALL scored samples, exchanged once
         with phases("rollout", timed=False):
             samples, metrics = t.rollouts.collect(t.loader, t.step, phases.timer)
-        if t.model_rewards is not None:  # reward model / judge phases; DAPO's filter after them
-            samples, scored = t.model_rewards.score(samples, phases, t.step)
-            metrics.update(scored)
+        if t.model_rewards is not None:  # reward model / judge phases
+            metrics.update(t.model_rewards.score(samples, phases, t.step))
+        if t.cfg.algorithm.dynamic_sampling.enabled:  # DAPO: the groups whose reward varies
+            samples, kept = keep_informative_groups(
+                samples, t.cfg.algorithm.dynamic_sampling, t.cfg.data.train_batch_size
+            )
+            metrics.update(kept)
         with phases("distribute"):  # this DP rank's whole groups; from here on nothing moves
             mine, fewest_groups = take_dp_share(samples, t.mesh.dp, t.mesh.dp_rank)
             batch = collate(mine, t.tokenizer.pad_token_id) if fewest_groups else None
@@ -280,46 +280,6 @@ def check_logprob_diff(t: Trainer, metrics: dict[str, float]) -> None:
     say(t.mesh, "warning: " + message + ".")
 
 
-class StopRequest:
-    """SIGTERM / SIGUSR1 (Slurm preemption, ``scancel``) or a stop file ask the run to end after
-    the current step with a checkpoint. ``agreed`` is a collective: every rank stops together."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self) -> None:
-        self.reason: str | None = None
-        self.stop_file = os.environ.get(STOP_FILE_ENV)
-        self._previous: dict[int, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            for number in self.SIGNALS:
-                self._previous[number] = signal.signal(number, self._handle)
-
-    def _handle(self, number: int, frame: Any) -> None:
-        if self.reason is not None:  # asked twice: stop now
-            signal.signal(number, signal.SIG_DFL)
-            os.kill(os.getpid(), number)
-        self.reason = signal.Signals(number).name
-        print(f"[rlcli] {self.reason}: stopping after this step", flush=True)
-
-    def agreed(self, models: list[torch.nn.Module], elsewhere: str | None = None) -> bool:
-        """``elsewhere``: why a process outside this world (a rollout rank) asked to stop."""
-        if self.reason is None and self.stop_file and os.path.exists(self.stop_file):
-            self.reason = f"stop file {self.stop_file}"
-        if self.reason is None and elsewhere:
-            self.reason = elsewhere
-        wanted = torch.tensor([1.0 if self.reason else 0.0])
-        if dist.is_available() and dist.is_initialized():
-            wanted = wanted.to(next(models[0].parameters()).device)
-            dist.all_reduce(wanted, op=dist.ReduceOp.MAX)
-        if wanted.item() > 0 and self.reason is None:
-            self.reason = "another rank was asked to stop"
-        return wanted.item() > 0
-
-    def uninstall(self) -> None:
-        for number, handler in self._previous.items():
-            signal.signal(number, handler)
-
-
 def sync_rollout_weights(t: Trainer) -> dict[str, float]:
     """Stream the actor's weights after this step into the engines' layout."""
     return t.rollouts.sync_weights(t.actor.models, t.mesh, t.step)
@@ -331,8 +291,3 @@ def peak_memory_gb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
-
-
-def say(mesh: Mesh, message: str) -> None:
-    if mesh.rank == 0:
-        print(f"[rlcli] {message}", flush=True)

@@ -103,10 +103,10 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float):
     from parallel.memory_terms import TrainedModel
     from parallel.reshard import AUTO_BUCKET_MB
     from rlcli.batch import mini_batch_count
-    from rlcli.config_validation import derive_dp, uses_critic, validate
+    from rlcli.config_validation import derive_dp, validate
     from rlcli.config_validation_model import validate_against_model
     from rlcli.lora import lora_spec
-    from rlcli.placement_validation import is_separate, trainer_ranks
+    from rlcli.placement_validation import trainer_ranks
 
     validate(cfg, world_size=world_size)
     par = cfg.parallel
@@ -167,7 +167,7 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float):
         )
 
     actor = trained(cfg.actor)
-    engines = (cfg.rollout.num_ranks if is_separate(cfg) else world_size) // cfg.rollout.tp
+    engines = (cfg.rollout.num_ranks if cfg.rollout.is_separate else world_size) // cfg.rollout.tp
     rollout = RolloutEngine(
         tp=cfg.rollout.tp,
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
@@ -176,7 +176,7 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float):
         dtype=cfg.model.dtype,
         sync_bucket_bytes=(cfg.rollout.sync_bucket_mb or AUTO_BUCKET_MB) * 1024**2,
     )
-    critic = trained(cfg.critic, critic=True) if uses_critic(cfg) else None
+    critic = trained(cfg.critic, critic=True) if cfg.algorithm.uses_critic else None
     reward_model = judge = None
     if cfg.reward.model.path:  # frozen, in the actor's layout, scoring whole sequences
         rm_shape = _other_model_shape(
@@ -208,7 +208,7 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float):
         ref=(cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and lora is None,
         ref_offload=cfg.ref.offload,
         critic=critic,
-        separate=is_separate(cfg),
+        separate=cfg.rollout.is_separate,
         reward_model=reward_model,
         reward_model_offload=cfg.reward.model.offload,
         judge=judge,

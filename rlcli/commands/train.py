@@ -89,7 +89,7 @@ def _load_for_run(
 def _check_process_count(cfg: RLConfig, nproc: int) -> None:
     """Name ``--nproc`` when the layout needs more processes than this command starts."""
     par, r = cfg.parallel, cfg.rollout
-    if r.placement == "separate":
+    if r.is_separate:
         trainers = nproc - r.num_ranks
         if trainers < 1 or trainers % (par.tp * par.pp):
             need = r.num_ranks + par.tp * par.pp

@@ -23,9 +23,12 @@ import math
 import re
 import string
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rlcli.errors import UserError
+
+if TYPE_CHECKING:
+    from rlcli.config import JudgeConfig
 
 JUDGE_TEMPLATE_KEY = "reward.judge.template"
 PLACEHOLDERS = ("question", "response", "reference")
@@ -158,3 +161,24 @@ class JudgeScoreParser:
                 value = self.default_score
             scores.append(value)
         return JudgeScores(scores, failed)
+
+    @classmethod
+    def of(cls, section: JudgeConfig) -> JudgeScoreParser:
+        """The parser of ``reward.judge.*`` (settings checked: UserError naming the key)."""
+        return cls(
+            mode=section.mode,
+            min_score=section.min_score,
+            max_score=section.max_score,
+            pattern=section.pattern if section.pattern is not None else DEFAULT_SCORE_PATTERN,
+            verdicts=dict(section.verdicts),
+            default_score=section.default_score,
+        )
+
+
+def judge_template(section: JudgeConfig) -> str:
+    """``reward.judge.template``, or the built-in one of ``reward.judge.mode``; checked
+    (``check_judge_template``)."""
+    default = DEFAULT_NUMBER_TEMPLATE if section.mode == "number" else DEFAULT_VERDICT_TEMPLATE
+    template = section.template if section.template is not None else default
+    check_judge_template(template)
+    return template

@@ -3,7 +3,7 @@ tokenised with the judge's tokenizer, answered by the judge's engine (an ``Engin
 engine built by ``rlcli.rollout.factory.make_engine`` from ``reward.judge.*``, the same
 machinery as the policy's), and the replies parsed into scores.
 
-    judge = Judge(engine, tokenizer, template, parser, sampling, replica)
+    judge = Judge(engine, tokenizer, template, parser, sampling, use_chat_template)
     prompts = judge.prompts(samples, policy_tokenizer)        # list[str]
     result = judge.score(samples, policy_tokenizer, seed)     # JudgeScores, on every rank
 
@@ -23,11 +23,9 @@ from parallel import cpu_compat
 from rlcli.batch import split_evenly
 from rlcli.errors import UserError
 from rlcli.rewards.judge import JudgeScoreParser, JudgeScores, render_judge_prompt
-from rlcli.rollout.base import RolloutEngine, SamplingConfig
-from rlcli.sampling import ReplicaInfo, awake
+from rlcli.rollout.base import RolloutEngine, SamplingConfig, awake
 
 if TYPE_CHECKING:
-    from parallel.mesh import Mesh
     from rlcli.batch import Sample
     from rlcli.config import RLConfig
 
@@ -54,7 +52,6 @@ class Judge:
     template: str
     parser: JudgeScoreParser
     sampling: SamplingConfig
-    replica: ReplicaInfo
     use_chat_template: bool
 
     def prompts(self, samples: list[Sample], policy_tokenizer: Any) -> list[str]:
@@ -86,7 +83,8 @@ class Judge:
         """The judge's reply to each prompt, on every rank (collective: every rank calls it
         with the same prompts)."""
         ids = [self.encode(prompt) for prompt in prompts]
-        mine = split_evenly(list(range(len(ids))), self.replica.count)[self.replica.index]
+        replica = self.engine.replica  # its engines are replicas of reward.judge.tp ranks
+        mine = split_evenly(list(range(len(ids))), replica.count)[replica.index]
         sampling = replace(self.sampling, seed=seed)
         # Called even with no prompts: the ranks of one engine replica step together.
         with awake(self.engine), cpu_compat.suspended():  # the engine never calls megatron
@@ -94,7 +92,7 @@ class Judge:
         texts = self.tokenizer.batch_decode(
             [completions[0].token_ids for completions in outputs], skip_special_tokens=True
         )
-        local = list(zip(mine, texts, strict=True)) if self.replica.is_leader else []
+        local = list(zip(mine, texts, strict=True)) if replica.is_leader else []
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             parts: list[list[tuple[int, str]] | None] = [None] * dist.get_world_size()
             dist.all_gather_object(parts, local)
@@ -108,34 +106,18 @@ class Judge:
         return self.parser.score_all(self.replies(self.prompts(samples, policy_tokenizer), seed))
 
 
-def build_judge(cfg: RLConfig, mesh: Mesh) -> Judge:
+def build_judge(cfg: RLConfig) -> Judge:
     """The judge of ``reward.judge.*``: its engine (replicas of ``reward.judge.tp`` ranks, built
     like the rollout's by ``make_engine``, asleep until its phase), its tokenizer, template and
     parser (settings checked: UserError naming the key)."""
     from transformers import AutoTokenizer
 
     from rlcli.data.chat import uses_chat_template
-    from rlcli.rewards.judge import (
-        DEFAULT_NUMBER_TEMPLATE,
-        DEFAULT_SCORE_PATTERN,
-        DEFAULT_VERDICT_TEMPLATE,
-        check_judge_template,
-    )
-    from rlcli.rollout.base import rollout_replicas
+    from rlcli.rewards.judge import judge_template
     from rlcli.rollout.factory import make_engine
 
     j = cfg.reward.judge
-    default_template = DEFAULT_NUMBER_TEMPLATE if j.mode == "number" else DEFAULT_VERDICT_TEMPLATE
-    template = j.template if j.template is not None else default_template
-    check_judge_template(template)
-    parser = JudgeScoreParser(
-        mode=j.mode,
-        min_score=j.min_score,
-        max_score=j.max_score,
-        pattern=j.pattern if j.pattern is not None else DEFAULT_SCORE_PATTERN,
-        verdicts=dict(j.verdicts),
-        default_score=j.default_score,
-    )
+    template, parser = judge_template(j), JudgeScoreParser.of(j)
     tokenizer = AutoTokenizer.from_pretrained(j.path)
     try:
         use_chat_template = uses_chat_template(tokenizer, j.apply_chat_template)
@@ -145,7 +127,6 @@ def build_judge(cfg: RLConfig, mesh: Mesh) -> Judge:
     sampling = SamplingConfig(
         temperature=j.temperature, max_tokens=j.max_tokens, stop_token_ids=eos, logprobs=False
     )
-    index, count = rollout_replicas(mesh.world_size, mesh.rank, j.tp)
     engine = make_engine(
         j,
         j.path,
@@ -155,5 +136,4 @@ def build_judge(cfg: RLConfig, mesh: Mesh) -> Judge:
         key="reward.judge",
     )
     engine.sleep()  # woken for the judge phase only
-    replica = ReplicaInfo(index=index, count=count, is_leader=mesh.rank % j.tp == 0)
-    return Judge(engine, tokenizer, template, parser, sampling, replica, use_chat_template)
+    return Judge(engine, tokenizer, template, parser, sampling, use_chat_template)

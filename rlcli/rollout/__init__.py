@@ -3,9 +3,9 @@
 from rlcli.rollout.base import (
     Completion,
     GenerationRequest,
+    ReplicaInfo,
     RolloutEngine,
     SamplingConfig,
-    rollout_replicas,
 )
 from rlcli.rollout.factory import make_engine
 from rlcli.rollout.transport import WeightTransport, make_transport
@@ -13,10 +13,10 @@ from rlcli.rollout.transport import WeightTransport, make_transport
 __all__ = [
     "Completion",
     "GenerationRequest",
+    "ReplicaInfo",
     "RolloutEngine",
     "SamplingConfig",
     "WeightTransport",
     "make_engine",
     "make_transport",
-    "rollout_replicas",
 ]

@@ -6,7 +6,8 @@ sleeps between rollout phases, and takes new weights as `(hf_name, tensor)` list
 `parallel.reshard` through a weight transport (`rlcli.rollout.transport`). Two engines implement
 it: colocated vLLM (`vllm_engine.py`) and HF transformers `generate` (`hf_engine.py`, the
 reference and the fallback when vLLM is absent); `rlcli.rollout.factory` builds them from the
-`rollout` config section.
+`rollout` config section. Which replica a rank's engine belongs to is ``ReplicaInfo``, computed
+once, by the engine itself (``engine.replica``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import json
 import os
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -68,15 +70,54 @@ def copies(completion: Completion, n: int) -> list[Completion]:
     ]
 
 
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """Which engine replica a rank serves: adjacent groups of `size` ranks (the engine section's
+    `tp`) form one engine; replica `index` of `count` is ranks [index * size, (index + 1) * size).
+    Its first rank (`is_leader`) reports what the replica samples (the others hold the same)."""
+
+    index: int
+    count: int
+    is_leader: bool
+    size: int = 1
+
+    @classmethod
+    def of(cls, world_size: int, rank: int, tp: int) -> ReplicaInfo:
+        """Rank `rank`'s replica in a world of `world_size` ranks, engines of `tp` ranks."""
+        if tp < 1 or world_size % tp != 0:
+            raise UserError(
+                f"rollout.tp={tp} must divide the number of processes ({world_size}); "
+                f"choose a divisor of {world_size}"
+            )
+        return cls(index=rank // tp, count=world_size // tp, is_leader=rank % tp == 0, size=tp)
+
+    @property
+    def first_rank(self) -> int:
+        return self.index * self.size
+
+
+def current_replica(tp: int) -> ReplicaInfo:
+    """`ReplicaInfo.of` this process: torch.distributed's world, else torchrun's environment
+    (RANK, WORLD_SIZE), else a world of one."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world_size, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    else:
+        world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    return ReplicaInfo.of(world_size, rank, tp)
+
+
 class RolloutEngine(ABC):
     """A colocated inference engine holding one replica (or one TP shard) of the policy.
 
-    `replica_index`: which replica this rank's engine is (`rollout_replicas`); `seed`: the
-    run's seed, from which requests without a seed draw theirs (the same stream on every rank,
-    so the ranks of one TP replica agree)."""
+    `replica`: which replica this rank's engine is (`current_replica` of its section's tp);
+    `seed`: the run's seed, from which requests without a seed draw theirs (the same stream on
+    every rank, so the ranks of one TP replica agree)."""
 
-    def __init__(self, seed: int, replica_index: int) -> None:
-        self.replica_index = replica_index
+    # Whether `load_lora_adapter` works (vLLM started with room for adapters).
+    takes_lora_adapters: bool = False
+
+    def __init__(self, seed: int, replica: ReplicaInfo) -> None:
+        self.replica = replica
         self._seeds = random.Random(seed)
 
     def generate(
@@ -86,7 +127,7 @@ class RolloutEngine(ABC):
         prompt) gets its own block of `n` seeds (`request_seed`) from `sampling.seed`."""
         base_seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(31)
         requests = [
-            GenerationRequest(ids, sampling, n, request_seed(base_seed, self.replica_index, i, n))
+            GenerationRequest(ids, sampling, n, request_seed(base_seed, self.replica.index, i, n))
             for i, ids in enumerate(prompt_token_ids)
         ]
         return self.generate_requests(requests)
@@ -112,6 +153,11 @@ class RolloutEngine(ABC):
     @abstractmethod
     def close(self) -> None:
         """Free the engine; it cannot be used afterwards."""
+
+    def load_lora_adapter(self, folder: str) -> None:
+        """Load the PEFT adapter folder `folder` (read before this returns) in place of the
+        previous one; later `generate` calls sample with it. Only where `takes_lora_adapters`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot load LoRA adapters")
 
     @property
     def needs_weight_sync(self) -> bool:
@@ -152,27 +198,18 @@ def model_eos_token_ids(model_dir: str) -> list[int]:
     return ids
 
 
-def rollout_replicas(world_size: int, rank: int, rollout_tp: int) -> tuple[int, int]:
-    """(replica_index, num_replicas): adjacent groups of `rollout_tp` ranks form one engine."""
-    if rollout_tp < 1 or world_size % rollout_tp != 0:
-        raise UserError(
-            f"rollout.tp={rollout_tp} must divide the number of processes ({world_size}); "
-            f"choose a divisor of {world_size}"
-        )
-    return rank // rollout_tp, world_size // rollout_tp
-
-
-def current_replica(rollout_tp: int) -> tuple[int, int]:
-    """`rollout_replicas` for this process: torch.distributed's world, else torchrun's
-    environment (RANK, WORLD_SIZE), else a world of one."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        world_size, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    else:
-        world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    return rollout_replicas(world_size, rank, rollout_tp)
-
-
 def request_seed(base_seed: int, replica_index: int, prompt_index: int, n: int) -> int:
     """Seed of prompt `prompt_index` on replica `replica_index`. Each (replica, prompt) owns a
     block of `n` consecutive seeds, because vLLM seeds sample i of a request with seed + i."""
     return base_seed + ((replica_index << 24) + prompt_index) * n
+
+
+@contextmanager
+def awake(engine: RolloutEngine) -> Iterator[None]:
+    """The engine holds its KV cache only while it generates; on GPU, ``sleep`` hands the memory
+    back to Megatron for the log-prob and update phases (a no-op on CPU)."""
+    engine.wake_up()
+    try:
+        yield
+    finally:
+        engine.sleep()

@@ -3,15 +3,16 @@
 Kept apart from ``rlcli.rollout.base`` (the interface every engine imports) so that the interface
 does not import its implementations back. An engine is built from its config section (an
 ``EngineConfig``: ``rollout`` for the policy's engine, ``reward.judge`` for a generative judge's):
-add an option by adding a field to that section and reading it in the engine. Add an engine by subclassing ``rlcli.rollout.base.RolloutEngine`` in
-its own module, adding its name to ``RolloutConfig.engine``'s choices and a branch here.
+add an option by adding a field to that section and reading it in the engine. Add an engine by
+subclassing ``rlcli.rollout.base.RolloutEngine`` in its own module, adding its name to
+``EngineConfig.engine``'s choices and a branch here.
 """
 
 from __future__ import annotations
 
 import importlib.util
 
-from rlcli.config import EngineConfig, JudgeConfig, RolloutConfig, choices
+from rlcli.config import JudgeConfig, RolloutConfig
 from rlcli.errors import UserError
 from rlcli.rollout.base import RolloutEngine, read_hf_config
 
@@ -30,16 +31,14 @@ def make_engine(
     (whose config key is ``key``: errors name it); ``max_lora_rank`` > 0 makes it take LoRA
     adapters of that rank (``rollout.lora_sync=adapter``).
 
-    Under torchrun every rank calls this: ranks form replicas of ``section.tp`` ranks (see
-    ``rollout_replicas``); ``seed`` is the run's seed, engines space their request seeds per
-    replica. With ``rollout.sleep_level=2`` or dummy start weights, sync whenever
-    ``engine.needs_weight_sync`` before ``generate``.
+    Under torchrun every rank calls this: ranks form replicas of ``section.tp`` ranks (the
+    engine's ``replica``, a ``rlcli.rollout.base.ReplicaInfo``: the one place a rank's replica
+    is worked out); ``seed`` is the run's seed, engines space their request seeds per replica.
+    With ``rollout.sleep_level=2`` or dummy start weights, sync whenever
+    ``engine.needs_weight_sync`` before ``generate``. ``section`` is a validated config: its
+    engine name, the hf engine's tp and LoRA adapters only with vLLM are checked when the config
+    loads (``rlcli.config_validation``), not here.
     """
-    if section.engine not in choices(EngineConfig, "engine"):
-        raise UserError(
-            f"{key}.engine={section.engine!r} is not an engine; choose one of "
-            f"{choices(EngineConfig, 'engine')}"
-        )
     read_hf_config(model_dir, key)
     if section.engine == "vllm":
         if importlib.util.find_spec("vllm") is None:
@@ -58,15 +57,8 @@ def make_engine(
             key=key,
             max_lora_rank=max_lora_rank,
         )
-    if max_lora_rank > 0:
-        raise UserError(
-            "rollout.lora_sync=adapter: the hf engine cannot apply LoRA adapters (only "
-            "rollout.engine=vllm can); set rollout.lora_sync=merged"
-        )
-    if section.tp != 1:
-        raise UserError(
-            f"{key}.engine=hf runs one full model per rank; set {key}.tp=1 (got {section.tp})"
-        )
+    if section.engine != "hf":  # a config that did not load through rlcli.config_loader
+        raise ValueError(f"{key}.engine={section.engine!r} is not an engine")
     from rlcli.rollout.hf_engine import HFEngine
 
     return HFEngine(model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len, key=key)

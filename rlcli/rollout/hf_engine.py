@@ -37,7 +37,7 @@ class HFEngine(RolloutEngine):
         """``key``: the config section the engine is built from (errors name its model path)."""
         from transformers import AutoModelForCausalLM
 
-        super().__init__(seed, current_replica(1)[0])
+        super().__init__(seed, current_replica(1))
         try:
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
         except OSError as error:

@@ -150,8 +150,8 @@ class InProcessAdapterTransport(WeightTransport):
     def __init__(self, engine: RolloutEngine, bucket_mb: float = 0) -> None:
         from parallel.lora_io import default_adapter_folder
 
-        if not hasattr(engine, "load_lora_adapter"):
-            raise TypeError(f"{type(engine).__name__} cannot load LoRA adapters")
+        if not engine.takes_lora_adapters:
+            raise TypeError(f"{type(engine).__name__} was not started to take LoRA adapters")
         self.engine = engine
         self.bucket_mb = bucket_mb
         self.folder = default_adapter_folder()
@@ -182,7 +182,7 @@ def make_transport(
     (``engine``: this rank's); separate ones receive broadcasts (``weights_group``: the group of
     ``parallel.roles`` on trainer rank 0, None on the other trainer ranks). ``adapters``: the
     policy has LoRA adapters, which ``rollout.lora_sync`` says how to send."""
-    if rollout.placement == "separate":
+    if rollout.is_separate:
         return BroadcastTransport(weights_group, rollout.sync_bucket_mb)
     if engine is None:
         raise ValueError("colocated engines load in process: make_transport needs the engine")

@@ -1,6 +1,6 @@
 """Colocated vLLM: an engine inside each training process, fed new weights in place.
 
-How ranks map to replicas (`rollout_replicas`): adjacent groups of `rollout.tp` ranks form one
+How ranks map to replicas (`ReplicaInfo`): adjacent groups of `rollout.tp` ranks form one
 replica; replica r = ranks [r * tp, (r + 1) * tp). Replicas are INDEPENDENT engines: each is
 started with only `tensor_parallel_size=tp`, never vLLM's `data_parallel_size`, which would fuse
 all replicas into one vLLM data-parallel group that synchronises every engine step across
@@ -93,10 +93,9 @@ class VLLMEngine(RolloutEngine):
         self._on_gpu = torch.cuda.is_available()
         self.sleep_level = section.sleep_level
         # Only a colocated engine sleeps: on ranks of its own nothing else needs the memory.
-        self._sleeps = getattr(section, "placement", "colocated") == "colocated"
+        self._sleeps = not section.is_separate
         self.load_format = section.load_format
-        replica_index, self.num_replicas = current_replica(section.tp)
-        super().__init__(seed, replica_index)
+        super().__init__(seed, current_replica(section.tp))
         self._stop_ids = model_eos_token_ids(model_dir)
         self._asleep = False
         self._weights_awake = True
@@ -105,7 +104,7 @@ class VLLMEngine(RolloutEngine):
         # The last calls of sleep / wake_up / load_weights / generate, in order (tests, logs).
         self.calls: deque[str] = deque(maxlen=64)
 
-        options = replica_options(section.tp, self.num_replicas, self._on_gpu)
+        options = replica_options(section.tp, self.replica.count, self._on_gpu)
         self._joins_world = "distributed_executor_backend" in options
         options.update(
             model=model_dir,
@@ -118,6 +117,7 @@ class VLLMEngine(RolloutEngine):
             load_format=section.load_format,
         )
         self._lora_request = None  # the adapter generate samples with (load_lora_adapter)
+        self.takes_lora_adapters = max_lora_rank > 0
         if max_lora_rank > 0:
             options.update(enable_lora=True, max_loras=1, max_lora_rank=_lora_slots(max_lora_rank))
         if self._on_gpu:

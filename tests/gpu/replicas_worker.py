@@ -20,14 +20,14 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     section = RolloutConfig(engine="vllm", tp=2, kv_cache_gb=0.05, load_format="auto")
     engine = make_engine(section, sys.argv[1], max_model_len=128)
-    replica = engine.replica_index
+    replica = engine.replica.index
     sampling = SamplingConfig(temperature=1.0, max_tokens=6, seed=3)
     lengths = []
     if replica == 0:
         for _ in range(3):
             lengths.append(len(engine.generate([[5, 17, 42], [9, 9]], 2, sampling)))
     print(
-        f"rank {dist.get_rank()} replica {replica} of {engine.num_replicas}: {lengths}", flush=True
+        f"rank {dist.get_rank()} replica {replica} of {engine.replica.count}: {lengths}", flush=True
     )
     dist.barrier()  # replica 1 waits here while replica 0 generates
     print(f"rank {dist.get_rank()} done", flush=True)

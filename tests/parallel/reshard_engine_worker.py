@@ -170,7 +170,7 @@ def main() -> None:
     engine = make_engine(section, model_dir, max_model_len=64)
     hf_engine = make_engine(RolloutConfig(engine="hf"), model_dir) if mesh.rank == 0 else None
     for layout in layouts:
-        run_layout(model_dir, layout, engine, hf_engine, engine.replica_index)
+        run_layout(model_dir, layout, engine, hf_engine, engine.replica.index)
     engine.close()
     destroy_parallel()
 

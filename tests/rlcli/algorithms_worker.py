@@ -63,7 +63,9 @@ def main(recipe: str, out_json: str, *base: str) -> None:
         run = dataclasses.replace(
             trainer,
             cfg=variant,
-            rollouts=dataclasses.replace(trainer.rollouts, cfg=variant),
+            rollouts=dataclasses.replace(
+                trainer.rollouts, sampler=dataclasses.replace(trainer.rollouts.sampler, cfg=variant)
+            ),
             reference=trainer.reference if needs_reference(variant) else None,
             loader=PromptLoader(trainer.loader.dataset, variant.data.train_batch_size, seed=1),
             kl_ctrl=build_kl_controller(variant),
@@ -71,7 +73,7 @@ def main(recipe: str, out_json: str, *base: str) -> None:
             step=len(results),
         )
         results[name] = rl_step(run)
-    trainer.rollouts.rewards.close()
+    trainer.rollouts.sampler.rewards.close()
     with open(out_json, "w") as f:
         json.dump(results, f)
 

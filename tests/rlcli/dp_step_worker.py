@@ -168,7 +168,7 @@ def check_step(recipe: str, *overrides: str) -> dict:
     assert trainer.mesh.dp == 2
     trainer.step = 1
     metrics = rl_step(trainer)
-    trainer.rollouts.rewards.close()
+    trainer.rollouts.sampler.rewards.close()
     return {"metrics": metrics, "calls": audit.calls, "offenders": audit.offenders}
 
 

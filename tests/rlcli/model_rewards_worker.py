@@ -30,9 +30,9 @@ import torch
 
 from rlcli.build import build_trainer
 from rlcli.config_loader import load_config
+from rlcli.dynamic_sampling import keep_informative_groups
 from rlcli.residency import StepPhases
 from rlcli.run_state import TRAINER_STATE_FILE
-from rlcli.sampling import collect_rollouts
 from rlcli.trainer import rl_step
 from tests.rlcli.residency_worker import Recorder
 
@@ -102,11 +102,8 @@ def main(recipe: str, out_json: str, *overrides: str) -> None:
     out["judge_calls"] = list(judge_calls.calls)  # the two steps only, not the rounds below
 
     phases = StepPhases(trainer.residency)
-    colocated = trainer.rollouts  # ColocatedRollouts: this rank's engine and rule rewards
-    samples, _ = collect_rollouts(
-        cfg, colocated.engine, colocated.replica, trainer.loader, colocated.rewards,
-        trainer.tokenizer, 3, phases.timer,
-    )  # fmt: skip
+    colocated = trainer.rollouts  # ColocatedRollouts: this rank's sampler (engine, rule rewards)
+    samples, _ = colocated.sampler.collect(trainer.loader, 3, phases.timer)
     untouched = copy.deepcopy(samples)
     rule = [s.score for s in samples]
     prompts = rewards.judge.prompts(samples, trainer.tokenizer)
@@ -123,7 +120,9 @@ def main(recipe: str, out_json: str, *overrides: str) -> None:
         return sampled[-1]
 
     rewards.judge.replies = recorded
-    scored, metrics = rewards.score(samples, phases, 3)
+    metrics = rewards.score(samples, phases, 3)
+    dyn = cfg.algorithm.dynamic_sampling
+    scored, _ = keep_informative_groups(samples, dyn, cfg.data.train_batch_size)  # the step's
     greedy = dataclasses.replace(
         rewards.judge, sampling=dataclasses.replace(rewards.judge.sampling, temperature=0.0)
     )
@@ -152,7 +151,8 @@ def main(recipe: str, out_json: str, *overrides: str) -> None:
     )
     gate_cfg.algorithm.dynamic_sampling.enabled = False
     gated = dataclasses.replace(rewards, cfg=gate_cfg, normalizer=None)
-    regated, _ = gated.score(copy.deepcopy(untouched), StepPhases(trainer.residency), 3)
+    regated = copy.deepcopy(untouched)
+    gated.score(regated, StepPhases(trainer.residency), 3)
     out["gate"] = [s.score for s in regated]
     out["gate_judge_replies"] = sampled[1]
 

@@ -109,14 +109,15 @@ def main(recipe: str, out_json: str, *base: str) -> None:
     )
     variant.data = cfg.data  # the resolved file lists
     rewards = build_rewards(variant)
-    rollouts = dataclasses.replace(trainer.rollouts, cfg=variant, rewards=rewards)
+    sampler = dataclasses.replace(trainer.rollouts.sampler, cfg=variant, rewards=rewards)
+    rollouts = dataclasses.replace(trainer.rollouts, sampler=sampler)
     dapo = dataclasses.replace(trainer, cfg=variant, rollouts=rollouts, step=3)
     recorder.watch(dapo)
     metrics = rl_step(dapo)
     phases, moves = recorder.take()
     steps["dapo_skip"] = {"metrics": metrics, "phases": phases, "moves": moves}
     rewards.close()
-    trainer.rollouts.rewards.close()
+    trainer.rollouts.sampler.rewards.close()
     with open(out_json, "w") as f:
         json.dump(steps, f)
 

@@ -277,9 +277,11 @@ def test_dapo_dynamic_sampling_draws_again_through_the_agent_loop(model):
     block. The memorised model answers every sample alike, so no group's reward varies (the first
     prompt always right, the second graded against a wrong ground truth): every round is drawn,
     nothing is kept, and the step's multi-turn metrics are those of its first round."""
+    from rlcli.agent_loop import build_agent_loop
     from rlcli.config_loader import load_config
+    from rlcli.dynamic_sampling import keep_informative_groups
     from rlcli.metrics import Timer
-    from rlcli.sampling import ReplicaInfo, collect_rollouts
+    from rlcli.sampling import Sampler
 
     model_dir, tokenizer, engine, tools = model
     cfg = load_config(None, [
@@ -295,14 +297,17 @@ def test_dapo_dynamic_sampling_draws_again_through_the_agent_loop(model):
     loop.close()
     counting = CountingEngine(engine)
     rewards = RewardManager(default_compute_score, in_process=True)
-    samples, metrics = collect_rollouts(
-        cfg, counting, ReplicaInfo(0, 1, True), iter([[right, wrong]] * 3), rewards, tokenizer,
-        1, Timer(),
-    )  # fmt: skip
+    agent = build_agent_loop(cfg.rollout.multi_turn, tokenizer, "model.path", rollout_tp=1)
+    sampler = Sampler(cfg, counting, rewards, tokenizer, agent)
+    samples, metrics = sampler.collect(iter([[right, wrong]] * 3), 1, Timer())
     rewards.close()
+    agent.close()
     # 3 rounds x 3 turns, each turn one batched call over the 4 live trajectories
     assert counting.calls == ["wake_up", *["generate(4)"] * 9, "sleep"]
-    assert samples == []
-    assert metrics["dapo/gen_batches"] == 3 and metrics["dapo/kept_groups_ratio"] == 0
+    assert len(samples) == 3 * 2 * 2 and metrics["dapo/gen_batches"] == 3
+    kept, kept_metrics = keep_informative_groups(
+        samples, cfg.algorithm.dynamic_sampling, cfg.data.train_batch_size
+    )
+    assert kept == [] and kept_metrics["dapo/kept_groups_ratio"] == 0
     assert metrics["multi_turn/turns_mean"] == 3.0 and metrics["tool/calls"] == 8.0
     assert metrics["reward/accuracy"] == 0.5

@@ -10,7 +10,7 @@ import torch
 
 from rlcli.config import RolloutConfig
 from rlcli.errors import UserError
-from rlcli.rollout import GenerationRequest, SamplingConfig, make_engine, rollout_replicas
+from rlcli.rollout import GenerationRequest, ReplicaInfo, SamplingConfig, make_engine
 from tests.parallel.dist_utils import make_tiny_hf_model
 
 # vLLM's CPU attention needs head_dim >= 32: hidden 128 over 4 heads.
@@ -62,9 +62,23 @@ def perturbed_weights(model_dir, seed=1):
 
 
 def test_unknown_engine_kind_lists_the_choices(model_dir):
-    with pytest.raises(UserError, match="rollout.engine") as error:
-        engine_for("sglang", model_dir)
-    assert "'vllm'" in str(error.value) and "'hf'" in str(error.value)
+    from rlcli.config_loader import load_config
+
+    # Checked once, as the config loads (the factory takes a validated section).
+    for key in ("rollout.engine", "reward.judge.engine"):
+        with pytest.raises(UserError, match=key) as error:
+            load_config(None, [f"model.path={model_dir}", f"{key}=sglang"])
+        assert "vllm" in str(error.value) and "hf" in str(error.value)
+
+
+def test_hf_engine_tp_is_checked_when_the_config_loads(model_dir):
+    from rlcli.config_loader import load_config
+
+    with pytest.raises(UserError, match=r"rollout.engine=hf runs one full model per rank"):
+        load_config(None, [f"model.path={model_dir}", "rollout.engine=hf", "rollout.tp=2"])
+    judge = [f"reward.judge.path={model_dir}", "reward.judge.engine=hf", "reward.judge.tp=2"]
+    with pytest.raises(UserError, match=r"set reward.judge.tp=1"):
+        load_config(None, [f"model.path={model_dir}", *judge])
 
 
 @pytest.mark.parametrize("kind", ["hf", "vllm"])
@@ -85,11 +99,12 @@ def test_vllm_missing_suggests_hf(model_dir, monkeypatch):
 
 
 def test_rollout_replicas():
-    assert rollout_replicas(4, 3, 2) == (1, 2)
-    assert rollout_replicas(4, 1, 1) == (1, 4)
-    assert rollout_replicas(2, 1, 2) == (0, 1)
+    assert ReplicaInfo.of(4, 3, 2) == ReplicaInfo(index=1, count=2, is_leader=False, size=2)
+    assert ReplicaInfo.of(4, 2, 2) == ReplicaInfo(index=1, count=2, is_leader=True, size=2)
+    assert ReplicaInfo.of(4, 1, 1) == ReplicaInfo(index=1, count=4, is_leader=True, size=1)
+    assert ReplicaInfo.of(2, 1, 2).index == 0 and ReplicaInfo.of(4, 3, 2).first_rank == 2
     with pytest.raises(UserError, match="rollout.tp"):
-        rollout_replicas(6, 0, 4)
+        ReplicaInfo.of(6, 0, 4)
 
 
 # ---- HF engine ------------------------------------------------------------------------
@@ -248,11 +263,12 @@ def test_vllm_seeds_stop_tokens_and_sleep(vllm_engine):
     again = vllm_engine.generate(PROMPTS, 4, sampling)
     assert [[s.token_ids for s in r] for r in first] == [[s.token_ids for s in r] for r in again]
     # Two replicas with the same base seed must not repeat each other's samples.
-    vllm_engine.replica_index = 1
+    own = vllm_engine.replica
+    vllm_engine.replica = ReplicaInfo(index=1, count=2, is_leader=True)
     try:
         other = vllm_engine.generate(PROMPTS, 4, sampling)
     finally:
-        vllm_engine.replica_index = 0
+        vllm_engine.replica = own
     assert [[s.token_ids for s in r] for r in first] != [[s.token_ids for s in r] for r in other]
 
     stop = first[0][0].token_ids[1]

@@ -1,4 +1,5 @@
-"""The step's rollout phase (rlcli.sampling) on the real HF engine: how it steps the engine.
+"""The step's rollout phase (rlcli.sampling.Sampler) on the real HF engine: how it steps the
+engine.
 
 The engine's ``wake_up`` / ``sleep`` / ``generate`` are no-ops or cheap on CPU but countable: on
 GPU, sleep level 2 discards the weights, so ALL of a step's sampling rounds (DAPO) and ReMax's
@@ -16,14 +17,9 @@ from rlcli.config_loader import load_config
 from rlcli.data import PromptLoader, load_prompt_dataset, read_sft_pairs, write_arith_dataset
 from rlcli.metrics import Timer
 from rlcli.model_builder import build_model_dir
+from rlcli.rollout.base import ReplicaInfo
 from rlcli.rollout.factory import make_engine
-from rlcli.sampling import (
-    ReplicaInfo,
-    collect_rollouts,
-    generate_samples,
-    sampling_params,
-    score_samples,
-)
+from rlcli.sampling import Sampler
 from tests.rlcli.counting_engine import CountingEngine
 
 OVERRIDES = [
@@ -71,10 +67,9 @@ def test_all_sampling_rounds_run_in_one_awake_block(setup, overrides):
     cfg = load_config(None, [f"model.path={cfg.model.path}", *OVERRIDES, *overrides])
     loader = PromptLoader(data, cfg.data.train_batch_size, seed=0)
     engine.calls.clear()
-    replica = ReplicaInfo(index=0, count=1, is_leader=True)
-    samples, metrics = collect_rollouts(
-        cfg, engine, replica, iter(loader), rewards, tokenizer, 1, Timer()
-    )
+    sampler = Sampler(cfg, engine, rewards, tokenizer)
+    assert sampler.replica == ReplicaInfo(index=0, count=1, is_leader=True)
+    samples, metrics = sampler.collect(iter(loader), 1, Timer())
     assert engine.calls[0] == "wake_up" and engine.calls[-1] == "sleep"
     assert engine.calls.count("wake_up") == engine.calls.count("sleep") == 1
     generates = len(engine.calls) - 2
@@ -82,19 +77,22 @@ def test_all_sampling_rounds_run_in_one_awake_block(setup, overrides):
         assert generates == 2  # the sampled answers and the greedy baselines
         # Each sample's baseline is the score of its prompt's greedy answer, recomputed here.
         items = {s.group: s.item for s in samples}
-        greedy = sampling_params(cfg, tokenizer.eos_token_id, 1, train=False)
-        answers = generate_samples(engine, list(items.values()), 1, greedy, replica)
-        score_samples(answers, rewards, tokenizer)
+        answers = sampler.generate(list(items.values()), 1, sampler.sampling(1, train=False))
+        sampler.score(answers)
         expected = {g: a.score for g, a in zip(items, answers, strict=True)}
         assert [s.reward_baseline for s in samples] == [expected[s.group] for s in samples]
     else:
         assert generates == metrics["dapo/gen_batches"] == 3, metrics
+        # Every round's samples reach the step, whose filter (rlcli.dynamic_sampling) keeps the
+        # informative groups.
+        assert len({s.group for s in samples}) == 3 * cfg.data.train_batch_size
 
 
 def test_a_replica_with_no_prompts_still_steps_the_engine(setup):
-    cfg, tokenizer, data, engine, _ = setup
-    engine.calls.clear()
-    sampling = sampling_params(cfg, tokenizer.eos_token_id, step=1, train=False)
+    cfg, tokenizer, data, engine, rewards = setup
+    third = CountingEngine(engine.engine)
+    third.replica = ReplicaInfo(2, 3, True)  # replica 2 of 3
+    sampler = Sampler(cfg, third, rewards, tokenizer)
     # Replica 2 of 3 gets no prompt out of 2 (split_evenly gives 1, 1, 0).
-    samples = generate_samples(engine, list(data)[:2], 1, sampling, ReplicaInfo(2, 3, True))
-    assert samples == [] and engine.calls == ["generate(0)"]
+    samples = sampler.generate(list(data)[:2], 1, sampler.sampling(1, train=False))
+    assert samples == [] and third.calls == ["generate(0)"]
