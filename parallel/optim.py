@@ -7,7 +7,7 @@
 Gradients: ``train_step`` steps on the gradient of the SUM over its micro-batches of
 ``loss_fn``'s loss (see ``parallel.schedule``), AVERAGED over data-parallel replicas by
 megatron's DDP. Gradient clipping (``clip_grad``) acts on the global norm over all model
-shards; ``result["grad_norm"]`` is that norm before clipping.
+shards; ``result.grad_norm`` is that norm before clipping.
 
 Schedules count optimizer steps: ``warmup_steps`` and ``total_steps`` are numbers of
 ``train_step`` calls whose update was applied, unless the caller passes ``step_scheduler=False``
@@ -20,12 +20,11 @@ from the code (the current config), not from a checkpoint it is loaded from.
 Non-finite steps: megatron-core's fp32 / bf16 optimizers step even on NaN / inf gradients (only
 the fp16 loss scaler skips them). ``train_step`` therefore checks the loss and the gradients
 first, agrees on the answer over all ranks, and drops such a step without touching the weights,
-the optimizer state or the schedule (``result["nonfinite"]``).
+the optimizer state or the schedule (``result.nonfinite``).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -39,7 +38,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_model_config
 
 from parallel.mesh import Mesh
-from parallel.schedule import LossFn, forward_backward
+from parallel.schedule import forward_backward
+from parallel.step_types import LossFn, LossReport, MicroBatch, StepResult
 
 
 def wrap_for_training(
@@ -191,29 +191,28 @@ def train_step(
     mesh: Mesh,
     optimizer: MegatronOptimizer,
     scheduler: OptimizerParamScheduler,
-    micro_batches: list[dict[str, torch.Tensor]],
+    micro_batches: list[MicroBatch],
     loss_fn: LossFn,
     *,
     temperature: float = 1.0,
     compute_entropy: bool = False,
     step_scheduler: bool = True,
     pack_sequences: bool = False,
-) -> dict[str, Any]:
+) -> StepResult:
     """One optimizer step over ``micro_batches`` (this rank's share of the batch); with
     ``pack_sequences`` each runs as one packed row (``parallel.schedule.forward_backward``).
 
-    Returns ``{"micro_batch_metrics": [...], "grad_norm": float | None, "lr": float,
-    "skipped": bool, "nonfinite": bool}`` (the caller reduces the per-micro-batch metrics);
-    ``skipped`` is True when the step was not applied (fp16 overflow, or a non-finite loss or
-    gradient: then ``nonfinite`` is True too, on every rank alike). ``step_scheduler=False``
-    leaves the LR schedule to the caller.
+    Returns a ``StepResult`` (the caller reduces the per-micro-batch reports); ``skipped`` is
+    True when the step was not applied (fp16 overflow, or a non-finite loss or gradient: then
+    ``nonfinite`` is True too, on every rank alike). ``step_scheduler=False`` leaves the LR
+    schedule to the caller.
     """
     for chunk in models:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     # Gradients are reduced over DP (and embedding / layernorm grads over PP / TP) inside the
     # schedule by the config's finalize_model_grads_func, set by wrap_for_training.
-    micro_batch_metrics = forward_backward(
+    results = forward_backward(
         models,
         mesh,
         micro_batches,
@@ -226,28 +225,22 @@ def train_step(
     lr = optimizer.param_groups[0]["lr"]  # the rate this step uses, before the scheduler moves
     # fp16 overflows are the loss scaler's business (it must see them to lower the scale); for
     # fp32 / bf16 nothing downstream would stop a NaN, so check before the optimizer runs.
+    reports = [result.report for result in results]
     fp16 = get_model_config(models[0]).fp16
-    if not all_agree_finite(models, micro_batch_metrics, check_grads=not fp16):
+    if not all_agree_finite(models, reports, check_grads=not fp16):
         for chunk in models:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        return {
-            "micro_batch_metrics": micro_batch_metrics,
-            "grad_norm": float("nan"),
-            "lr": lr,
-            "skipped": True,
-            "nonfinite": True,
-        }
+        return StepResult(reports, grad_norm=float("nan"), lr=lr, skipped=True, nonfinite=True)
     applied, grad_norm, _ = optimizer.step()
     if applied and step_scheduler:
         scheduler.step(increment=1)
-    return {
-        "micro_batch_metrics": micro_batch_metrics,
-        "grad_norm": None if grad_norm is None else float(grad_norm),
-        "lr": lr,
-        "skipped": not applied,
-        "nonfinite": False,
-    }
+    return StepResult(
+        reports,
+        grad_norm=None if grad_norm is None else float(grad_norm),
+        lr=lr,
+        skipped=not applied,
+    )
 
 
 def _model_device(models: list[torch.nn.Module]) -> torch.device:
@@ -267,18 +260,14 @@ def _all_ranks_true(ok: bool, device: torch.device) -> bool:
 
 def all_agree_finite(
     models: list[DistributedDataParallel],
-    micro_batch_metrics: list[dict[str, float]],
+    reports: list[LossReport],
     check_grads: bool = True,
 ) -> bool:
-    """True when, on EVERY rank, the losses (``micro_batch_metrics``) and the gradient buffers
-    are finite. Each rank checks its own shard (TP / PP split the gradients; DP ranks hold the
-    same reduced values); one flag all-reduced over the world makes all ranks answer alike."""
-    ok = all(
-        math.isfinite(value)
-        for metrics in micro_batch_metrics
-        for value in metrics.values()
-        if isinstance(value, float)
-    )
+    """True when, on EVERY rank, the losses (the micro-batches' ``reports``) and the gradient
+    buffers are finite. Each rank checks its own shard (TP / PP split the gradients; DP ranks
+    hold the same reduced values); one flag all-reduced over the world makes all ranks answer
+    alike."""
+    ok = all(report.is_finite() for report in reports)
     if ok and check_grads:
         for chunk in models:
             for buffer in chunk.buffers + chunk.expert_parallel_buffers:

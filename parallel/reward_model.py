@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import json
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +41,20 @@ from parallel.convert.hf_io import HFCheckpointReader, hf_model_dir_problem
 from parallel.convert.mapping import unwrap_chunk
 from parallel.cpu_compat import device
 from parallel.mesh import Mesh
-from parallel.micro_batches import ROW_KEY, micro_batches
+from parallel.micro_batches import micro_batches
 from parallel.model import build_model
 from parallel.schedule import forward_backward
+from parallel.step_types import MicroBatch, row_field
 
 SEQUENCE_CLASSIFICATION_SUFFIX = "ForSequenceClassification"
 SCORE_WEIGHT = "score.weight"
-# The position each row is scored at, carried through ``micro_batches`` next to the tokens.
-SCORE_INDEX_KEY = "score_index"
+
+
+@dataclass(kw_only=True)
+class ScoredRows(MicroBatch):
+    """Sequences to score: the position each row is scored at travels with its tokens."""
+
+    score_index: torch.Tensor = row_field()  # [mb] int64 (``score_positions``)
 
 
 class RewardModelError(ValueError):
@@ -168,12 +175,12 @@ def score_sequences(
     batch = input_ids.shape[0]
     pad_token_id = unwrap_chunk(models[0]).hf_config.pad_token_id
     chunks = micro_batches(
-        {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            ROW_KEY: torch.arange(batch),
-            SCORE_INDEX_KEY: score_positions(input_ids, attention_mask, pad_token_id),
-        },
+        ScoredRows(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            row_index=torch.arange(batch),
+            score_index=score_positions(input_ids, attention_mask, pad_token_id),
+        ),
         micro_batch_size,
         equal_sizes=mesh.pp > 1,
         max_tokens=max_tokens,
@@ -183,7 +190,7 @@ def score_sequences(
     scores = torch.zeros(batch, dtype=torch.float32, device=device())
     for chunk, result in zip(chunks, results, strict=True):
         # Filler rows of an equal-size last micro-batch repeat a real row: same input, same score.
-        scores[chunk[ROW_KEY].to(scores.device)] = pick_scores(
-            result["values"], chunk[SCORE_INDEX_KEY]
+        scores[chunk.row_index.to(scores.device)] = pick_scores(
+            result.outputs.values, chunk.score_index
         )
     return scores

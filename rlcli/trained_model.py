@@ -35,7 +35,8 @@ from parallel.lora import LoraConfigError, LoraSpec, lora_disabled
 from parallel.mesh import Mesh
 from parallel.micro_batches import micro_batches
 from parallel.offload import Offloader, TransferStats
-from parallel.schedule import LossFn, forward_log_probs, forward_values
+from parallel.schedule import forward_log_probs, forward_values
+from parallel.step_types import LossFn, MicroBatch, StepResult
 from rlcli.batch import RolloutBatch, response_values, split_evenly
 from rlcli.dp_stats import DataParallelStats
 from rlcli.errors import UserError
@@ -271,17 +272,16 @@ class TrainedModel:
 
     def train_step(
         self,
-        tensors: dict[str, torch.Tensor],
+        batch: MicroBatch,
         loss_fn: LossFn,
         temperature: float = 1.0,
         compute_entropy: bool = False,
-    ) -> dict[str, Any]:
-        """One optimizer step over a batch's row-aligned tensors (``RolloutBatch.tensors()``,
-        or any ``input_ids`` / ``attention_mask`` + what ``loss_fn`` reads) cut into
-        micro-batches: gradients summed over micro-batches, averaged over DP (see
-        ``parallel.optim.train_step``)."""
+    ) -> StepResult:
+        """One optimizer step over a batch (a ``RolloutBatch``, or any ``MicroBatch`` with what
+        ``loss_fn`` reads) cut into micro-batches of its type: gradients summed over
+        micro-batches, averaged over DP (see ``parallel.optim.train_step``)."""
         chunks = micro_batches(
-            tensors,
+            batch,
             self.micro_batching.size,
             equal_sizes=self.mesh.pp > 1,
             max_tokens=self.micro_batching.max_tokens,
@@ -291,11 +291,11 @@ class TrainedModel:
 
     def train_micro_batches(
         self,
-        chunks: list[dict[str, torch.Tensor]],
+        chunks: list[MicroBatch],
         loss_fn: LossFn,
         temperature: float = 1.0,
         compute_entropy: bool = False,
-    ) -> dict[str, Any]:
+    ) -> StepResult:
         """``train_step`` on micro-batches the caller cut (all of one size under pipeline
         parallelism), e.g. preference pairs kept together (``parallel.reward_training``)."""
         from parallel.optim import train_step
@@ -312,7 +312,7 @@ class TrainedModel:
             step_scheduler=self.schedule_per_update,
             pack_sequences=self.micro_batching.pack,
         )
-        self.nonfinite_updates += bool(result.get("nonfinite"))
+        self.nonfinite_updates += result.nonfinite
         return result
 
     def update(
@@ -326,7 +326,7 @@ class TrainedModel:
         norm_length: int,
         temperature: float = 1.0,
         compute_entropy: bool = False,
-    ) -> list[dict[str, Any]]:
+    ) -> list[StepResult]:
         """``epochs`` x ``num_mini_batches`` optimizer steps on this DP rank's share of the
         batch; each step's ``train_step`` result, in order.
 
@@ -338,7 +338,7 @@ class TrainedModel:
         (global denominator / dp) and the average is exact."""
         groups = batch.group_index
         stats = DataParallelStats(self.mesh)
-        results: list[dict[str, Any]] = []
+        results: list[StepResult] = []
         for _ in range(epochs):
             for chunk in split_evenly(torch.unique_consecutive(groups).tolist(), num_mini_batches):
                 mini = batch.select(torch.isin(groups, torch.tensor(chunk)))
@@ -347,7 +347,7 @@ class TrainedModel:
                 ).double()
                 denominator = (stats.sum(denominator) / self.mesh.dp).float()
                 loss_fn = loss_for(mini, denominator, len(results))
-                step = self.train_step(mini.tensors(), loss_fn, temperature, compute_entropy)
+                step = self.train_step(mini, loss_fn, temperature, compute_entropy)
                 results.append(step)
         return results
 

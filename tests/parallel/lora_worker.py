@@ -51,6 +51,7 @@ from parallel.model_shapes import LORA_TARGET_MODULES, ModelShape, lora_stage_pa
 from parallel.optim import build_optimizer, sub_optimizers, train_step, wrap_for_training
 from parallel.parity import megatron_logits
 from parallel.reshard import iter_adapter_buckets, iter_inference_buckets
+from parallel.step_types import LossReport, MicroBatch, ModelOutputs
 
 SPEC = LoraSpec(rank=4, alpha=8.0, target_modules=("all",))
 ROWS, SEQ = 4, 10
@@ -89,9 +90,9 @@ def logits_diff(models, mesh: Mesh, tokens: torch.Tensor, reference: torch.Tenso
     return world_max(diff)
 
 
-def mean_nll(outputs: dict, micro_batch: dict, global_tokens: float, dp: int):
-    mask = micro_batch["attention_mask"][:, 1:].float()
-    return -(outputs["log_probs"] * mask).sum() * dp / global_tokens, {}
+def mean_nll(outputs: ModelOutputs, micro_batch: MicroBatch, global_tokens: float, dp: int):
+    mask = micro_batch.attention_mask[:, 1:].float()
+    return -(outputs.log_probs * mask).sum() * dp / global_tokens, LossReport()
 
 
 def peft_grads(hf_dir: str, adapter_dir: str, input_ids, mask) -> dict[str, torch.Tensor]:
@@ -148,7 +149,7 @@ def step(models, mesh: Mesh, optimizer, scheduler, input_ids, mask) -> None:
     rows = ROWS // mesh.dp
     mine = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
     tokens = mask[:, 1:].sum().item()
-    micro = [{"input_ids": input_ids[mine], "attention_mask": mask[mine]}]
+    micro = [MicroBatch(input_ids=input_ids[mine], attention_mask=mask[mine])]
     result = train_step(
         models,
         mesh,
@@ -157,7 +158,7 @@ def step(models, mesh: Mesh, optimizer, scheduler, input_ids, mask) -> None:
         micro,
         lambda out, mb: mean_nll(out, mb, tokens, mesh.dp),
     )
-    assert not result["skipped"], result
+    assert not result.skipped, result
 
 
 def optimizer_state_numel(optimizer) -> int:

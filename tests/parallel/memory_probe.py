@@ -32,6 +32,7 @@ from parallel.model import build_model
 from parallel.model_shapes import KNOWN_SHAPES, ModelShape
 from parallel.offload import Offloader
 from parallel.optim import build_optimizer, train_step, wrap_for_training
+from parallel.step_types import LossReport, MicroBatch, ModelOutputs
 
 MICRO_BATCH = int(os.environ.get("PROBE_MICRO_BATCH", 4))
 SEQ = int(os.environ.get("PROBE_SEQ", 1024))
@@ -81,8 +82,8 @@ def pinned_floor(nbytes: int) -> tuple[float, float]:
     return times[0], times[1]
 
 
-def loss_fn(outputs: dict, micro_batch: dict):
-    return -outputs["log_probs"].sum() / outputs["log_probs"].numel(), {}
+def loss_fn(outputs: ModelOutputs, micro_batch: MicroBatch):
+    return -outputs.log_probs.sum() / outputs.log_probs.numel(), LossReport()
 
 
 def probe(name: str, mesh) -> None:
@@ -106,10 +107,10 @@ def probe(name: str, mesh) -> None:
     )
     vocab = SHAPES[name].vocab
     micro = [
-        {
-            "input_ids": torch.randint(0, vocab, (MICRO_BATCH, SEQ), device=mesh_device()),
-            "attention_mask": torch.ones(MICRO_BATCH, SEQ, dtype=torch.long, device=mesh_device()),
-        }
+        MicroBatch(
+            input_ids=torch.randint(0, vocab, (MICRO_BATCH, SEQ), device=mesh_device()),
+            attention_mask=torch.ones(MICRO_BATCH, SEQ, dtype=torch.long, device=mesh_device()),
+        )
         for _ in range(MICRO_BATCHES)
     ]
     train_step(models, mesh, optimizer, scheduler, micro, loss_fn)  # Adam state now exists

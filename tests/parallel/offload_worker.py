@@ -193,8 +193,8 @@ def check_recompute(mesh, hf_config, hf_dir) -> dict:
         )
         assert runs_per_layer == (1 if mode == "none" else 2), (mode, runs_per_layer)
         grads = [p.main_grad.clone() for c in models for p in c.module.parameters()]
-        nll = sum(float(m["nll_sum"]) for m in out["micro_batch_metrics"])
-        results[mode] = (nll, out["grad_norm"], grads)
+        nll = sum(float(r.metrics["nll_sum"]) for r in out.reports)
+        results[mode] = (nll, out.grad_norm, grads)
     numbers = {}
     for mode in ("selective", "full"):
         loss_diff = abs(results[mode][0] - results["none"][0])

@@ -108,25 +108,26 @@ def attention_parity(mesh, hf_dir: str, batch) -> dict[str, float]:
 
 def per_row(actor, batch, pack: bool) -> dict[str, torch.Tensor]:
     """log_probs and entropy [B, S-1] of every row, put back by row number."""
-    from parallel.micro_batches import ROW_KEY, micro_batches
+    from parallel.micro_batches import micro_batches
     from parallel.schedule import forward_backward
+    from parallel.step_types import MicroBatch
 
-    rows = {
-        "input_ids": batch.input_ids,
-        "attention_mask": batch.attention_mask,
-        ROW_KEY: torch.arange(batch.input_ids.shape[0]),
-    }
+    rows = MicroBatch(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        row_index=torch.arange(batch.input_ids.shape[0]),
+    )
     parts = micro_batches(rows, 2, equal_sizes=actor.mesh.pp > 1, max_tokens=40 * pack, pack=pack)
     results = forward_backward(
         actor.models, actor.mesh, parts, None, forward_only=True, compute_entropy=True,
         pack_sequences=pack,
     )  # fmt: skip
-    shape = (rows["input_ids"].shape[0], rows["input_ids"].shape[1] - 1)
+    shape = (rows.input_ids.shape[0], rows.input_ids.shape[1] - 1)
     out = {name: torch.zeros(shape) for name in ("log_probs", "entropy")}
     for part, result in zip(parts, results, strict=True):
         for name in out:
-            values = result[name].cpu()
-            out[name][part[ROW_KEY], : values.shape[1]] = values
+            values = getattr(result.outputs, name).cpu()
+            out[name][part.row_index, : values.shape[1]] = values
     return out
 
 
@@ -141,8 +142,7 @@ def loss_and_grads(actor, batch, cfg, mesh, pack: bool):
 
     for chunk in actor.models:
         chunk.zero_grad_buffer()
-    tensors = batch.tensors()
-    parts = micro_batches(tensors, 2, equal_sizes=mesh.pp > 1, max_tokens=40 * pack, pack=pack)
+    parts = micro_batches(batch, 2, equal_sizes=mesh.pp > 1, max_tokens=40 * pack, pack=pack)
     # This rank's share of the global denominator (DDP averages gradients over DP).
     denominator = algorithms.agg_loss_denominator(
         batch.loss_mask, cfg.actor.loss_agg_mode, norm_length=cfg.rollout.max_tokens
@@ -152,13 +152,13 @@ def loss_and_grads(actor, batch, cfg, mesh, pack: bool):
         actor.models, mesh, parts, make_actor_loss(cfg, denominator),
         forward_only=False, compute_entropy=True, pack_sequences=pack,
     )  # fmt: skip
-    loss = sum(r["actor/pg_loss"] - 0.01 * r["actor/entropy"] + 0.001 * r["actor/kl_loss"]
-               for r in results)  # fmt: skip
+    loss = sum(m["actor/pg_loss"] - 0.01 * m["actor/entropy"] + 0.001 * m["actor/kl_loss"]
+               for m in (r.report.metrics for r in results))  # fmt: skip
     total = torch.tensor([loss], dtype=torch.float64)
     if mesh.dp > 1:
         dist.all_reduce(total, group=mesh.dp_group)
     grads = [p.main_grad.clone() for m in actor.models for p in m.parameters()]
-    return total.item(), grads, [int(p["attention_mask"].sum()) for p in parts]
+    return total.item(), grads, [int(p.attention_mask.sum()) for p in parts]
 
 
 def weights(policy) -> list[torch.Tensor]:
