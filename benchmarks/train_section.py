@@ -190,6 +190,7 @@ def megatron_actor(
     """rlcli's actor (`rlcli.trained_model.TrainedModel`: megatron-core GPTModel, DDP,
     distributed optimizer off, Adam, clipping at 1.0; `lora`: adapters on the frozen base;
     `attention`: model.attention_backend; `pack`: packed micro-batches)."""
+    from parallel.model_options import ModelBuildOptions
     from rlcli.trained_model import MicroBatching, OptimizerSettings, TrainedModel
 
     settings = OptimizerSettings(
@@ -203,7 +204,7 @@ def megatron_actor(
         dtype=dtype,
         optim=settings,
         micro_batching=MicroBatching(micro_batch_size, max_tokens, pack=pack),
-        model_options={"attention_backend": attention},
+        model_options=ModelBuildOptions(attention_backend=attention),
         lora=lora,
     )
 

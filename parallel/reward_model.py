@@ -5,7 +5,7 @@ head_bias=False)``), scored the way HF transformers scores it.
 
     reward_model_problem(hf_dir, *, from_language_model=False) -> str | None   (why not an RM)
     load_reward_model(hf_dir, mesh, *, dtype=torch.float32, from_language_model=False,
-                      pad_token_id=None, **build_options) -> list[torch.nn.Module]
+                      pad_token_id=None, options=ModelBuildOptions()) -> list[torch.nn.Module]
     reward_model_config(hf_config, pad_token_id=None) -> hf_config  as *ForSequenceClassification
     score_positions(input_ids, attention_mask, pad_token_id) -> [B] int64
     score_sequences(models, mesh, input_ids, attention_mask, *, micro_batch_size,
@@ -43,6 +43,7 @@ from parallel.cpu_compat import device
 from parallel.mesh import Mesh
 from parallel.micro_batches import micro_batches
 from parallel.model import build_model
+from parallel.model_options import ModelBuildOptions
 from parallel.schedule import forward_backward
 from parallel.step_types import MicroBatch, row_field
 
@@ -112,7 +113,7 @@ def load_reward_model(
     dtype: torch.dtype = torch.float32,
     from_language_model: bool = False,
     pad_token_id: int | None = None,
-    **build_options: Any,
+    options: ModelBuildOptions = ModelBuildOptions(),
 ) -> list[torch.nn.Module]:
     """This rank's reward-model chunks (plain, not DDP-wrapped), weights loaded from `hf_dir`.
 
@@ -120,8 +121,7 @@ def load_reward_model(
     otherwise), or, with `from_language_model=True`, any supported HF folder (typically the SFT
     policy) whose transformer weights start a reward model with a freshly initialised score head
     (the same on every TP rank). `pad_token_id` overrides the config's (see the module
-    docstring). `build_options` go to ``parallel.model.build_model`` (sequence_parallel,
-    transformer_impl, recompute)."""
+    docstring). `options`: how ``parallel.model.build_model`` builds it."""
     from transformers import AutoConfig
 
     problem = reward_model_problem(hf_dir, from_language_model=from_language_model)
@@ -129,7 +129,7 @@ def load_reward_model(
         raise RewardModelError(problem)
     hf_config = reward_model_config(AutoConfig.from_pretrained(hf_dir), pad_token_id)
     models = build_model(
-        hf_config, mesh, dtype=dtype, critic=True, head_bias=False, **build_options
+        hf_config, mesh, dtype=dtype, critic=True, head_bias=False, options=options
     )
     load_hf_weights(models, mesh, hf_dir)
     return models

@@ -33,6 +33,7 @@ from rlcli.sampling import informative_groups
 
 if TYPE_CHECKING:
     from parallel.mesh import Mesh
+    from parallel.model_options import ModelBuildOptions
     from rlcli.config import RLConfig
     from rlcli.residency import StepPhases
     from rlcli.rewards.judge_scoring import Judge
@@ -126,7 +127,7 @@ def spread(
 
 
 def build_model_rewards(
-    cfg: RLConfig, mesh: Mesh, policy_tokenizer: Any, model_options: dict[str, Any]
+    cfg: RLConfig, mesh: Mesh, policy_tokenizer: Any, model_options: ModelBuildOptions
 ) -> ModelRewards | None:
     """The configured model rewards, in the trainer's layout (every rank builds the same), or
     None when neither ``reward.model.path`` nor ``reward.judge.path`` is set. ``model_options``
@@ -148,7 +149,7 @@ def build_model_rewards(
 
 
 def build_reward_model(
-    cfg: RLConfig, mesh: Mesh, policy_tokenizer: Any, model_options: dict[str, Any]
+    cfg: RLConfig, mesh: Mesh, policy_tokenizer: Any, model_options: ModelBuildOptions
 ) -> tuple[TrainedModel, RewardModelInputs]:
     """The frozen reward model (``reward.model.*``) in the trainer's TP x PP layout, and how a
     sample becomes its input (its own tokenizer and chat template when they differ from the

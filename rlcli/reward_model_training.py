@@ -28,6 +28,7 @@ import numpy as np
 import torch.distributed as dist
 
 from parallel.mesh import Mesh
+from parallel.model_options import ModelBuildOptions
 from parallel.preference_pairs import TokenizedPairs
 from rlcli.config import RLConfig
 from rlcli.errors import UserError
@@ -127,7 +128,7 @@ def _build(
     init_dir: str,
     is_reward_model: bool,
     pad_token_id: int,
-    model_options: dict[str, Any],
+    model_options: ModelBuildOptions,
 ) -> TrainedModel:
     """The reward model to train: the trained-model core with a score head, ``rm.*``'s Adam
     (betas and eps as ``actor.*``) and constant LR after warmup, micro-batches of
@@ -162,7 +163,7 @@ def _build(
 def train_reward_model(
     cfg: RLConfig,
     mesh: Mesh,
-    model_options: dict[str, Any],
+    model_options: ModelBuildOptions,
     log: Callable[[str], None] | None = None,
     init_path: str | None = None,
     extra_pairs: tuple[list[str], list[str]] = ([], []),

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -34,6 +34,7 @@ from parallel.dtypes import DTYPES
 from parallel.lora import LoraConfigError, LoraSpec, lora_disabled
 from parallel.mesh import Mesh
 from parallel.micro_batches import micro_batches
+from parallel.model_options import ModelBuildOptions
 from parallel.offload import Offloader, TransferStats
 from parallel.schedule import forward_log_probs, forward_values
 from parallel.step_types import LossFn, MicroBatch, StepResult
@@ -129,7 +130,7 @@ class TrainedModel:
         dtype: str = "float32",
         head: Literal["lm", "value", "score"] = "lm",
         optim: OptimizerSettings | None = None,
-        model_options: dict[str, Any] | None = None,
+        model_options: ModelBuildOptions | None = None,
         score_head_from_language_model: bool = False,
         pad_token_id: int | None = None,
         lora: LoraSpec | None = None,
@@ -151,7 +152,7 @@ class TrainedModel:
         self.mesh, self.hf_dir, self.head = mesh, hf_dir, head
         self.micro_batching = micro_batching
         self.lora = lora
-        options = model_options or {}
+        options = model_options or ModelBuildOptions()
         try:
             if head == "score":
                 models = load_reward_model(
@@ -160,7 +161,7 @@ class TrainedModel:
                     dtype=DTYPES[dtype],
                     from_language_model=score_head_from_language_model,
                     pad_token_id=pad_token_id,
-                    **options,
+                    options=options,
                 )
             else:
                 models = load_hf_model(
@@ -168,8 +169,7 @@ class TrainedModel:
                     mesh,
                     dtype=DTYPES[dtype],
                     critic=head == "value",
-                    pack_sequences=micro_batching.pack,
-                    **options,
+                    options=replace(options, pack_sequences=micro_batching.pack),
                 )
             if lora is not None:
                 from parallel.lora import apply_lora

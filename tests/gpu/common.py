@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from parallel.model_options import ModelBuildOptions
 from parallel.step_types import LossReport, MicroBatch, ModelOutputs
 
 BF16 = torch.bfloat16
@@ -196,9 +197,11 @@ def make_actor(
         hf_config,
         ctx.mesh,
         dtype=BF16,
-        transformer_impl=transformer_impl,
-        attention_backend=attention_backend,
-        pack_sequences=pack_sequences,
+        options=ModelBuildOptions(
+            transformer_impl=transformer_impl,
+            attention_backend=attention_backend,
+            pack_sequences=pack_sequences,
+        ),
     )
     if model_dir is not None:
         load_hf_weights(models, ctx.mesh, model_dir)

@@ -45,8 +45,8 @@ from parallel.convert.mapping import unwrap_chunk
 from parallel.hf_model import load_hf_model
 from parallel.lora import LoraConfigError, LoraSpec, adapter_params, apply_lora, lora_disabled
 from parallel.lora_io import load_peft_adapter, save_peft_adapter
-from parallel.memory_terms import recompute_options
 from parallel.mesh import Mesh, init_parallel
+from parallel.model_options import ModelBuildOptions, Recompute
 from parallel.model_shapes import LORA_TARGET_MODULES, ModelShape, lora_stage_params
 from parallel.optim import build_optimizer, sub_optimizers, train_step, wrap_for_training
 from parallel.parity import megatron_logits
@@ -129,8 +129,14 @@ def grad_diff(models, mesh: Mesh, reference: dict[str, torch.Tensor]) -> float:
     return world_max(diff)
 
 
-def lora_model(hf_dir: str, mesh: Mesh, adapter_dir: str | None, spec=SPEC, **build_options):
-    models = load_hf_model(hf_dir, mesh, **build_options)
+def lora_model(
+    hf_dir: str,
+    mesh: Mesh,
+    adapter_dir: str | None,
+    spec=SPEC,
+    options: ModelBuildOptions = ModelBuildOptions(),
+):
+    models = load_hf_model(hf_dir, mesh, options=options)
     apply_lora(models, spec)
     if adapter_dir is not None:
         load_peft_adapter(models, mesh, adapter_dir)
@@ -324,9 +330,9 @@ def check_dp_extras(mesh: Mesh, hf_dir: str, args, input_ids, mask, counted: int
         == {id(e.param) for e in adapter_params(models)}
     )
 
-    recompute = recompute_options("full", "uniform", 1)
+    recompute = ModelBuildOptions(recompute=Recompute("full", "uniform", 1))
     models, optimizer, scheduler = trained(
-        lora_model(hf_dir, mesh, args.peft, recompute=recompute), mesh
+        lora_model(hf_dir, mesh, args.peft, options=recompute), mesh
     )
     step(models, mesh, optimizer, scheduler, input_ids, mask)
     report["full_recompute_grads_vs_peft"] = grad_diff(

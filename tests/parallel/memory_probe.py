@@ -29,6 +29,7 @@ from parallel.memory_terms import (
 )
 from parallel.mesh import init_parallel
 from parallel.model import build_model
+from parallel.model_options import ModelBuildOptions
 from parallel.model_shapes import KNOWN_SHAPES, ModelShape
 from parallel.offload import Offloader
 from parallel.optim import build_optimizer, train_step, wrap_for_training
@@ -92,8 +93,7 @@ def probe(name: str, mesh) -> None:
         hf_config(name),
         mesh,
         dtype=torch.bfloat16,
-        transformer_impl="local",
-        attention_backend="sdpa",
+        options=ModelBuildOptions(transformer_impl="local", attention_backend="sdpa"),
     )
     models = wrap_for_training(models, mesh)
     optimizer, scheduler = build_optimizer(models, lr=1e-5, total_steps=10)

@@ -32,10 +32,10 @@ from parallel.memory_terms import (
     grad_numel_bytes,
     layer_activation_bytes,
     optimizer_state_numel,
-    recompute_options,
 )
 from parallel.mesh import Mesh, init_parallel
 from parallel.model import build_model
+from parallel.model_options import ModelBuildOptions, Recompute
 from parallel.model_shapes import ModelShape, stage_params
 from parallel.offload import Offloader
 from parallel.optim import build_optimizer, sub_optimizers, train_step, wrap_for_training
@@ -46,7 +46,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def fresh(mesh: Mesh, hf_config, hf_dir: str, dtype: str, distributed: bool, recompute=None):
     torch.manual_seed(5)
-    models = build_model(hf_config, mesh, dtype=DTYPES[dtype], recompute=recompute)
+    options = ModelBuildOptions(recompute=recompute or Recompute())
+    models = build_model(hf_config, mesh, dtype=DTYPES[dtype], options=options)
     load_hf_weights(models, mesh, hf_dir)
     models = wrap_for_training(models, mesh, use_distributed_optimizer=distributed)
     optimizer, scheduler = build_optimizer(
@@ -179,8 +180,8 @@ def check_recompute(mesh, hf_config, hf_dir) -> dict:
     micro, loss_fn = batch_for(mesh, hf_config.vocab_size)
     results = {}
     for mode in ("none", "selective", "full"):
-        options = recompute_options(mode, "uniform", 1)
-        models, optimizer, scheduler = fresh(mesh, hf_config, hf_dir, "float32", False, options)
+        recompute = Recompute(mode, "uniform", 1)
+        models, optimizer, scheduler = fresh(mesh, hf_config, hf_dir, "float32", False, recompute)
         calls = []  # core attention runs again in backward when it is recomputed
         for chunk in models:
             for layer in chunk.module.decoder.layers:
@@ -243,8 +244,9 @@ def check_activation_estimate(mesh, hf_config, hf_dir) -> dict:
                     hf_config,
                     mesh,
                     dtype=getattr(torch, dtype),
-                    attention_backend=attention,
-                    recompute=recompute_options(mode),
+                    options=ModelBuildOptions(
+                        attention_backend=attention, recompute=Recompute(mode)
+                    ),
                 )
                 measured = measured_layer_activations(models, input_ids)
                 planned = TrainedModel(

@@ -42,6 +42,7 @@ from transformers import AutoModelForSequenceClassification
 
 from parallel.convert import save_hf_checkpoint
 from parallel.mesh import Mesh, init_parallel
+from parallel.model_options import ModelBuildOptions
 from parallel.optim import build_optimizer, train_step, wrap_for_training
 from parallel.preference_pairs import TokenizedPairs, pad_sequences
 from parallel.reward_model import load_reward_model, score_sequences
@@ -87,7 +88,9 @@ def check_scores(mesh: Mesh, hf_dir: str, input_ids, attention_mask) -> float:
     diff = (scores - expected).abs().max().item()
     assert diff < TOLERANCE, (hf_dir, diff, scores, expected)
     # Packed: each micro-batch one row of whole sequences (SDPA varlen), no padding computed.
-    packed_models = load_reward_model(hf_dir, mesh, attention_backend="sdpa", pack_sequences=True)
+    packed_models = load_reward_model(
+        hf_dir, mesh, options=ModelBuildOptions(attention_backend="sdpa", pack_sequences=True)
+    )
     rows_seen = []  # the rows of each forward's input_ids: 1 when the micro-batch ran packed
     hooks = [
         chunk.register_forward_pre_hook(lambda _, args: rows_seen.append(args[0].shape[0]))

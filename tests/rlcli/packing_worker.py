@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from parallel.model_options import ModelBuildOptions
 from tests.rlcli.token_budget_worker import AGG_MODES, config, make_batch, random_samples
 
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}
@@ -50,7 +51,7 @@ def trained(mesh, hf_dir: str, pack: bool, head: str = "lm", attention: str = "s
     return TrainedModel(
         mesh, hf_dir, head=head, optim=optim_settings(),
         micro_batching=MicroBatching(2, 40 * pack, pack=pack),
-        model_options={"attention_backend": attention},
+        model_options=ModelBuildOptions(attention_backend=attention),
     )  # fmt: skip
 
 
@@ -85,12 +86,12 @@ def attention_parity(mesh, hf_dir: str, batch) -> dict[str, float]:
     ids = batch.input_ids
     logits = {}
     for attention in ("local", "sdpa"):
-        models = load_hf_model(hf_dir, mesh, attention_backend=attention)
+        models = load_hf_model(hf_dir, mesh, options=ModelBuildOptions(attention_backend=attention))
         logits[attention] = full_logits(models, mesh, ids)
     log_probs = {
         attention: TrainedModel(
             mesh, hf_dir, micro_batching=MicroBatching(4),
-            model_options={"attention_backend": attention},
+            model_options=ModelBuildOptions(attention_backend=attention),
         ).forward(batch)
         for attention in ("local", "sdpa")
     }  # fmt: skip
