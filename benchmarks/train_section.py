@@ -191,7 +191,8 @@ def megatron_actor(
     distributed optimizer off, Adam, clipping at 1.0; `lora`: adapters on the frozen base;
     `attention`: model.attention_backend; `pack`: packed micro-batches)."""
     from parallel.model_options import ModelBuildOptions
-    from rlcli.trained_model import MicroBatching, OptimizerSettings, TrainedModel
+    from parallel.optim import OptimizerSettings
+    from rlcli.trained_model import MicroBatching, TrainedModel
 
     settings = OptimizerSettings(
         lr=1e-5, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,

@@ -1,7 +1,7 @@
 """Training wrappers on megatron-core: DDP, optimizer + LR schedule, and one optimizer step.
 
     models = wrap_for_training(build_model(...), mesh)
-    optimizer, scheduler = build_optimizer(models, lr=1e-6, ...)
+    optimizer, scheduler = build_optimizer(models, OptimizerSettings(lr=1e-6, ...))
     result = train_step(models, mesh, optimizer, scheduler, micro_batches, loss_fn)
 
 Gradients: ``train_step`` steps on the gradient of the SUM over its micro-batches of
@@ -25,6 +25,7 @@ the optimizer state or the schedule (``result.nonfinite``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -91,32 +92,42 @@ def wrap_for_training(
     return wrapped
 
 
-def build_optimizer(
-    models: list[DistributedDataParallel],
-    *,
-    lr: float,
-    min_lr: float = 0.0,
-    weight_decay: float = 0.0,
-    adam_beta1: float = 0.9,
-    adam_beta2: float = 0.999,
-    adam_eps: float = 1e-8,
-    clip_grad: float = 1.0,
-    use_distributed_optimizer: bool = False,
-    warmup_steps: int = 0,
-    total_steps: int = 1,
-    decay_style: str = "constant",
-) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
-    """Megatron Adam(W) over the DDP-wrapped chunks, and its LR / weight-decay scheduler.
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """Adam(W) and its LR / weight-decay schedule (``build_optimizer``). ``clip_grad=0``
+    disables clipping; ``decay_style`` is one of megatron-core's (constant, linear, cosine,
+    inverse-square-root; it rejects others); ``warmup_steps`` and ``total_steps`` count
+    optimizer steps (module docstring). ``use_distributed_optimizer`` must match
+    ``wrap_for_training``'s."""
 
-    Mixed precision follows the model: bf16 / fp16 models get fp32 main params and grads
-    (fp16 with dynamic loss scaling). ``clip_grad=0`` disables clipping. ``decay_style`` is one
-    of megatron-core's (constant, linear, cosine, inverse-square-root; it rejects others).
+    lr: float
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = False
+    warmup_steps: int = 0
+    total_steps: int = 1
+    decay_style: str = "constant"
+
+
+def build_optimizer(
+    models: list[DistributedDataParallel], settings: OptimizerSettings
+) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
+    """Megatron Adam(W) over the DDP-wrapped chunks, and its LR / weight-decay scheduler, as
+    ``settings`` say. Mixed precision follows the model: bf16 / fp16 models get fp32 main params
+    and grads (fp16 with dynamic loss scaling).
     """
+    o = settings
+    lr, min_lr, weight_decay = o.lr, o.min_lr, o.weight_decay
+    warmup_steps, total_steps = o.warmup_steps, o.total_steps
     if not 0 <= warmup_steps < max(total_steps, 1):
         raise ValueError(
             f"optim.warmup_steps={warmup_steps} must be >= 0 and < total steps {total_steps}"
         )
-    if models[0].ddp_config.use_distributed_optimizer != use_distributed_optimizer:
+    if models[0].ddp_config.use_distributed_optimizer != o.use_distributed_optimizer:
         raise ValueError(
             "use_distributed_optimizer differs between wrap_for_training and build_optimizer"
         )
@@ -126,11 +137,11 @@ def build_optimizer(
         lr=lr,
         min_lr=min_lr,
         weight_decay=weight_decay,
-        adam_beta1=adam_beta1,
-        adam_beta2=adam_beta2,
-        adam_eps=adam_eps,
-        clip_grad=clip_grad,
-        use_distributed_optimizer=use_distributed_optimizer,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        use_distributed_optimizer=o.use_distributed_optimizer,
         bf16=model_config.bf16,
         fp16=model_config.fp16,
         params_dtype=model_config.params_dtype,
@@ -147,7 +158,7 @@ def build_optimizer(
         min_lr=min_lr,
         lr_warmup_steps=warmup_steps,
         lr_decay_steps=max(total_steps, 1),
-        lr_decay_style=decay_style,
+        lr_decay_style=o.decay_style,
         start_wd=weight_decay,
         end_wd=weight_decay,
         wd_incr_steps=max(total_steps, 1),

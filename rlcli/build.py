@@ -35,15 +35,11 @@ from rlcli.errors import UserError
 from rlcli.inputs import RunInputs, barrier, prepare_inputs
 from rlcli.lora import lora_spec
 from rlcli.metrics import MetricsLogger
+from rlcli.model_heads import ValueHead
 from rlcli.rollout_channel import RolloutChannel, RunEnded
 from rlcli.run_checkpoint import CheckpointManager, checkpoint_root
 from rlcli.run_save_resume import resume_run
-from rlcli.trained_model import (
-    LoraReference,
-    MicroBatching,
-    OptimizerSettings,
-    TrainedModel,
-)
+from rlcli.trained_model import LoraReference, MicroBatching, TrainedModel, optimizer_settings
 from rlcli.trainer import Trainer, say
 
 if TYPE_CHECKING:
@@ -258,7 +254,7 @@ def build_actor(inputs: RunInputs, total_steps: int, sft: bool = False) -> Train
     """The policy, trainable: ``actor.*`` (the SFT warm start: its own lr, warmup and
     micro-batch size)."""
     cfg = inputs.cfg
-    settings = OptimizerSettings.of(
+    settings = optimizer_settings(
         cfg.actor,
         total_steps=total_steps,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
@@ -312,8 +308,8 @@ def build_critic(inputs: RunInputs, total_steps: int) -> TrainedModel:
         mesh,
         hf_dir,
         dtype=cfg.model.dtype,
-        head="value",
-        optim=OptimizerSettings.of(
+        head=ValueHead(),
+        optim=optimizer_settings(
             c,
             total_steps=total_steps,
             use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,

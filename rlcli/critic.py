@@ -1,6 +1,6 @@
 """The PPO critic's math: the clipped value loss, its update and the value statistics. The model
 itself is a trained-model core with a value head (``rlcli.trained_model.TrainedModel(...,
-head="value")``, built by ``rlcli.build``), whose ``forward`` gives the values.
+head=ValueHead())``, built by ``rlcli.build``), whose ``forward`` gives the values.
 
     batch.values = critic.forward(batch)                                  # timing/values
     metrics = update_critic(critic, batch, cfg, fewest_groups)            # timing/update_critic

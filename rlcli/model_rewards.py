@@ -157,6 +157,7 @@ def build_reward_model(
     from transformers import AutoTokenizer
 
     from parallel.mesh import ParallelLayoutError
+    from rlcli.model_heads import ScoreHead
     from rlcli.rewards.reward_model import check_reward_model_path
     from rlcli.trained_model import MicroBatching, TrainedModel
 
@@ -170,7 +171,7 @@ def build_reward_model(
                 section.micro_batch_size, 0, section.max_tokens_per_forward, section.pack_sequences
             ),
             dtype=cfg.model.dtype,
-            head="score",
+            head=ScoreHead(),
             model_options=model_options,
         )
     except (ParallelLayoutError, ValueError) as error:  # a layout or family it cannot take

@@ -29,10 +29,12 @@ import torch.distributed as dist
 
 from parallel.mesh import Mesh
 from parallel.model_options import ModelBuildOptions
+from parallel.optim import OptimizerSettings
 from parallel.preference_pairs import TokenizedPairs
 from rlcli.config import RLConfig
 from rlcli.errors import UserError
-from rlcli.trained_model import MicroBatching, OptimizerSettings, TrainedModel
+from rlcli.model_heads import ScoreHead
+from rlcli.trained_model import MicroBatching, TrainedModel
 
 REPORT_FILE = "reward_model_report.json"
 
@@ -152,11 +154,12 @@ def _build(
         init_dir,
         micro_batching=MicroBatching(rm.micro_batch_size, rm.max_tokens),
         dtype=cfg.model.dtype,
-        head="score",
+        head=ScoreHead(
+            from_language_model=not is_reward_model,
+            pad_token_id=None if is_reward_model else pad_token_id,
+        ),
         optim=settings,
         model_options=model_options,
-        score_head_from_language_model=not is_reward_model,
-        pad_token_id=None if is_reward_model else pad_token_id,
     )
 
 

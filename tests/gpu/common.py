@@ -186,7 +186,7 @@ def make_actor(
     micro-batches packed."""
     from parallel.convert import load_hf_weights
     from parallel.model import build_model
-    from parallel.optim import build_optimizer, wrap_for_training
+    from parallel.optim import OptimizerSettings, build_optimizer, wrap_for_training
 
     torch.manual_seed(seed)
     if torch.cuda.is_available():
@@ -207,7 +207,8 @@ def make_actor(
         load_hf_weights(models, ctx.mesh, model_dir)
     models = wrap_for_training(models, ctx.mesh, use_distributed_optimizer=distributed_optimizer)
     optimizer, scheduler = build_optimizer(
-        models, lr=lr, use_distributed_optimizer=distributed_optimizer, total_steps=100
+        models,
+        OptimizerSettings(lr=lr, use_distributed_optimizer=distributed_optimizer, total_steps=100),
     )
     return Actor(models, optimizer, scheduler, pack_sequences)
 

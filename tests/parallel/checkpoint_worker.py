@@ -29,7 +29,7 @@ from parallel.checkpoint import load_checkpoint, save_checkpoint
 from parallel.convert import load_hf_weights
 from parallel.mesh import Mesh, init_parallel
 from parallel.model import build_model
-from parallel.optim import build_optimizer, train_step, wrap_for_training
+from parallel.optim import OptimizerSettings, build_optimizer, train_step, wrap_for_training
 from parallel.schedule import forward_log_probs
 from parallel.step_types import LossReport, MicroBatch, ModelOutputs
 
@@ -60,13 +60,15 @@ def training_state(mesh: Mesh, hf_config, hf_dir: str | None, distributed: bool 
     models = wrap_for_training(models, mesh, use_distributed_optimizer=distributed)
     optimizer, scheduler = build_optimizer(
         models,
-        use_distributed_optimizer=distributed,
-        lr=1e-3,
-        min_lr=1e-4,
-        weight_decay=0.01,
-        warmup_steps=1,
-        total_steps=5,
-        decay_style="cosine",
+        OptimizerSettings(
+            use_distributed_optimizer=distributed,
+            lr=1e-3,
+            min_lr=1e-4,
+            weight_decay=0.01,
+            warmup_steps=1,
+            total_steps=5,
+            decay_style="cosine",
+        ),
     )
     return models, optimizer, scheduler
 

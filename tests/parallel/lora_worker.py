@@ -48,7 +48,13 @@ from parallel.lora_io import load_peft_adapter, save_peft_adapter
 from parallel.mesh import Mesh, init_parallel
 from parallel.model_options import ModelBuildOptions, Recompute
 from parallel.model_shapes import LORA_TARGET_MODULES, ModelShape, lora_stage_params
-from parallel.optim import build_optimizer, sub_optimizers, train_step, wrap_for_training
+from parallel.optim import (
+    OptimizerSettings,
+    build_optimizer,
+    sub_optimizers,
+    train_step,
+    wrap_for_training,
+)
 from parallel.parity import megatron_logits
 from parallel.reshard import iter_adapter_buckets, iter_inference_buckets
 from parallel.step_types import LossReport, MicroBatch, ModelOutputs
@@ -146,7 +152,7 @@ def lora_model(
 def trained(models, mesh: Mesh, distributed: bool = False):
     models = wrap_for_training(models, mesh, use_distributed_optimizer=distributed)
     optimizer, scheduler = build_optimizer(
-        models, lr=1e-2, clip_grad=0.0, use_distributed_optimizer=distributed
+        models, OptimizerSettings(lr=1e-2, clip_grad=0.0, use_distributed_optimizer=distributed)
     )
     return models, optimizer, scheduler
 

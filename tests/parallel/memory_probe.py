@@ -32,7 +32,7 @@ from parallel.model import build_model
 from parallel.model_options import ModelBuildOptions
 from parallel.model_shapes import KNOWN_SHAPES, ModelShape
 from parallel.offload import Offloader
-from parallel.optim import build_optimizer, train_step, wrap_for_training
+from parallel.optim import OptimizerSettings, build_optimizer, train_step, wrap_for_training
 from parallel.step_types import LossReport, MicroBatch, ModelOutputs
 
 MICRO_BATCH = int(os.environ.get("PROBE_MICRO_BATCH", 4))
@@ -96,7 +96,7 @@ def probe(name: str, mesh) -> None:
         options=ModelBuildOptions(transformer_impl="local", attention_backend="sdpa"),
     )
     models = wrap_for_training(models, mesh)
-    optimizer, scheduler = build_optimizer(models, lr=1e-5, total_steps=10)
+    optimizer, scheduler = build_optimizer(models, OptimizerSettings(lr=1e-5, total_steps=10))
     plan = TrainedModel(
         SHAPES[name],
         dtype="bfloat16",

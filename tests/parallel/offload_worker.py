@@ -38,7 +38,13 @@ from parallel.model import build_model
 from parallel.model_options import ModelBuildOptions, Recompute
 from parallel.model_shapes import ModelShape, stage_params
 from parallel.offload import Offloader
-from parallel.optim import build_optimizer, sub_optimizers, train_step, wrap_for_training
+from parallel.optim import (
+    OptimizerSettings,
+    build_optimizer,
+    sub_optimizers,
+    train_step,
+    wrap_for_training,
+)
 from tests.parallel.optim_worker import make_batch, mean_nll_loss, split
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -51,7 +57,10 @@ def fresh(mesh: Mesh, hf_config, hf_dir: str, dtype: str, distributed: bool, rec
     load_hf_weights(models, mesh, hf_dir)
     models = wrap_for_training(models, mesh, use_distributed_optimizer=distributed)
     optimizer, scheduler = build_optimizer(
-        models, lr=1e-3, clip_grad=1.0, use_distributed_optimizer=distributed, total_steps=10
+        models,
+        OptimizerSettings(
+            lr=1e-3, clip_grad=1.0, use_distributed_optimizer=distributed, total_steps=10
+        ),
     )
     return models, optimizer, scheduler
 

@@ -26,7 +26,13 @@ from transformers import AutoConfig, Qwen2ForCausalLM
 from parallel.convert import load_hf_weights
 from parallel.mesh import Mesh, init_parallel
 from parallel.model import build_model
-from parallel.optim import build_optimizer, sub_optimizers, train_step, wrap_for_training
+from parallel.optim import (
+    OptimizerSettings,
+    build_optimizer,
+    sub_optimizers,
+    train_step,
+    wrap_for_training,
+)
 from parallel.step_types import LossReport, MicroBatch, ModelOutputs
 
 LAYOUTS = [(2, 1, None), (1, 2, None), (1, 2, 2), (1, 1, None)]  # (tp, pp, vpp); 1x1 is DP2
@@ -78,13 +84,15 @@ def fresh_training_state(
     )
     optimizer, scheduler = build_optimizer(
         models,
-        lr=2e-3,
-        min_lr=1e-4,
-        clip_grad=clip_grad,
-        use_distributed_optimizer=distributed,
-        warmup_steps=0,
-        total_steps=10,
-        decay_style="linear",
+        OptimizerSettings(
+            lr=2e-3,
+            min_lr=1e-4,
+            clip_grad=clip_grad,
+            use_distributed_optimizer=distributed,
+            warmup_steps=0,
+            total_steps=10,
+            decay_style="linear",
+        ),
     )
     return models, optimizer, scheduler
 

@@ -47,7 +47,8 @@ def check_loop(model_dir: str, out: str) -> None:
     from rlcli.config_loader import load_config
     from rlcli.critic import update_critic
     from rlcli.dp_stats import DataParallelStats
-    from rlcli.trained_model import MicroBatching, OptimizerSettings, TrainedModel
+    from rlcli.model_heads import ValueHead
+    from rlcli.trained_model import MicroBatching, TrainedModel, optimizer_settings
     from tests.rlcli.dp_step_worker import random_samples, with_log_probs
 
     mesh = init_parallel(1, 1)
@@ -70,8 +71,8 @@ def check_loop(model_dir: str, out: str) -> None:
     critic = TrainedModel(  # as rlcli.build.build_critic builds it, with the lr this test wants
         mesh,
         model_dir,
-        head="value",
-        optim=OptimizerSettings.of(
+        head=ValueHead(),
+        optim=optimizer_settings(
             cfg.critic, total_steps=10, use_distributed_optimizer=False, lr=2e-5
         ),
         micro_batching=MicroBatching.of(cfg.critic),

@@ -12,7 +12,7 @@ state is rebuilt between layouts, the default process group is kept):
    denominator) summed over packed micro-batches and the gradients of that sum (after
    megatron's DP all-reduce) against fixed micro-batches of 2 rows; one on-policy update
    (update_actor) from the same weights, packed and padded: the weights after it.
-3. the PPO critic's values (TrainedModel(head="value").forward) packed and padded.
+3. the PPO critic's values (TrainedModel(head=ValueHead()).forward) packed and padded.
 Rank 0 writes the largest differences (and the scales they are measured against).
 """
 
@@ -33,7 +33,7 @@ LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}
 
 
 def optim_settings():
-    from rlcli.trained_model import OptimizerSettings
+    from parallel.optim import OptimizerSettings
 
     # lr = 1, adam_eps = 1: the first step is nearly linear in the gradient (token_budget_worker)
     return OptimizerSettings(
@@ -43,11 +43,13 @@ def optim_settings():
     )  # fmt: skip
 
 
-def trained(mesh, hf_dir: str, pack: bool, head: str = "lm", attention: str = "sdpa"):
-    """A trainable model as rlcli.build builds it: micro-batches of 2 rows, or packed within a
-    40-token budget."""
+def trained(mesh, hf_dir: str, pack: bool, value: bool = False, attention: str = "sdpa"):
+    """A trainable model as rlcli.build builds it (a policy, or with ``value`` a critic):
+    micro-batches of 2 rows, or packed within a 40-token budget."""
+    from rlcli.model_heads import LanguageModelHead, ValueHead
     from rlcli.trained_model import MicroBatching, TrainedModel
 
+    head = ValueHead() if value else LanguageModelHead()
     return TrainedModel(
         mesh, hf_dir, head=head, optim=optim_settings(),
         micro_batching=MicroBatching(2, 40 * pack, pack=pack),
@@ -206,7 +208,7 @@ def packing_parity(mesh, hf_dir: str, critic_dir: str, batch) -> dict:
         "weight_change": max_diff(runs[False], before),
     }
     # The critic's values through TrainedModel.forward, one model read packed and padded.
-    critic = trained(mesh, critic_dir, pack=True, head="value")
+    critic = trained(mesh, critic_dir, pack=True, value=True)
     values = {}
     for pack in (False, True):
         critic.micro_batching = replace(critic.micro_batching, pack=pack)

@@ -73,7 +73,8 @@ def config(mode: str, extra: list[str] = ()):
 
 
 def policy(mesh, hf_dir: str, max_tokens: int = 0):
-    from rlcli.trained_model import MicroBatching, OptimizerSettings, TrainedModel
+    from parallel.optim import OptimizerSettings
+    from rlcli.trained_model import MicroBatching, TrainedModel
 
     # adam_eps = 1 and lr = 1: the first Adam step is g / (|g| + 1), nearly linear in the
     # gradient, so gradient differences show in the weights (a tiny eps would turn rounding
