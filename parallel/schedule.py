@@ -86,7 +86,7 @@ def forward_backward(
         temperature: divides the logits before the softmax.
         compute_entropy: also compute ``entropy [mb, S-1]`` (policy models only).
         pack_sequences: run each micro-batch as one packed row (module docstring); the model
-            must be built for it (``build_model(pack_sequences=True)``).
+            must be built for it (``ModelBuildOptions(pack_sequences=True)``).
 
     Returns:
         One ``MicroBatchResult`` per micro-batch, in order, on every rank of the model-parallel

@@ -7,7 +7,7 @@ The roles are compositions of this core with their own math:
     actor     = TrainedModel(mesh, hf_dir, optim=..., micro_batching=...)   # + rlcli.actor_update
     reference = TrainedModel(mesh, hf_dir, micro_batching=...)              # frozen: log-probs only
     critic    = TrainedModel(mesh, hf_dir, head=ValueHead(), optim=...)     # + rlcli.critic
-    reward    = TrainedModel(mesh, rm_dir, head=ScoreHead())  # rlcli.model_rewards; trained: rlcli rm
+    reward    = TrainedModel(mesh, rm_dir, head=ScoreHead())  # rlcli.model_rewards, rlcli rm
 
     actor     = TrainedModel(..., optim=..., lora=LoraSpec(...))   # LoRA: only adapters train
     reference = LoraReference(actor)        # the same chunks with the adapters off: no 2nd model
@@ -15,10 +15,11 @@ The roles are compositions of this core with their own math:
 The head (``rlcli.model_heads``: language model, value, score) decides how the chunks are loaded
 and what the no-grad passes give: ``forward`` the response-aligned outputs ``[B, R]`` of a
 ``RolloutBatch`` (log-probs of a language-model head, values of a value head) through
-``parallel.schedule``, ``score`` a reward model's one score per sequence; ``update`` runs PPO epochs x mini-batches of whole groups x
-micro-batches through megatron-core's schedule and optimizer, with a loss the role supplies;
-``train_step`` is one optimizer step (``train_micro_batches`` when the caller cuts the
-micro-batches itself, as preference pairs must be).
+``parallel.schedule``, ``score`` a reward model's one score per sequence. ``update`` runs PPO
+epochs x mini-batches of whole groups x micro-batches through megatron-core's schedule and
+optimizer, with a loss the role supplies; ``train_step`` is one optimizer step
+(``train_micro_batches`` when the caller cuts the micro-batches itself, as preference pairs
+must be).
 """
 
 from __future__ import annotations
