@@ -13,4 +13,3 @@ def test_a_head_without_a_pass_says_so():
     for head in (LanguageModelHead(), ValueHead()):
         with pytest.raises(TypeError, match="score\\(\\) needs a reward model"):
             head.score(None, None, None)
-
