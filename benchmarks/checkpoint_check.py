@@ -66,13 +66,14 @@ def best_seconds(run: Callable[[], None], repeats: int, before: Callable[[], Non
 def measure(shape: ModelShape, work_dir: Path, repeats: int) -> dict:
     from parallel.checkpoint import load_checkpoint, save_checkpoint
     from parallel.mesh import destroy_parallel, init_parallel
+    from parallel.step_types import MicroBatch
     from rlcli.run_checkpoint import CheckpointManager
 
     model_dir = ensure_model(shape, work_dir / "models", "float32")
     mesh = init_parallel(tp=1, pp=1, seed=SEED)
     actor = megatron_actor(mesh, model_dir, "float32", micro_batch_size=2, steps=1)
     ids = random_token_ids(2, 32, shape.vocab_size, SEED)
-    actor.train_step({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, nll_loss)
+    actor.train_step(MicroBatch(input_ids=ids, attention_mask=torch.ones_like(ids)), nll_loss)
     manager = CheckpointManager(work_dir / "checkpoints" / shape.name, keep_last=1)
     step = [0]
 

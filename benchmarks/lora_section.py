@@ -33,12 +33,13 @@ from benchmarks.workload import Workload, ensure_model
 def lora_section(workload: Workload, work_dir: Path) -> dict:
     from parallel.lora import LoraSpec
     from parallel.mesh import destroy_parallel, init_parallel
+    from parallel.step_types import MicroBatch
 
     w = workload
     model_dir = ensure_model(w.train_model, work_dir / "models", w.dtype)
     rows = w.train_micro_batches * w.train_micro_batch_size
     ids = random_token_ids(rows, w.train_seq_len, w.train_model.vocab_size, SEED).to(device())
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}  # the train section's
+    batch = MicroBatch(input_ids=ids, attention_mask=torch.ones_like(ids))  # the train section's
     spec = LoraSpec(rank=w.lora_rank, alpha=2.0 * w.lora_rank, target_modules=("all",))
     with measure_peak_memory() as memory:
         mesh = init_parallel(tp=1, pp=1, seed=SEED)

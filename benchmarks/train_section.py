@@ -24,6 +24,7 @@ from benchmarks.common import (
 )
 from benchmarks.memory import measure_peak_memory
 from benchmarks.workload import Workload, ensure_model
+from parallel.step_types import LossReport, MicroBatch, ModelOutputs
 
 if TYPE_CHECKING:
     from parallel.lora import LoraSpec
@@ -31,12 +32,12 @@ if TYPE_CHECKING:
     from rlcli.trained_model import TrainedModel
 
 
-def nll_loss(outputs: dict[str, torch.Tensor], micro_batch: dict[str, torch.Tensor]):
+def nll_loss(outputs: ModelOutputs, micro_batch: MicroBatch):
     """Mean next-token negative log-likelihood of one micro-batch's real tokens:
-    outputs["log_probs"] is [mb, S-1], the log-prob of token t+1 given tokens <= t."""
-    mask = micro_batch["attention_mask"][:, 1:].to(outputs["log_probs"].dtype)
-    loss = -(outputs["log_probs"] * mask).sum() / mask.sum().clamp(min=1)
-    return loss, {"loss": loss.item()}
+    outputs.log_probs is [mb, S-1], the log-prob of token t+1 given tokens <= t."""
+    mask = micro_batch.attention_mask[:, 1:].to(outputs.log_probs.dtype)
+    loss = -(outputs.log_probs * mask).sum() / mask.sum().clamp(min=1)
+    return loss, LossReport({"loss": loss.item()})
 
 
 def throughput(steps: UpdateSteps, tokens_per_step: int, params: int) -> dict:
@@ -99,7 +100,7 @@ def train_section(workload: Workload, work_dir: Path) -> dict:
         "dtype": w.dtype,
         "attention": attention,
     }
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    batch = MicroBatch(input_ids=ids, attention_mask=torch.ones_like(ids))
     # The attention auto resolves to first (its memory is the row's), then the others.
     result["attention_backends"] = {}
     for name in [attention, *(a for a in attention_backends() if a != attention)]:
@@ -142,7 +143,7 @@ def _mixed_length_update(w: Workload, model_dir: Path) -> dict:
     generator = torch.Generator().manual_seed(SEED)
     lengths = torch.randint(w.train_seq_len // 8, w.train_seq_len + 1, (rows,), generator=generator)
     mask = (torch.arange(w.train_seq_len)[None] < lengths[:, None]).long()
-    batch = {"input_ids": (ids * mask).to(device()), "attention_mask": mask.to(device())}
+    batch = MicroBatch(input_ids=(ids * mask).to(device()), attention_mask=mask.to(device()))
     real = int(mask.sum())
     out: dict = {"rows": rows, "seq_len": w.train_seq_len, "real_tokens": real}
     budget = w.train_micro_batch_size * w.train_seq_len
@@ -153,7 +154,7 @@ def _mixed_length_update(w: Workload, model_dir: Path) -> dict:
     ):
         parts = micro_batches(batch, w.train_micro_batch_size, max_tokens=max_tokens, pack=pack)
         # a packed micro-batch computes exactly its real tokens
-        computed = sum(int(p["attention_mask"].sum()) if pack else p["input_ids"].numel()
+        computed = sum(int(p.attention_mask.sum()) if pack else p.input_ids.numel()
                        for p in parts)  # fmt: skip
         steps, _ = megatron_training_steps(
             model_dir, w.dtype, batch, w.train_micro_batch_size, w.train_steps,
@@ -189,7 +190,9 @@ def megatron_actor(
     """rlcli's actor (`rlcli.trained_model.TrainedModel`: megatron-core GPTModel, DDP,
     distributed optimizer off, Adam, clipping at 1.0; `lora`: adapters on the frozen base;
     `attention`: model.attention_backend; `pack`: packed micro-batches)."""
-    from rlcli.trained_model import MicroBatching, OptimizerSettings, TrainedModel
+    from parallel.model_options import ModelBuildOptions
+    from parallel.optim import OptimizerSettings
+    from rlcli.trained_model import MicroBatching, TrainedModel
 
     settings = OptimizerSettings(
         lr=1e-5, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
@@ -202,7 +205,7 @@ def megatron_actor(
         dtype=dtype,
         optim=settings,
         micro_batching=MicroBatching(micro_batch_size, max_tokens, pack=pack),
-        model_options={"attention_backend": attention},
+        model_options=ModelBuildOptions(attention_backend=attention),
         lora=lora,
     )
 
@@ -210,7 +213,7 @@ def megatron_actor(
 def megatron_training_steps(
     model_dir: Path,
     dtype: str,
-    batch: dict[str, torch.Tensor],
+    batch: MicroBatch,
     micro_batch_size: int,
     steps: int,
     warmup: int = 1,

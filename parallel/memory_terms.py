@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from parallel.model_shapes import (
     LORA_TARGET_MODULES,
@@ -43,26 +42,6 @@ from parallel.model_shapes import (
 
 GB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-RECOMPUTE_MODES = ("none", "selective", "full")
-RECOMPUTE_METHODS = ("uniform", "block")
-
-
-def recompute_options(mode: str, method: str = "uniform", num_layers: int = 1) -> dict[str, Any]:
-    """TransformerConfig fields for `actor.recompute` (megatron-core's recompute_granularity,
-    recompute_method, recompute_num_layers). selective recomputes core attention."""
-    if mode not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute mode {mode!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
-    if mode == "none":
-        return {}
-    if mode == "selective":
-        return {"recompute_granularity": "selective"}
-    if method not in RECOMPUTE_METHODS:
-        raise ValueError(f"recompute method {method!r}: choose one of {RECOMPUTE_METHODS}")
-    return {
-        "recompute_granularity": "full",
-        "recompute_method": method,
-        "recompute_num_layers": num_layers,
-    }
 
 
 @dataclass(frozen=True)

@@ -5,41 +5,42 @@ megatron-core's schedules."""
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 
-ROW_KEY = "row_index"
-# The masks every loss and metric reads: zero on the filler rows of an equal-size micro-batch.
-FILLER_ZEROED_MASKS = ("response_mask", "loss_mask")
+from parallel.step_types import MicroBatch
+
+Batch = TypeVar("Batch", bound=MicroBatch)
 
 
 def micro_batches(
-    tensors: dict[str, torch.Tensor],
+    batch: Batch,
     micro_batch_size: int,
     equal_sizes: bool = False,
     max_tokens: int = 0,
     pack: bool = False,
-) -> list[dict[str, torch.Tensor]]:
-    """Split a batch of ``[B, ...]`` tensors along dim 0 into micro-batches.
+) -> list[Batch]:
+    """Split a batch along its rows into micro-batches of the same type.
 
     Fixed size (``max_tokens == 0``): runs of ``micro_batch_size`` rows in order. Token budget
     (``max_tokens > 0``): rows sorted by length (``attention_mask``'s row sums, longest first)
     and packed greedily so that rows x the micro-batch's longest row stays within
     ``max_tokens`` (a single longer row gets a micro-batch of its own); similar lengths end up
-    together, so little padding is computed. Row order changes: carry ``ROW_KEY`` (original row
-    numbers) when outputs must be put back per row.
+    together, so little padding is computed. Row order changes: carry ``row_index`` (original
+    row numbers) when outputs must be put back per row.
 
-    Without ``equal_sizes`` every micro-batch is trimmed to its own longest sequence: the
-    ``[mb, S]`` tensors (``S`` = ``input_ids``' width) to the longest ``attention_mask`` row and,
-    when the batch has a ``response_mask [B, R]``, the ``[mb, R]`` tensors to its longest row.
-    Right padding + causal attention make the trim exact. Response-aligned tensors must index
-    positions below each row's own length (``response_index`` does).
+    Without ``equal_sizes`` every micro-batch is trimmed to its own longest sequence: its
+    sequence fields (``parallel.step_types``) to the longest ``attention_mask`` row and, when the
+    batch has a ``response_mask``, its response fields to the longest response. Right padding +
+    causal attention make the trim exact. Response-aligned tensors must index positions below
+    each row's own length (``response_index`` does).
 
     ``equal_sizes`` (pipeline parallelism: its stages exchange fixed-shape activations) keeps the
     batch-wide ``S`` and ``R`` and gives every micro-batch the same number of rows: the token
     budget becomes ``max(1, max_tokens // S)`` rows, and a short last micro-batch is filled with
-    copies of its first row; the copies get zero ``FILLER_ZEROED_MASKS`` (where the batch has
-    them), so every loss and metric ignores them (callers that read outputs per row cut them off at the
-    batch size or use ``ROW_KEY``).
+    copies of its first row whose ``mask`` fields are zero, so every loss and metric ignores them
+    (callers that read outputs per row cut them off at the batch size or use ``row_index``).
 
     ``pack`` (``parallel.schedule.forward_backward(pack_sequences=True)`` runs each micro-batch
     as one packed row of its real tokens): rows sorted longest first go to the first micro-batch
@@ -48,42 +49,35 @@ def micro_batches(
     rows need no equal shapes under pipeline parallelism (the schedule pads each packed row to
     the call's longest), so ``equal_sizes`` is ignored and every micro-batch is trimmed.
     """
-    batch = next(iter(tensors.values())).shape[0]
+    rows, seq_len = batch.input_ids.shape[:2]
+    lengths = batch.attention_mask.sum(dim=1).tolist()
     if pack:
-        budget = max_tokens or micro_batch_size * tensors["input_ids"].shape[1]
-        lengths = tensors["attention_mask"].sum(dim=1).tolist()
-        return _cut(tensors, _packing_groups(lengths, budget), trim=True)
+        budget = max_tokens or micro_batch_size * seq_len
+        return _cut(batch, _packing_groups(lengths, budget), trim=True)
     if max_tokens > 0 and equal_sizes:
-        micro_batch_size = max(1, max_tokens // tensors["input_ids"].shape[1])
+        micro_batch_size = max(1, max_tokens // seq_len)
     if max_tokens > 0 and not equal_sizes:
-        groups = _token_budget_groups(tensors["attention_mask"].sum(dim=1).tolist(), max_tokens)
+        groups = _token_budget_groups(lengths, max_tokens)
     else:
         groups = [
-            list(range(s, min(s + micro_batch_size, batch)))
-            for s in range(0, batch, micro_batch_size)
+            list(range(s, min(s + micro_batch_size, rows)))
+            for s in range(0, rows, micro_batch_size)
         ]
     if not equal_sizes:
-        return _cut(tensors, groups, trim=True)
-    parts = _cut(tensors, groups, trim=False)
+        return _cut(batch, groups, trim=True)
+    parts = _cut(batch, groups, trim=False)
     missing = micro_batch_size - len(groups[-1])
     if missing > 0:
-        filler = {k: v[:1].expand(missing, *v.shape[1:]) for k, v in parts[-1].items()}
-        for key in FILLER_ZEROED_MASKS:
-            if key in filler:
-                filler[key] = torch.zeros_like(filler[key])
-        parts[-1] = {k: torch.cat([v, filler[k]]) for k, v in parts[-1].items()}
+        parts[-1] = parts[-1].with_filler(missing)
     return parts
 
 
-def _cut(
-    tensors: dict[str, torch.Tensor], groups: list[list[int]], trim: bool
-) -> list[dict[str, torch.Tensor]]:
+def _cut(batch: Batch, groups: list[list[int]], trim: bool) -> list[Batch]:
     parts = []
     for rows in groups:
         contiguous = rows == list(range(rows[0], rows[-1] + 1))
-        index = slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows)
-        part = {k: v[index] for k, v in tensors.items()}
-        parts.append(_trim(part, tensors) if trim else part)
+        part = batch.select(slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows))
+        parts.append(_trim(part) if trim else part)
     return parts
 
 
@@ -116,15 +110,10 @@ def _packing_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
-def _trim(part: dict[str, torch.Tensor], full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _trim(part: Batch) -> Batch:
     """``part`` cut to its own longest sequence and longest response (see ``micro_batches``)."""
-    seq_len = full["input_ids"].shape[1]
-    seq_keep = max(1, int(part["attention_mask"].sum(dim=1).max()))
-    widths = {seq_len: seq_keep}
-    if "response_mask" in full and full["response_mask"].shape[1] != seq_len:
-        resp_len = full["response_mask"].shape[1]
-        widths[resp_len] = max(1, int((part["response_mask"] > 0).sum(dim=1).max()))
-    return {
-        k: v[:, : widths[v.shape[1]]] if v.dim() >= 2 and v.shape[1] in widths else v
-        for k, v in part.items()
-    }
+    seq_keep = max(1, int(part.attention_mask.sum(dim=1).max()))
+    resp_keep = None
+    if part.response_mask is not None:
+        resp_keep = max(1, int((part.response_mask > 0).sum(dim=1).max()))
+    return part.trimmed(seq_keep, resp_keep)

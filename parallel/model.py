@@ -5,10 +5,10 @@ Public API (stable):
     padded_vocab_size(vocab_size, tp) -> int
     transformer_config_from_hf(hf_config, *, tp, pp, vpp=None, dtype=torch.float32,
                                sequence_parallel=False, transformer_impl="local",
-                               recompute=None, ep=1, etp=None, moe=None) -> TransformerConfig
+                               recompute=Recompute(), ep=1, etp=None,
+                               moe=MoeOptions()) -> TransformerConfig
     build_model(hf_config, mesh, *, dtype=torch.float32, critic=False, head_bias=True,
-                sequence_parallel=False, transformer_impl="auto", attention_backend="auto",
-                recompute=None, pack_sequences=False, moe=None) -> list[torch.nn.Module]
+                options=ModelBuildOptions()) -> list[torch.nn.Module]
     layer_spec(config, backends, vp_stage=None) -> megatron ModuleSpec of this rank's layers
     ValueHead
 
@@ -18,8 +18,10 @@ layers with `parallel.attention.SDPAttention`); `build_model` raises its ModelCo
 setting this machine cannot build. Fused kernels (gradient-accumulation, RoPE, bias-activation,
 masked-softmax fusion) are on exactly when their kernels are installed.
 
-MoE models (`parallel.moe`): experts laid out by the mesh's ep / etp; `moe`: training knobs
-(aux_loss_coef, load_balancing, token_dispatcher; None: the defaults).
+Build options (`parallel.model_options.ModelBuildOptions`): sequence parallelism, backends,
+activation recomputation, MoE knobs, packed sequences. MoE models (`parallel.moe`): experts laid
+out by the mesh's ep / etp; `options.moe`: training knobs (aux_loss_coef, load_balancing,
+token_dispatcher; None: the defaults).
 
 Vocab padding rule: the embedding and output layer hold `padded_vocab_size(V, tp)` rows, V
 rounded up to a multiple of tp (each TP rank holds an equal slice). Rows >= V are zero on load
@@ -80,6 +82,7 @@ from parallel.model_backends import (
     check_model_settings,
     fused_kernel_options,
 )
+from parallel.model_options import ModelBuildOptions, MoeOptions, Recompute
 from parallel.moe import moe_config_fields, prepare_moe_chunk
 from parallel.rope import rope_model_kwargs
 from parallel.vocab import padded_vocab_size
@@ -94,27 +97,33 @@ def transformer_config_from_hf(
     dtype: torch.dtype = torch.float32,
     sequence_parallel: bool = False,
     transformer_impl: str = "local",
-    recompute: dict[str, Any] | None = None,
+    recompute: Recompute = Recompute(),
     ep: int = 1,
     etp: int | None = None,
-    moe: dict[str, Any] | None = None,
+    moe: MoeOptions = MoeOptions(),
 ) -> TransformerConfig:
     """TransformerConfig equal in architecture to an HF config of a supported family (dropout
     off). `transformer_impl` is a resolved one ("transformer_engine" or "local"); it decides
-    which fused kernels are switched on. `recompute`: megatron's activation-recomputation fields
-    (`recompute_granularity`, `recompute_method`, `recompute_num_layers`), see
-    `parallel.memory_terms.recompute_options`. MoE: `ep`, `etp` (default tp) lay the experts
-    out, `moe`: the knobs of `parallel.moe.moe_config_fields` (ModelConfigError when dense)."""
+    which fused kernels are switched on. `recompute`: activation recomputation (megatron's
+    `recompute_granularity`, `recompute_method`, `recompute_num_layers`). MoE: `ep`, `etp`
+    (default tp) lay the experts out, `moe`: the knobs of `parallel.moe.moe_config_fields`
+    (ModelConfigError when dense)."""
     family = get_family(hf_config.model_type)
     architecture = family.megatron_options(hf_config)
     experts: dict[str, Any] = {}
     if architecture.get("num_moe_experts") is not None:
         te = transformer_impl == "transformer_engine"
-        options = moe or {}
         experts = moe_config_fields(
-            hf_config, tp=tp, ep=ep, etp=etp or tp, grouped_gemm=te, **options
+            hf_config,
+            tp=tp,
+            ep=ep,
+            etp=etp or tp,
+            grouped_gemm=te,
+            aux_loss_coef=moe.aux_loss_coef,
+            load_balancing=moe.load_balancing,
+            token_dispatcher=moe.token_dispatcher,
         )
-    elif ep > 1 or (etp or tp) != tp or moe:
+    elif ep > 1 or (etp or tp) != tp or moe.any_set:
         raise ModelConfigError(
             f"{hf_config.model_type} has no experts (config.json): parallel.ep, "
             "parallel.expert_tp and model.moe_* are for MoE models; leave them unset"
@@ -164,7 +173,7 @@ def transformer_config_from_hf(
         **fused_kernel_options(transformer_impl),
         **architecture,
         **experts,
-        **(recompute or {}),
+        **recompute.config_fields(),
     )
 
 
@@ -289,24 +298,22 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     critic: bool = False,
     head_bias: bool = True,
-    sequence_parallel: bool = False,
-    transformer_impl: str = "auto",
-    attention_backend: str = "auto",
-    recompute: dict[str, Any] | None = None,
-    moe: dict[str, Any] | None = None,
-    pack_sequences: bool = False,
+    options: ModelBuildOptions = ModelBuildOptions(),
 ) -> list[torch.nn.Module]:
     """GPTModel chunks for this rank (see module docstring); randomly initialised — load weights
     with `parallel.convert.load_hf_weights`. `critic=True` swaps the LM head for a ValueHead,
-    with a bias unless `head_bias=False` (a reward model's score head).
-    `sequence_parallel=True` (TP > 1) needs Transformer Engine. `recompute`: activation
-    recomputation fields for TransformerConfig. `moe`: MoE training knobs (module docstring);
-    the experts follow the mesh's ep / etp. `pack_sequences=True` checks that the model can
-    serve packed micro-batches (`parallel.schedule.forward_backward(pack_sequences=True)`).
-    Raises ModelConfigError for a setting this machine cannot build
+    with a bias unless `head_bias=False` (a reward model's score head). `options`: the
+    layout (``parallel.model_options.ModelBuildOptions``); the experts follow the mesh's ep /
+    etp; ``options.pack_sequences`` checks that the model can serve packed micro-batches
+    (`parallel.schedule.forward_backward(pack_sequences=True)`). Raises ModelConfigError for a setting this machine cannot build
     (`parallel.model_backends.check_model_settings`)."""
     backends = check_model_settings(
-        transformer_impl, attention_backend, sequence_parallel, mesh.tp, pack_sequences, hf_config
+        options.transformer_impl,
+        options.attention_backend,
+        options.sequence_parallel,
+        mesh.tp,
+        options.pack_sequences,
+        hf_config,
     )
     config = transformer_config_from_hf(
         hf_config,
@@ -314,12 +321,12 @@ def build_model(
         pp=mesh.pp,
         vpp=mesh.vpp,
         dtype=dtype,
-        sequence_parallel=sequence_parallel,
+        sequence_parallel=options.sequence_parallel,
         transformer_impl=backends.transformer_impl,
-        recompute=recompute,
+        recompute=options.recompute,
         ep=mesh.ep,
         etp=mesh.etp,
-        moe=moe,
+        moe=options.moe,
     )
     problems = sdpa_unsupported_options(config) if backends.attention == "sdpa" else []
     if problems:

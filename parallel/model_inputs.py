@@ -1,12 +1,15 @@
 """A micro-batch as the model sees it: right-padded rows, or ONE packed row of its sequences
 laid end to end (megatron's THD layout) whose per-token outputs are put back per row.
 
-    padded_inputs(micro_batches, common_length, multiple) -> [{"input_ids", "attention_mask",
-        "position_ids"} on device()]   rows right-padded to the call's longest S (common_length:
-        pipeline parallelism exchanges one activation shape per call), S rounded up to a multiple
-        of ``multiple`` (sequence parallelism splits S over the TP ranks)
-    packed_inputs(micro_batches, common_length, multiple) -> [{"input_ids", "position_ids",
-        "packed": PackedRows} on device()]   likewise, one packed row per micro-batch
+    padded_inputs(micro_batches, common_length, multiple) -> [ModelInputs on device()]
+        rows right-padded to the call's longest S (common_length: pipeline parallelism exchanges
+        one activation shape per call), S rounded up to a multiple of ``multiple`` (sequence
+        parallelism splits S over the TP ranks)
+    packed_inputs(micro_batches, common_length, multiple) -> [ModelInputs on device()]
+        likewise, one packed row per micro-batch (``packed`` set, no ``attention_mask``)
+
+``micro_batches`` are ``parallel.step_types.MicroBatch`` es; a new model input is a field there
+and the lines here that lay it out (pad it, or pack its real tokens like ``input_ids``).
 
     packed = pack_rows(input_ids [mb, S], attention_mask [mb, S], length=None, multiple=1)
     model(packed.input_ids, packed.position_ids, attention_mask=None,
@@ -33,12 +36,12 @@ there; every loss masks them).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from parallel.cpu_compat import device
+from parallel.step_types import MicroBatch
 
 
 @dataclass
@@ -67,6 +70,18 @@ class PackedRows:
         return torch.where(
             valid, flat[index], torch.zeros((), dtype=flat.dtype, device=flat.device)
         )
+
+
+@dataclass
+class ModelInputs:
+    """One micro-batch laid out for the model, on ``device()``: ``[mb, S]`` right-padded rows
+    (``attention_mask`` 1 on real tokens, ``packed`` None) or one packed row ``[1, t]``
+    (``packed`` set, ``attention_mask`` None)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None = None
+    packed: PackedRows | None = None
 
 
 def packed_length(attention_mask: torch.Tensor) -> int:
@@ -122,52 +137,48 @@ def pack_rows(
 
 
 def padded_inputs(
-    micro_batches: list[dict[str, torch.Tensor]], common_length: bool, multiple: int = 1
-) -> list[dict[str, torch.Tensor]]:
+    micro_batches: list[MicroBatch], common_length: bool, multiple: int = 1
+) -> list[ModelInputs]:
     """Right-padded model inputs on ``device()`` (module docstring); a micro-batch's own
     ``position_ids`` are kept (default ``arange(S)``)."""
-    lengths = [mb["input_ids"].shape[1] for mb in micro_batches]
-    sizes = {mb["input_ids"].shape[0] for mb in micro_batches}
+    lengths = [mb.input_ids.shape[1] for mb in micro_batches]
+    sizes = {mb.input_ids.shape[0] for mb in micro_batches}
     if common_length and len(sizes) > 1:
         raise ValueError(f"pipeline parallelism needs equal micro-batch sizes, got {sorted(sizes)}")
     # Without pipeline parallelism nothing exchanges activations: each micro-batch keeps its own S.
     common = max(lengths) if common_length else 0
     padded = []
     for mb, length in zip(micro_batches, lengths, strict=True):
-        ids = mb["input_ids"].to(device())
-        position_ids = mb.get("position_ids")
+        ids = mb.input_ids.to(device())
+        position_ids = mb.position_ids
         if position_ids is None:
             position_ids = torch.arange(length, device=ids.device).expand(ids.shape[0], -1)
-        inputs = {
-            "input_ids": ids,
-            "attention_mask": mb["attention_mask"].to(device()),
-            "position_ids": position_ids.to(device()),
-        }
+        inputs = ModelInputs(
+            input_ids=ids,
+            position_ids=position_ids.to(device()),
+            attention_mask=mb.attention_mask.to(device()),
+        )
         target = -(-max(common, length) // multiple) * multiple
         if length < target:
             extra = target - length
-            inputs["input_ids"] = torch.nn.functional.pad(inputs["input_ids"], (0, extra))
-            inputs["attention_mask"] = torch.nn.functional.pad(inputs["attention_mask"], (0, extra))
-            tail = inputs["position_ids"][:, -1:] + torch.arange(1, extra + 1, device=ids.device)
-            inputs["position_ids"] = torch.cat([inputs["position_ids"], tail], dim=1)
+            inputs.input_ids = torch.nn.functional.pad(inputs.input_ids, (0, extra))
+            inputs.attention_mask = torch.nn.functional.pad(inputs.attention_mask, (0, extra))
+            tail = inputs.position_ids[:, -1:] + torch.arange(1, extra + 1, device=ids.device)
+            inputs.position_ids = torch.cat([inputs.position_ids, tail], dim=1)
         padded.append(inputs)
     return padded
 
 
 def packed_inputs(
-    micro_batches: list[dict[str, torch.Tensor]], common_length: bool, multiple: int = 1
-) -> list[dict[str, Any]]:
+    micro_batches: list[MicroBatch], common_length: bool, multiple: int = 1
+) -> list[ModelInputs]:
     """One packed row per micro-batch on ``device()`` (module docstring); positions restart at
     every sequence (a micro-batch's own ``position_ids`` are not used)."""
-    common = (
-        max(packed_length(mb["attention_mask"]) for mb in micro_batches) if common_length else 0
-    )
+    common = max(packed_length(mb.attention_mask) for mb in micro_batches) if common_length else 0
     inputs = []
     for mb in micro_batches:
         packed = pack_rows(
-            mb["input_ids"].to(device()), mb["attention_mask"].to(device()), common, multiple
+            mb.input_ids.to(device()), mb.attention_mask.to(device()), common, multiple
         )
-        inputs.append(
-            {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "packed": packed}
-        )
+        inputs.append(ModelInputs(packed.input_ids, packed.position_ids, packed=packed))
     return inputs

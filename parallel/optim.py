@@ -1,13 +1,13 @@
 """Training wrappers on megatron-core: DDP, optimizer + LR schedule, and one optimizer step.
 
     models = wrap_for_training(build_model(...), mesh)
-    optimizer, scheduler = build_optimizer(models, lr=1e-6, ...)
+    optimizer, scheduler = build_optimizer(models, OptimizerSettings(lr=1e-6, ...))
     result = train_step(models, mesh, optimizer, scheduler, micro_batches, loss_fn)
 
 Gradients: ``train_step`` steps on the gradient of the SUM over its micro-batches of
 ``loss_fn``'s loss (see ``parallel.schedule``), AVERAGED over data-parallel replicas by
 megatron's DDP. Gradient clipping (``clip_grad``) acts on the global norm over all model
-shards; ``result["grad_norm"]`` is that norm before clipping.
+shards; ``result.grad_norm`` is that norm before clipping.
 
 Schedules count optimizer steps: ``warmup_steps`` and ``total_steps`` are numbers of
 ``train_step`` calls whose update was applied, unless the caller passes ``step_scheduler=False``
@@ -20,12 +20,12 @@ from the code (the current config), not from a checkpoint it is loaded from.
 Non-finite steps: megatron-core's fp32 / bf16 optimizers step even on NaN / inf gradients (only
 the fp16 loss scaler skips them). ``train_step`` therefore checks the loss and the gradients
 first, agrees on the answer over all ranks, and drops such a step without touching the weights,
-the optimizer state or the schedule (``result["nonfinite"]``).
+the optimizer state or the schedule (``result.nonfinite``).
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,7 +39,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_model_config
 
 from parallel.mesh import Mesh
-from parallel.schedule import LossFn, forward_backward
+from parallel.schedule import forward_backward
+from parallel.step_types import LossFn, LossReport, MicroBatch, StepResult
 
 
 def wrap_for_training(
@@ -91,32 +92,42 @@ def wrap_for_training(
     return wrapped
 
 
-def build_optimizer(
-    models: list[DistributedDataParallel],
-    *,
-    lr: float,
-    min_lr: float = 0.0,
-    weight_decay: float = 0.0,
-    adam_beta1: float = 0.9,
-    adam_beta2: float = 0.999,
-    adam_eps: float = 1e-8,
-    clip_grad: float = 1.0,
-    use_distributed_optimizer: bool = False,
-    warmup_steps: int = 0,
-    total_steps: int = 1,
-    decay_style: str = "constant",
-) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
-    """Megatron Adam(W) over the DDP-wrapped chunks, and its LR / weight-decay scheduler.
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """Adam(W) and its LR / weight-decay schedule (``build_optimizer``). ``clip_grad=0``
+    disables clipping; ``decay_style`` is one of megatron-core's (constant, linear, cosine,
+    inverse-square-root; it rejects others); ``warmup_steps`` and ``total_steps`` count
+    optimizer steps (module docstring). ``use_distributed_optimizer`` must match
+    ``wrap_for_training``'s."""
 
-    Mixed precision follows the model: bf16 / fp16 models get fp32 main params and grads
-    (fp16 with dynamic loss scaling). ``clip_grad=0`` disables clipping. ``decay_style`` is one
-    of megatron-core's (constant, linear, cosine, inverse-square-root; it rejects others).
+    lr: float
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = False
+    warmup_steps: int = 0
+    total_steps: int = 1
+    decay_style: str = "constant"
+
+
+def build_optimizer(
+    models: list[DistributedDataParallel], settings: OptimizerSettings
+) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
+    """Megatron Adam(W) over the DDP-wrapped chunks, and its LR / weight-decay scheduler, as
+    ``settings`` say. Mixed precision follows the model: bf16 / fp16 models get fp32 main params
+    and grads (fp16 with dynamic loss scaling).
     """
+    o = settings
+    lr, min_lr, weight_decay = o.lr, o.min_lr, o.weight_decay
+    warmup_steps, total_steps = o.warmup_steps, o.total_steps
     if not 0 <= warmup_steps < max(total_steps, 1):
         raise ValueError(
             f"optim.warmup_steps={warmup_steps} must be >= 0 and < total steps {total_steps}"
         )
-    if models[0].ddp_config.use_distributed_optimizer != use_distributed_optimizer:
+    if models[0].ddp_config.use_distributed_optimizer != o.use_distributed_optimizer:
         raise ValueError(
             "use_distributed_optimizer differs between wrap_for_training and build_optimizer"
         )
@@ -126,11 +137,11 @@ def build_optimizer(
         lr=lr,
         min_lr=min_lr,
         weight_decay=weight_decay,
-        adam_beta1=adam_beta1,
-        adam_beta2=adam_beta2,
-        adam_eps=adam_eps,
-        clip_grad=clip_grad,
-        use_distributed_optimizer=use_distributed_optimizer,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        use_distributed_optimizer=o.use_distributed_optimizer,
         bf16=model_config.bf16,
         fp16=model_config.fp16,
         params_dtype=model_config.params_dtype,
@@ -147,7 +158,7 @@ def build_optimizer(
         min_lr=min_lr,
         lr_warmup_steps=warmup_steps,
         lr_decay_steps=max(total_steps, 1),
-        lr_decay_style=decay_style,
+        lr_decay_style=o.decay_style,
         start_wd=weight_decay,
         end_wd=weight_decay,
         wd_incr_steps=max(total_steps, 1),
@@ -191,29 +202,28 @@ def train_step(
     mesh: Mesh,
     optimizer: MegatronOptimizer,
     scheduler: OptimizerParamScheduler,
-    micro_batches: list[dict[str, torch.Tensor]],
+    micro_batches: list[MicroBatch],
     loss_fn: LossFn,
     *,
     temperature: float = 1.0,
     compute_entropy: bool = False,
     step_scheduler: bool = True,
     pack_sequences: bool = False,
-) -> dict[str, Any]:
+) -> StepResult:
     """One optimizer step over ``micro_batches`` (this rank's share of the batch); with
     ``pack_sequences`` each runs as one packed row (``parallel.schedule.forward_backward``).
 
-    Returns ``{"micro_batch_metrics": [...], "grad_norm": float | None, "lr": float,
-    "skipped": bool, "nonfinite": bool}`` (the caller reduces the per-micro-batch metrics);
-    ``skipped`` is True when the step was not applied (fp16 overflow, or a non-finite loss or
-    gradient: then ``nonfinite`` is True too, on every rank alike). ``step_scheduler=False``
-    leaves the LR schedule to the caller.
+    Returns a ``StepResult`` (the caller reduces the per-micro-batch reports); ``skipped`` is
+    True when the step was not applied (fp16 overflow, or a non-finite loss or gradient: then
+    ``nonfinite`` is True too, on every rank alike). ``step_scheduler=False`` leaves the LR
+    schedule to the caller.
     """
     for chunk in models:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     # Gradients are reduced over DP (and embedding / layernorm grads over PP / TP) inside the
     # schedule by the config's finalize_model_grads_func, set by wrap_for_training.
-    micro_batch_metrics = forward_backward(
+    results = forward_backward(
         models,
         mesh,
         micro_batches,
@@ -226,28 +236,22 @@ def train_step(
     lr = optimizer.param_groups[0]["lr"]  # the rate this step uses, before the scheduler moves
     # fp16 overflows are the loss scaler's business (it must see them to lower the scale); for
     # fp32 / bf16 nothing downstream would stop a NaN, so check before the optimizer runs.
+    reports = [result.report for result in results]
     fp16 = get_model_config(models[0]).fp16
-    if not all_agree_finite(models, micro_batch_metrics, check_grads=not fp16):
+    if not all_agree_finite(models, reports, check_grads=not fp16):
         for chunk in models:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        return {
-            "micro_batch_metrics": micro_batch_metrics,
-            "grad_norm": float("nan"),
-            "lr": lr,
-            "skipped": True,
-            "nonfinite": True,
-        }
+        return StepResult(reports, grad_norm=float("nan"), lr=lr, skipped=True, nonfinite=True)
     applied, grad_norm, _ = optimizer.step()
     if applied and step_scheduler:
         scheduler.step(increment=1)
-    return {
-        "micro_batch_metrics": micro_batch_metrics,
-        "grad_norm": None if grad_norm is None else float(grad_norm),
-        "lr": lr,
-        "skipped": not applied,
-        "nonfinite": False,
-    }
+    return StepResult(
+        reports,
+        grad_norm=None if grad_norm is None else float(grad_norm),
+        lr=lr,
+        skipped=not applied,
+    )
 
 
 def _model_device(models: list[torch.nn.Module]) -> torch.device:
@@ -267,18 +271,14 @@ def _all_ranks_true(ok: bool, device: torch.device) -> bool:
 
 def all_agree_finite(
     models: list[DistributedDataParallel],
-    micro_batch_metrics: list[dict[str, float]],
+    reports: list[LossReport],
     check_grads: bool = True,
 ) -> bool:
-    """True when, on EVERY rank, the losses (``micro_batch_metrics``) and the gradient buffers
-    are finite. Each rank checks its own shard (TP / PP split the gradients; DP ranks hold the
-    same reduced values); one flag all-reduced over the world makes all ranks answer alike."""
-    ok = all(
-        math.isfinite(value)
-        for metrics in micro_batch_metrics
-        for value in metrics.values()
-        if isinstance(value, float)
-    )
+    """True when, on EVERY rank, the losses (the micro-batches' ``reports``) and the gradient
+    buffers are finite. Each rank checks its own shard (TP / PP split the gradients; DP ranks
+    hold the same reduced values); one flag all-reduced over the world makes all ranks answer
+    alike."""
+    ok = all(report.is_finite() for report in reports)
     if ok and check_grads:
         for chunk in models:
             for buffer in chunk.buffers + chunk.expert_parallel_buffers:

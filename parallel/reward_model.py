@@ -5,7 +5,7 @@ head_bias=False)``), scored the way HF transformers scores it.
 
     reward_model_problem(hf_dir, *, from_language_model=False) -> str | None   (why not an RM)
     load_reward_model(hf_dir, mesh, *, dtype=torch.float32, from_language_model=False,
-                      pad_token_id=None, **build_options) -> list[torch.nn.Module]
+                      pad_token_id=None, options=ModelBuildOptions()) -> list[torch.nn.Module]
     reward_model_config(hf_config, pad_token_id=None) -> hf_config  as *ForSequenceClassification
     score_positions(input_ids, attention_mask, pad_token_id) -> [B] int64
     score_sequences(models, mesh, input_ids, attention_mask, *, micro_batch_size,
@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import json
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +41,21 @@ from parallel.convert.hf_io import HFCheckpointReader, hf_model_dir_problem
 from parallel.convert.mapping import unwrap_chunk
 from parallel.cpu_compat import device
 from parallel.mesh import Mesh
-from parallel.micro_batches import ROW_KEY, micro_batches
+from parallel.micro_batches import micro_batches
 from parallel.model import build_model
+from parallel.model_options import ModelBuildOptions
 from parallel.schedule import forward_backward
+from parallel.step_types import MicroBatch, row_field
 
 SEQUENCE_CLASSIFICATION_SUFFIX = "ForSequenceClassification"
 SCORE_WEIGHT = "score.weight"
-# The position each row is scored at, carried through ``micro_batches`` next to the tokens.
-SCORE_INDEX_KEY = "score_index"
+
+
+@dataclass(kw_only=True)
+class ScoredRows(MicroBatch):
+    """Sequences to score: the position each row is scored at travels with its tokens."""
+
+    score_index: torch.Tensor = row_field()  # [mb] int64 (``score_positions``)
 
 
 class RewardModelError(ValueError):
@@ -105,7 +113,7 @@ def load_reward_model(
     dtype: torch.dtype = torch.float32,
     from_language_model: bool = False,
     pad_token_id: int | None = None,
-    **build_options: Any,
+    options: ModelBuildOptions = ModelBuildOptions(),
 ) -> list[torch.nn.Module]:
     """This rank's reward-model chunks (plain, not DDP-wrapped), weights loaded from `hf_dir`.
 
@@ -113,8 +121,7 @@ def load_reward_model(
     otherwise), or, with `from_language_model=True`, any supported HF folder (typically the SFT
     policy) whose transformer weights start a reward model with a freshly initialised score head
     (the same on every TP rank). `pad_token_id` overrides the config's (see the module
-    docstring). `build_options` go to ``parallel.model.build_model`` (sequence_parallel,
-    transformer_impl, recompute)."""
+    docstring). `options`: how ``parallel.model.build_model`` builds it."""
     from transformers import AutoConfig
 
     problem = reward_model_problem(hf_dir, from_language_model=from_language_model)
@@ -122,7 +129,7 @@ def load_reward_model(
         raise RewardModelError(problem)
     hf_config = reward_model_config(AutoConfig.from_pretrained(hf_dir), pad_token_id)
     models = build_model(
-        hf_config, mesh, dtype=dtype, critic=True, head_bias=False, **build_options
+        hf_config, mesh, dtype=dtype, critic=True, head_bias=False, options=options
     )
     load_hf_weights(models, mesh, hf_dir)
     return models
@@ -168,12 +175,12 @@ def score_sequences(
     batch = input_ids.shape[0]
     pad_token_id = unwrap_chunk(models[0]).hf_config.pad_token_id
     chunks = micro_batches(
-        {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            ROW_KEY: torch.arange(batch),
-            SCORE_INDEX_KEY: score_positions(input_ids, attention_mask, pad_token_id),
-        },
+        ScoredRows(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            row_index=torch.arange(batch),
+            score_index=score_positions(input_ids, attention_mask, pad_token_id),
+        ),
         micro_batch_size,
         equal_sizes=mesh.pp > 1,
         max_tokens=max_tokens,
@@ -183,7 +190,7 @@ def score_sequences(
     scores = torch.zeros(batch, dtype=torch.float32, device=device())
     for chunk, result in zip(chunks, results, strict=True):
         # Filler rows of an equal-size last micro-batch repeat a real row: same input, same score.
-        scores[chunk[ROW_KEY].to(scores.device)] = pick_scores(
-            result["values"], chunk[SCORE_INDEX_KEY]
+        scores[chunk.row_index.to(scores.device)] = pick_scores(
+            result.outputs.values, chunk.score_index
         )
     return scores

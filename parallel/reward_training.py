@@ -24,6 +24,7 @@ Gradients: ``bradley_terry_step`` steps on the gradient of the mean Bradley-Terr
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,16 +33,45 @@ import torch.distributed as dist
 from algorithms.reward_model import bradley_terry_loss
 from parallel.cpu_compat import device
 from parallel.mesh import Mesh
-from parallel.micro_batches import ROW_KEY, micro_batches
+from parallel.micro_batches import micro_batches
 from parallel.preference_pairs import TokenizedPairs, pad_sequences
-from parallel.reward_model import SCORE_INDEX_KEY, pick_scores, score_positions
-from parallel.schedule import LossFn
+from parallel.reward_model import pick_scores, score_positions
+from parallel.step_types import (
+    LossFn,
+    LossReport,
+    MicroBatch,
+    ModelOutputs,
+    StepResult,
+    row_field,
+    sequence_field,
+)
 
-PAIR_MASK_KEY = "pair_mask"
-MARGIN_KEY = "margin"
+
+@dataclass(kw_only=True)
+class PairRows(MicroBatch):
+    """Pairs side by side, one row each, as ``micro_batches`` cuts them: ``input_ids`` the
+    chosen sequence, ``attention_mask`` the longer of the two (what sizes, sorts and trims a
+    pair), the rejected sequence and both own masks beside them."""
+
+    chosen_mask: torch.Tensor = sequence_field()  # [k, S]
+    rejected_ids: torch.Tensor = sequence_field()  # [k, S]
+    rejected_mask: torch.Tensor = sequence_field()  # [k, S]
+    margin: torch.Tensor | None = row_field(default=None)  # [k] float32
+
+
+@dataclass(kw_only=True)
+class PairMicroBatch(MicroBatch):
+    """A micro-batch of k whole pairs as the model sees it: ``input_ids / attention_mask
+    [2k, S]`` (k chosen rows, then their k rejected rows); ``row_index [k]`` pair numbers.
+    Already cut: its row fields count pairs, not its 2k sequences."""
+
+    score_index: torch.Tensor = row_field()  # [2k] int64, where each sequence is scored
+    pair_mask: torch.Tensor = row_field()  # [k], 0 on the filler copies of an equal-size last one
+    margin: torch.Tensor | None = row_field(default=None)  # [k] float32
+
 
 # One optimizer step over micro-batches (see the module docstring), and scores of sequences.
-TrainFn = Callable[[list[dict[str, torch.Tensor]], LossFn], dict[str, Any]]
+TrainFn = Callable[[list[PairMicroBatch], LossFn], StepResult]
 ScoreFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -52,46 +82,42 @@ def pair_micro_batches(
     micro_batch_size: int,
     max_tokens: int = 0,
     equal_sizes: bool = False,
-) -> list[dict[str, torch.Tensor]]:
-    """Micro-batches of whole pairs (module docstring): ``input_ids / attention_mask [2k, S]``
-    (k chosen rows, then their k rejected rows), ``score_index [2k]``, ``pair_mask [k]`` (0 on
-    the filler copies of an equal-size last micro-batch), ``margin [k]`` when the pairs have
-    margins, and ``row_index [k]`` (pair numbers)."""
+) -> list[PairMicroBatch]:
+    """Micro-batches of whole pairs (module docstring, ``PairMicroBatch``); ``margin`` when the
+    pairs have margins."""
     width = max(max(map(len, pairs.chosen)), max(map(len, pairs.rejected)))
     chosen_ids, chosen_mask = pad_sequences(pairs.chosen, pad_token_id, width)
     rejected_ids, rejected_mask = pad_sequences(pairs.rejected, pad_token_id, width)
-    per_pair = {
-        # `micro_batches` sizes, sorts and trims by these two: the longer sequence of each pair.
-        "input_ids": chosen_ids,
-        "attention_mask": torch.maximum(chosen_mask, rejected_mask),
-        "chosen_mask": chosen_mask,
-        "rejected_ids": rejected_ids,
-        "rejected_mask": rejected_mask,
-        ROW_KEY: torch.arange(len(pairs)),
-    }
-    if pairs.margins is not None:
-        per_pair[MARGIN_KEY] = torch.tensor(pairs.margins, dtype=torch.float32)
+    per_pair = PairRows(
+        input_ids=chosen_ids,
+        attention_mask=torch.maximum(chosen_mask, rejected_mask),
+        chosen_mask=chosen_mask,
+        rejected_ids=rejected_ids,
+        rejected_mask=rejected_mask,
+        row_index=torch.arange(len(pairs)),
+        margin=None if pairs.margins is None else torch.tensor(pairs.margins, dtype=torch.float32),
+    )
     # Two sequences per pair: half the token budget in pairs.
     parts = micro_batches(per_pair, micro_batch_size, equal_sizes, max_tokens // 2)
     out = []
     remaining = len(pairs)
     for part in parts:
-        k = part[ROW_KEY].shape[0]
+        k = part.row_index.shape[0]
         pair_mask = torch.zeros(k)
         pair_mask[: min(k, remaining)] = 1.0
         remaining -= k
-        input_ids = torch.cat([part["input_ids"], part["rejected_ids"]])
-        attention_mask = torch.cat([part["chosen_mask"], part["rejected_mask"]])
-        micro_batch = {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            SCORE_INDEX_KEY: score_positions(input_ids, attention_mask, pad_token_id),
-            PAIR_MASK_KEY: pair_mask,
-            ROW_KEY: part[ROW_KEY],
-        }
-        if MARGIN_KEY in part:
-            micro_batch[MARGIN_KEY] = part[MARGIN_KEY]
-        out.append(micro_batch)
+        input_ids = torch.cat([part.input_ids, part.rejected_ids])
+        attention_mask = torch.cat([part.chosen_mask, part.rejected_mask])
+        out.append(
+            PairMicroBatch(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                score_index=score_positions(input_ids, attention_mask, pad_token_id),
+                pair_mask=pair_mask,
+                row_index=part.row_index,
+                margin=part.margin,
+            )
+        )
     return out
 
 
@@ -99,24 +125,26 @@ def make_bradley_terry_loss(denominator: float) -> LossFn:
     """The per-micro-batch loss: summed Bradley-Terry NLL of its pairs / `denominator`, with
     sums (``rm/pairs``, ``rm/correct``, ``rm/score_margin_sum``) for the step's metrics."""
 
-    def loss_fn(outputs: dict[str, torch.Tensor], micro_batch: dict[str, torch.Tensor]):
-        scores = pick_scores(outputs["values"], micro_batch[SCORE_INDEX_KEY])
-        pair_mask = micro_batch[PAIR_MASK_KEY]
+    def loss_fn(outputs: ModelOutputs, micro_batch: PairMicroBatch):
+        scores = pick_scores(outputs.values, micro_batch.score_index)
+        pair_mask = micro_batch.pair_mask
         k = pair_mask.shape[0]
         loss, metrics = bradley_terry_loss(
             scores[:k],
             scores[k:],
-            micro_batch.get(MARGIN_KEY),
+            micro_batch.margin,
             pair_mask=pair_mask,
             denominator=denominator,
         )
         pairs = pair_mask.sum()
-        return loss, {
-            "rm/loss": loss.detach(),
-            "rm/pairs": pairs,
-            "rm/correct": metrics["accuracy"] * pairs,
-            "rm/score_margin_sum": metrics["score_margin"] * pairs,
-        }
+        return loss, LossReport(
+            {
+                "rm/loss": loss.detach(),
+                "rm/pairs": pairs,
+                "rm/correct": metrics["accuracy"] * pairs,
+                "rm/score_margin_sum": metrics["score_margin"] * pairs,
+            }
+        )
 
     return loss_fn
 
@@ -152,15 +180,15 @@ def bradley_terry_step(
     )
     result = train(parts, make_bradley_terry_loss(num_pairs / mesh.dp))
     keys = ("rm/loss", "rm/pairs", "rm/correct", "rm/score_margin_sum")
-    local = [sum(m[key] for m in result["micro_batch_metrics"]) for key in keys]
+    local = [sum(report.metrics[key] for report in result.reports) for key in keys]
     loss, counted, correct, margin = _sum_over_data_parallel(local, mesh)
     return {
         "loss": loss / mesh.dp,  # each rank's loss is its share's sum / (num_pairs / dp)
         "accuracy": correct / counted,
         "score_margin": margin / counted,
-        "grad_norm": result["grad_norm"],
-        "lr": result["lr"],
-        "skipped": result["skipped"],
+        "grad_norm": result.grad_norm,
+        "lr": result.lr,
+        "skipped": result.skipped,
     }
 
 

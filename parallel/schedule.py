@@ -9,7 +9,8 @@ stages). On the last pipeline stage it turns the model output into
   [mb, S-1]`` when asked, for policy models;
 * ``values [mb, S]`` for critic models (``build_model(..., critic=True)``),
 
-and hands them to ``loss_fn(outputs, micro_batch) -> (loss, metrics)``.
+and hands them to ``loss_fn(outputs, micro_batch) -> (loss, report)`` (``ModelOutputs`` in,
+``LossReport`` out; ``parallel.step_types``).
 
 Gradient semantics (exact): after ``forward_backward(..., forward_only=False)`` each rank's
 gradient equals the gradient of the SUM over its micro-batches of ``loss_fn``'s loss.
@@ -21,9 +22,10 @@ per-sample loss over a global batch of N samples should divide each micro-batch'
 by N / dp (the per-rank share of N), or equivalently use per-micro-batch means scaled by
 mb * dp / N.
 
-Micro-batch dict keys: ``input_ids [mb, S]`` (int64, right-padded so plain causal attention
-is correct), ``attention_mask [mb, S]`` (1 on real tokens), optional ``position_ids [mb, S]``
-(default ``arange(S)``), and any further tensors ``loss_fn`` needs (passed through untouched).
+Micro-batches are ``parallel.step_types.MicroBatch`` es: ``input_ids [mb, S]`` (int64,
+right-padded so plain causal attention is correct), ``attention_mask [mb, S]`` (1 on real
+tokens), optional ``position_ids [mb, S]`` (default ``arange(S)``), and whatever further fields
+a subclass declares for ``loss_fn`` (handed to it untouched, on ``device()``).
 Without pipeline parallelism every micro-batch runs at its own ``S`` (``parallel.micro_batches`` trims
 each to its longest row, and a token budget groups rows of similar length), so padding costs
 little. Pipeline point-to-point communication needs one ``[S, mb, hidden]`` shape for the whole
@@ -44,9 +46,7 @@ micro-batch up to a token budget.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -55,23 +55,22 @@ from megatron.core.utils import get_attr_wrapped_model, get_model_config
 from parallel.cpu_compat import device
 from parallel.logprobs import vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy
 from parallel.mesh import Mesh
-from parallel.micro_batches import ROW_KEY, micro_batches
+from parallel.micro_batches import micro_batches
 from parallel.model_inputs import PackedRows, packed_inputs, padded_inputs
-
-LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], tuple[torch.Tensor, dict]]
+from parallel.step_types import LossFn, LossReport, MicroBatch, MicroBatchResult, ModelOutputs
 
 
 def forward_backward(
     models: list[torch.nn.Module],
     mesh: Mesh,
-    micro_batches: list[dict[str, torch.Tensor]],
+    micro_batches: list[MicroBatch],
     loss_fn: LossFn | None,
     *,
     forward_only: bool,
     temperature: float = 1.0,
     compute_entropy: bool = False,
     pack_sequences: bool = False,
-) -> list[dict[str, Any]]:
+) -> list[MicroBatchResult]:
     """Forward (and backward unless ``forward_only``) over ``micro_batches``; see module doc.
 
     Args:
@@ -79,20 +78,20 @@ def forward_backward(
             wrapped in megatron DDP. Gradient reduction over DP happens inside megatron when
             the config carries ``finalize_model_grads_func`` (set by ``wrap_for_training``).
         mesh: the parallel layout from ``parallel.mesh.init_parallel``.
-        micro_batches: dicts as described in the module docstring.
-        loss_fn: ``(outputs, micro_batch) -> (scalar loss, {name: float})``; ``outputs`` holds
-            ``log_probs`` (and ``entropy``) ``[mb, S-1]`` or ``values [mb, S]``. May be
-            ``None`` when ``forward_only``.
+        micro_batches: as described in the module docstring.
+        loss_fn: ``(outputs, micro_batch) -> (scalar loss, LossReport)``; ``outputs`` (a
+            ``ModelOutputs``) holds ``log_probs`` (and ``entropy``) ``[mb, S-1]`` or ``values
+            [mb, S]``. May be ``None`` when ``forward_only``.
         forward_only: no backward; no autograd graph is built.
         temperature: divides the logits before the softmax.
         compute_entropy: also compute ``entropy [mb, S-1]`` (policy models only).
         pack_sequences: run each micro-batch as one packed row (module docstring); the model
-            must be built for it (``build_model(pack_sequences=True)``).
+            must be built for it (``ModelBuildOptions(pack_sequences=True)``).
 
     Returns:
-        One dict per micro-batch, in order, on every rank of the model-parallel group
-        (broadcast from the last pipeline stage): ``loss_fn``'s metrics as floats and, when
-        ``forward_only``, the output tensors (detached, float32, on ``device()``).
+        One ``MicroBatchResult`` per micro-batch, in order, on every rank of the model-parallel
+        group (broadcast from the last pipeline stage): ``loss_fn``'s report (metrics as
+        floats) and, when ``forward_only``, the outputs (detached, float32, on ``device()``).
     """
     if not micro_batches:
         return []
@@ -102,9 +101,9 @@ def forward_backward(
     multiple = mesh.tp if getattr(get_model_config(models[0]), "sequence_parallel", False) else 1
     layout = packed_inputs if pack_sequences else padded_inputs
     padded = layout(micro_batches, common_length=mesh.pp > 1, multiple=multiple)
-    lengths = [mb["input_ids"].shape[1] for mb in micro_batches]
-    seq_len, mb = padded[0]["input_ids"].shape[1], padded[0]["input_ids"].shape[0]
-    originals: list[dict[str, torch.Tensor] | None] = list(micro_batches)
+    lengths = [mb.input_ids.shape[1] for mb in micro_batches]
+    seq_len, mb = padded[0].input_ids.shape[1], padded[0].input_ids.shape[0]
+    originals: list[MicroBatch | None] = list(micro_batches)
     if len(models) > 1:
         # The interleaved schedule needs at least pp micro-batches: pad with dummy ones whose
         # loss is 0 and whose results are dropped.
@@ -209,8 +208,11 @@ def _forward_rows(
     """The no-grad forward of a batch, micro-batched, each row's output put back at its row:
     ``log_probs`` of a policy model or ``values`` of a value model, ``[b, <= S]`` on device()."""
     batch = input_ids.shape[0]
+    rows = MicroBatch(
+        input_ids=input_ids, attention_mask=attention_mask, row_index=torch.arange(batch)
+    )
     chunks = micro_batches(
-        {"input_ids": input_ids, "attention_mask": attention_mask, ROW_KEY: torch.arange(batch)},
+        rows,
         micro_batch_size,
         equal_sizes=mesh.pp > 1,
         max_tokens=max_tokens,
@@ -222,13 +224,14 @@ def _forward_rows(
     )  # fmt: skip
     out = None
     for chunk, result in zip(chunks, results, strict=True):
-        per_row = result["log_probs"] if "log_probs" in result else result["values"]
+        log_probs = result.outputs.log_probs
+        per_row = log_probs if log_probs is not None else result.outputs.values
         if out is None:  # log-probs score S-1 next tokens, values every one of the S positions
-            width = input_ids.shape[1] - (1 if "log_probs" in result else 0)
+            width = input_ids.shape[1] - (1 if log_probs is not None else 0)
             out = torch.zeros((batch, width), dtype=torch.float32, device=device())
         # Filler rows of an equal-size last micro-batch repeat a real row: writing it twice is
         # harmless (same input, same values).
-        out[chunk[ROW_KEY].to(out.device), : per_row.shape[1]] = per_row
+        out[chunk.row_index.to(out.device), : per_row.shape[1]] = per_row
     return out
 
 
@@ -251,15 +254,15 @@ def _forward_step(
 ):
     """Megatron forward_step_func: run one chunk; on the last stage return the loss closure."""
     inputs = next(data_iterator)
-    packed: PackedRows | None = inputs.get("packed")
+    packed: PackedRows | None = inputs.packed
     # Right padding + causal attention: real tokens never attend to padding, so no mask; packed
     # rows are masked by their cu_seqlens. MoE routers take the padding positions, to leave them
     # out of the load-balancing loss (packed rows hold no padding).
     moe = get_model_config(model).num_moe_experts is not None
-    padding = {"padding_mask": inputs["attention_mask"] == 0} if moe and packed is None else {}
+    padding = {"padding_mask": inputs.attention_mask == 0} if moe and packed is None else {}
     output = model(
-        inputs["input_ids"],
-        inputs["position_ids"],
+        inputs.input_ids,
+        inputs.position_ids,
         attention_mask=None,
         packed_seq_params=packed.params if packed is not None else None,
         **padding,
@@ -272,7 +275,7 @@ def _forward_step(
     return output, partial(
         _loss_closure,
         micro_batch=micro_batch,
-        input_ids=inputs["input_ids"][:, :length] if packed is None else inputs["input_ids"],
+        input_ids=inputs.input_ids[:, :length] if packed is None else inputs.input_ids,
         packed=packed,
         width=length,
         loss_fn=loss_fn,
@@ -285,9 +288,9 @@ def _forward_step(
     )
 
 
-def _dummy_loss(model_output: torch.Tensor) -> tuple[torch.Tensor, dict]:
+def _dummy_loss(model_output: torch.Tensor) -> tuple[torch.Tensor, MicroBatchResult]:
     # Zero loss with a graph, so the backward pass through the filler runs and adds nothing.
-    return model_output.sum() * 0.0, {"metrics": {}}
+    return model_output.sum() * 0.0, MicroBatchResult(LossReport())
 
 
 def _is_last_stage_chunk(model: torch.nn.Module, mesh: Mesh) -> bool:
@@ -314,20 +317,19 @@ def _loss_closure(
         model_output, input_ids, packed, width, temperature, compute_entropy, model, mesh
     )
     if loss_fn is None:
-        loss, metrics = torch.zeros((), device=input_ids.device), {}
+        loss, report = torch.zeros((), device=input_ids.device), LossReport()
     else:
-        on_device = {k: v.to(device()) if torch.is_tensor(v) else v for k, v in micro_batch.items()}
-        loss, metrics = loss_fn(outputs, on_device)
-    reported = {"metrics": {k: float(v) for k, v in metrics.items()}}
+        loss, report = loss_fn(outputs, micro_batch.to(device()))
+    result = MicroBatchResult(report.as_floats())
     if forward_only:
-        reported["outputs"] = {k: v.detach() for k, v in outputs.items()}
+        result.outputs = ModelOutputs(**{k: v.detach() for k, v in outputs.filled().items()})
     # Megatron divides by the number of micro-batches; undo it so gradients are of the SUM.
-    return loss * scale, reported
+    return loss * scale, result
 
 
 def _per_row_outputs(
     model_output, input_ids, packed, width, temperature, compute_entropy, model, mesh
-) -> dict[str, torch.Tensor]:
+) -> ModelOutputs:
     """``log_probs`` (and ``entropy``) ``[mb, width-1]`` or ``values [mb, width]`` from the last
     stage's output for ``input_ids`` (``[mb, S]`` rows, or the packed row of ``packed``)."""
     length = input_ids.shape[1]
@@ -335,7 +337,7 @@ def _per_row_outputs(
         if compute_entropy:
             raise ValueError("compute_entropy=True needs a policy model, got a critic")
         values = model_output[:, :length].float()
-        return {"values": values if packed is None else packed.unpack(values, width)}
+        return ModelOutputs(values=values if packed is None else packed.unpack(values, width))
     # Every position of the [b, S, V] logits is used and the last one's result dropped
     # afterwards: slicing the logits would make autograd build a zero-filled [b, S, V]
     # gradient and copy into it; slicing the [b, S] results costs nothing. The last
@@ -362,33 +364,38 @@ def _per_row_outputs(
             "log_probs": vocab_parallel_log_probs(logits, labels, mesh.tp_group, vocab_size)
         }
     if packed is None:
-        return {name: value[:, :-1] for name, value in per_token.items()}
-    return {name: packed.unpack(value, width - 1, shift=1) for name, value in per_token.items()}
+        return ModelOutputs(**{name: value[:, :-1] for name, value in per_token.items()})
+    return ModelOutputs(
+        **{name: packed.unpack(value, width - 1, shift=1) for name, value in per_token.items()}
+    )
 
 
 def _share_from_last_stage(
-    per_microbatch: list[dict[str, Any]], mesh: Mesh, forward_only: bool
-) -> list[dict[str, Any]]:
-    """The last pipeline stage's results on every stage: metrics and output shapes by object
+    per_microbatch: list[MicroBatchResult], mesh: Mesh, forward_only: bool
+) -> list[MicroBatchResult]:
+    """The last pipeline stage's results on every stage: reports and output shapes by object
     broadcast, then each output tensor by tensor broadcast into a buffer of that shape."""
     summaries = None
     if mesh.is_last_stage:
         summaries = [
-            {
-                "metrics": r["metrics"],
-                "shapes": {k: tuple(v.shape) for k, v in r.get("outputs", {}).items()},
-            }
+            (
+                r.report,
+                {k: tuple(v.shape) for k, v in r.outputs.filled().items()} if r.outputs else None,
+            )
             for r in per_microbatch
         ]
     summaries = mesh.broadcast_object_from_last_stage(summaries)
     results = []
-    for index, summary in enumerate(summaries):
-        result = dict(summary["metrics"])
-        for name, shape in summary["shapes"].items():
-            if mesh.is_last_stage:
-                tensor = per_microbatch[index]["outputs"][name].float().contiguous()
-            else:
-                tensor = torch.empty(shape, dtype=torch.float32, device=device())
-            result[name] = mesh.broadcast_from_last_stage(tensor)
+    for index, (report, shapes) in enumerate(summaries):
+        result = MicroBatchResult(report)
+        if shapes is not None:
+            outputs = {}
+            for name, shape in shapes.items():
+                if mesh.is_last_stage:
+                    tensor = getattr(per_microbatch[index].outputs, name).float().contiguous()
+                else:
+                    tensor = torch.empty(shape, dtype=torch.float32, device=device())
+                outputs[name] = mesh.broadcast_from_last_stage(tensor)
+            result.outputs = ModelOutputs(**outputs)
         results.append(result)
     return results

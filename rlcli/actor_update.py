@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 
 import algorithms
-from parallel.schedule import LossFn
+from parallel.step_types import LossFn, LossReport, ModelOutputs
 from rlcli.batch import RolloutBatch, mini_batch_count, response_values
 from rlcli.config import RLConfig
 from rlcli.dp_stats import DataParallelStats
@@ -103,11 +103,6 @@ def agreement_of_actor_pass(batch: RolloutBatch, cfg: RLConfig, stats: DataParal
     return logprob_metrics(sums, largest, stats, batch.ref_log_probs is not None)
 
 
-# Per-micro-batch metric keys that carry logprob_agreement's sums out of the loss function.
-_AGREEMENT_KEYS = ("_diff_sum", "_diff_tokens", "_kl_sum", "_kl_tokens")
-_DIFF_MAX = "_diff_max"
-
-
 def make_actor_loss(
     cfg: RLConfig,
     denominator: torch.Tensor,
@@ -118,8 +113,9 @@ def make_actor_loss(
     """The per-micro-batch loss: policy loss (+ KL loss - entropy bonus), summed-to-exact.
 
     ``on_policy``: the old log-probs are this forward's own, detached (the batch carries none).
-    ``record_agreement``: also report ``logprob_agreement``'s sums of this forward against the
-    engine's log-probs (and the reference's) as private metrics.
+    ``record_agreement``: also report ``logprob_agreement``'s sums (``LossReport.sums``) and
+    largest difference (``LossReport.maxima``) of this forward against the engine's log-probs
+    (and the reference's).
     The off-policy correction (``algorithm.off_policy_correction``) turns the old (proximal)
     and the engine's (behaviour) log-probs into the ratio's denominator and per-token weights.
     """
@@ -128,10 +124,9 @@ def make_actor_loss(
     correction = algorithms.get_off_policy_correction(cfg.algorithm.off_policy_correction)
     kl_kind = kl_metric_kind(cfg)
 
-    def loss_fn(outputs: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]):
-        mb = RolloutBatch.from_tensors(tensors)
-        mask = mb.loss_mask.to(outputs["log_probs"].device)
-        log_prob = response_values(outputs["log_probs"], mb.response_index)
+    def loss_fn(outputs: ModelOutputs, mb: RolloutBatch):
+        mask = mb.loss_mask.to(outputs.log_probs.device)
+        log_prob = response_values(outputs.log_probs, mb.response_index)
         proximal = log_prob.detach() if on_policy else mb.require("old_log_probs")
         corrected = correction(
             log_prob=log_prob,
@@ -157,9 +152,9 @@ def make_actor_loss(
         metrics = {"actor/pg_loss": pg_loss.item()}
         metrics.update({f"actor/{k}": float(v) for k, v in pg_metrics.items()})
         metrics.update({f"actor/{k}": float(v) for k, v in corrected.metrics.items()})
-        if "entropy" in outputs:
+        if outputs.entropy is not None:
             entropy = algorithms.agg_loss(
-                response_values(outputs["entropy"], mb.response_index),
+                response_values(outputs.entropy, mb.response_index),
                 mask,
                 actor.loss_agg_mode,
                 denominator,
@@ -177,13 +172,13 @@ def make_actor_loss(
             )
             loss = loss + actor.kl_loss_coef * kl
             metrics["actor/kl_loss"] = kl.item()
+        report = LossReport(metrics)
         if record_agreement:
             sums, largest = logprob_agreement(
                 log_prob, mb.engine_log_probs, mb.ref_log_probs, mask, kl_kind, mb.agreement_mask
             )
-            metrics.update(zip(_AGREEMENT_KEYS, sums.tolist(), strict=True))
-            metrics[_DIFF_MAX] = largest.item()
-        return loss, metrics
+            report.sums, report.maxima = sums, largest.double().reshape(1)
+        return loss, report
 
     return loss_fn
 
@@ -232,14 +227,14 @@ def update_actor(
     )
     sums, largest = torch.zeros(4, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
     for result in results:
-        for micro in result["micro_batch_metrics"]:
-            if _DIFF_MAX in micro:
-                sums += torch.tensor([micro.pop(k) for k in _AGREEMENT_KEYS], dtype=sums.dtype)
-                largest = torch.maximum(largest, torch.tensor(micro.pop(_DIFF_MAX)).double())
+        for report in result.reports:
+            if report.sums is not None:
+                sums += report.sums
+                largest = torch.maximum(largest, report.maxima[0])
     out = mean_over_steps([reduce_step(r, "actor", SUMMED_METRICS) for r in results])
     out["actor/optimizer_steps"] = float(len(results))
     # A step the optimizer refused (fp16 overflow, non-finite gradients) must not pass unseen.
-    out["actor/skipped_steps"] = float(sum(bool(r.get("skipped", False)) for r in results))
+    out["actor/skipped_steps"] = float(sum(r.skipped for r in results))
     if record:
         with_ref = batch.ref_log_probs is not None
         out.update(logprob_metrics(sums, largest, DataParallelStats(actor.mesh), with_ref))

@@ -12,12 +12,12 @@ balanced by token count (``take_dp_share``), and mini-batches split along groups
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from parallel.step_types import MicroBatch, response_field, row_field
 from rlcli.data import PromptItem
 
 if TYPE_CHECKING:
@@ -51,9 +51,11 @@ class Sample:
         return len(self.prompt_ids) + len(self.response_ids)
 
 
-@dataclass
-class RolloutBatch:
-    """One step's samples (this rank's share) as tensors; see the module docstring.
+@dataclass(kw_only=True)
+class RolloutBatch(MicroBatch):
+    """One step's samples (this rank's share) as tensors; see the module docstring. A
+    ``parallel.step_types.MicroBatch``: ``parallel.micro_batches`` cuts it into micro-batches of
+    this type by the axis each field declares, and a loss function reads them as such.
 
     Filled at collation (the rollout's results):
 
@@ -76,26 +78,21 @@ class RolloutBatch:
     ``token_level_rewards``, ``advantages``, ``returns`` (adv), all ``[B, R]`` float32.
     """
 
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    response_index: torch.Tensor
-    response_mask: torch.Tensor
-    loss_mask: torch.Tensor
-    engine_log_probs: torch.Tensor
-    group_index: torch.Tensor
-    scores: torch.Tensor
-    reward_baselines: torch.Tensor
-    staleness: torch.Tensor
-    old_log_probs: torch.Tensor | None = None
-    ref_log_probs: torch.Tensor | None = None
-    values: torch.Tensor | None = None
-    token_level_rewards: torch.Tensor | None = None
-    advantages: torch.Tensor | None = None
-    returns: torch.Tensor | None = None
-
-    @property
-    def size(self) -> int:
-        return self.input_ids.shape[0]
+    # input_ids, attention_mask (and the unused position_ids, row_index): MicroBatch's.
+    response_mask: torch.Tensor = response_field(mask=True)
+    loss_mask: torch.Tensor = response_field(mask=True)
+    response_index: torch.Tensor = response_field()
+    engine_log_probs: torch.Tensor = response_field()
+    group_index: torch.Tensor = row_field()
+    scores: torch.Tensor = row_field()
+    reward_baselines: torch.Tensor = row_field()
+    staleness: torch.Tensor = row_field()
+    old_log_probs: torch.Tensor | None = response_field(default=None)
+    ref_log_probs: torch.Tensor | None = response_field(default=None)
+    values: torch.Tensor | None = response_field(default=None)
+    token_level_rewards: torch.Tensor | None = response_field(default=None)
+    advantages: torch.Tensor | None = response_field(default=None)
+    returns: torch.Tensor | None = response_field(default=None)
 
     @property
     def agreement_mask(self) -> torch.Tensor:
@@ -109,25 +106,6 @@ class RolloutBatch:
         if value is None:
             raise RuntimeError(f"the batch has no {name}: the phase that computes it did not run")
         return value
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The filled fields by name: what ``parallel``'s micro-batching cuts along rows (it
-        knows nothing of this class); ``from_tensors`` turns a micro-batch back into one."""
-        return {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if getattr(self, f.name) is not None
-        }
-
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> RolloutBatch:
-        """A batch (e.g. one micro-batch) from ``tensors()``-style fields; other keys ignored."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in tensors.items() if k in names})
-
-    def select(self, rows: torch.Tensor) -> RolloutBatch:
-        """The rows ``rows`` (a bool mask or indices over ``B``) of every filled field."""
-        return RolloutBatch.from_tensors({k: v[rows] for k, v in self.tensors().items()})
 
 
 def collate(samples: list[Sample], pad_id: int) -> RolloutBatch:

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import algorithms
+from parallel.model_options import ModelBuildOptions, MoeOptions, Recompute
 from rlcli.advantages import KLController
 from rlcli.build_rollouts import (
     build_agent_loop_of,
@@ -35,15 +36,11 @@ from rlcli.errors import UserError
 from rlcli.inputs import RunInputs, prepare_inputs
 from rlcli.lora import lora_spec
 from rlcli.metrics import MetricsLogger
+from rlcli.model_heads import ValueHead
 from rlcli.rollout_channel import RolloutChannel, RunEnded
 from rlcli.run_checkpoint import CheckpointManager, checkpoint_root
 from rlcli.run_save_resume import CheckpointedModel, RunCheckpoints, replacing_folder
-from rlcli.trained_model import (
-    LoraReference,
-    MicroBatching,
-    OptimizerSettings,
-    TrainedModel,
-)
+from rlcli.trained_model import LoraReference, MicroBatching, TrainedModel, optimizer_settings
 from rlcli.trainer import Trainer
 
 if TYPE_CHECKING:
@@ -280,7 +277,7 @@ def build_actor(inputs: RunInputs, total_steps: int, sft: bool = False) -> Train
     """The policy, trainable: ``actor.*`` (the SFT warm start: its own lr, warmup and
     micro-batch size)."""
     cfg = inputs.cfg
-    settings = OptimizerSettings.of(
+    settings = optimizer_settings(
         cfg.actor,
         total_steps=total_steps,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
@@ -334,8 +331,8 @@ def build_critic(inputs: RunInputs, total_steps: int) -> TrainedModel:
         mesh,
         hf_dir,
         dtype=cfg.model.dtype,
-        head="value",
-        optim=OptimizerSettings.of(
+        head=ValueHead(),
+        optim=optimizer_settings(
             c,
             total_steps=total_steps,
             use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
@@ -353,28 +350,22 @@ def build_critic(inputs: RunInputs, total_steps: int) -> TrainedModel:
     return critic
 
 
-def model_options(cfg: RLConfig, section: TrainedModelConfig | None = None) -> dict[str, Any]:
+def model_options(cfg: RLConfig, section: TrainedModelConfig | None = None) -> ModelBuildOptions:
     """``parallel.model.build_model``'s layout options from the config; a model that trains
     adds its own activation recomputation (``section``: its ``actor`` / ``critic`` section)."""
-    options: dict[str, Any] = {
-        "sequence_parallel": cfg.parallel.sequence_parallel,
-        "transformer_impl": cfg.model.transformer_impl,
-        "attention_backend": cfg.model.attention_backend,
-    }
     m = cfg.model
-    moe = {
-        "aux_loss_coef": m.moe_aux_loss_coef,
-        "load_balancing": m.moe_load_balancing,
-        "token_dispatcher": m.moe_token_dispatcher,
-    }
-    options["moe"] = {key: value for key, value in moe.items() if value is not None} or None
+    recompute = Recompute()
     if section is not None:
-        from parallel.memory_terms import recompute_options
-
-        options["recompute"] = recompute_options(
+        recompute = Recompute(
             section.recompute, section.recompute_method, section.recompute_num_layers
         )
-    return options
+    return ModelBuildOptions(
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        transformer_impl=m.transformer_impl,
+        attention_backend=m.attention_backend,
+        recompute=recompute,
+        moe=MoeOptions(m.moe_aux_loss_coef, m.moe_load_balancing, m.moe_token_dispatcher),
+    )
 
 
 def needs_reference(cfg: RLConfig) -> bool:

@@ -1,6 +1,6 @@
 """The PPO critic's math: the clipped value loss, its update and the value statistics. The model
 itself is a trained-model core with a value head (``rlcli.trained_model.TrainedModel(...,
-head="value")``, built by ``rlcli.build``), whose ``forward`` gives the values.
+head=ValueHead())``, built by ``rlcli.build``), whose ``forward`` gives the values.
 
     batch.values = critic.forward(batch)                                  # timing/values
     metrics = update_critic(critic, batch, cfg, fewest_groups)            # timing/update_critic
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 import algorithms
-from parallel.schedule import LossFn
+from parallel.step_types import LossFn, LossReport, ModelOutputs, StepResult
 from rlcli.batch import RolloutBatch, mini_batch_count, response_values
 from rlcli.config import RLConfig
 from rlcli.dp_stats import DataParallelStats
@@ -36,10 +36,9 @@ def make_value_loss(cfg: RLConfig, denominator: torch.Tensor) -> LossFn:
     """The per-micro-batch clipped value loss (sums over micro-batches to the mini-batch's)."""
     c = cfg.critic
 
-    def loss_fn(outputs: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]):
-        mb = RolloutBatch.from_tensors(tensors)
-        mask = mb.loss_mask.to(outputs["values"].device)
-        vpreds = response_values(outputs["values"], mb.response_index)
+    def loss_fn(outputs: ModelOutputs, mb: RolloutBatch):
+        mask = mb.loss_mask.to(outputs.values.device)
+        vpreds = response_values(outputs.values, mb.response_index)
         loss, extra = algorithms.compute_value_loss(
             vpreds=vpreds,
             returns=mb.require("returns").to(vpreds.device),
@@ -49,11 +48,13 @@ def make_value_loss(cfg: RLConfig, denominator: torch.Tensor) -> LossFn:
             loss_agg_mode=c.loss_agg_mode,
             global_denominator=denominator,
         )
-        return loss, {
-            "critic/vf_loss": loss.item(),
-            "critic/vf_clipfrac": float(extra["vf_clipfrac"]),
-            "critic/vpred_mean": algorithms.masked_mean(vpreds.detach(), mask).item(),
-        }
+        return loss, LossReport(
+            {
+                "critic/vf_loss": loss.item(),
+                "critic/vf_clipfrac": float(extra["vf_clipfrac"]),
+                "critic/vpred_mean": algorithms.masked_mean(vpreds.detach(), mask).item(),
+            }
+        )
 
     return loss_fn
 
@@ -80,10 +81,10 @@ def update_critic(
     return out
 
 
-def _step_metrics(result: dict[str, Any]) -> dict[str, float]:
+def _step_metrics(result: StepResult) -> dict[str, float]:
     """One optimizer step: the value loss summed over micro-batches, the ratios averaged."""
     out = reduce_step(result, prefix="critic", summed=("critic/vf_loss",))
-    out["critic/skipped_steps"] = float(bool(result.get("skipped", False)))
+    out["critic/skipped_steps"] = float(result.skipped)
     return out
 
 

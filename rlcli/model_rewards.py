@@ -32,6 +32,7 @@ from rlcli.rewards.reward_model import RewardModelInputs, reward_model_scores
 
 if TYPE_CHECKING:
     from parallel.mesh import Mesh
+    from parallel.model_options import ModelBuildOptions
     from rlcli.config import RLConfig
     from rlcli.residency import StepPhases
     from rlcli.rewards.judge_scoring import Judge
@@ -117,7 +118,7 @@ def spread(
 
 
 def build_model_rewards(
-    cfg: RLConfig, mesh: Mesh, policy_tokenizer: Any, model_options: dict[str, Any]
+    cfg: RLConfig, mesh: Mesh, policy_tokenizer: Any, model_options: ModelBuildOptions
 ) -> ModelRewards | None:
     """The configured model rewards, in the trainer's layout (every rank builds the same), or
     None when neither ``reward.model.path`` nor ``reward.judge.path`` is set. ``model_options``
@@ -139,7 +140,7 @@ def build_model_rewards(
 
 
 def build_reward_model(
-    cfg: RLConfig, mesh: Mesh, policy_tokenizer: Any, model_options: dict[str, Any]
+    cfg: RLConfig, mesh: Mesh, policy_tokenizer: Any, model_options: ModelBuildOptions
 ) -> tuple[TrainedModel, RewardModelInputs]:
     """The frozen reward model (``reward.model.*``) in the trainer's TP x PP layout, and how a
     sample becomes its input (its own tokenizer and chat template when they differ from the
@@ -147,6 +148,7 @@ def build_reward_model(
     from transformers import AutoTokenizer
 
     from parallel.mesh import ParallelLayoutError
+    from rlcli.model_heads import ScoreHead
     from rlcli.rewards.reward_model import check_reward_model_path
     from rlcli.trained_model import MicroBatching, TrainedModel
 
@@ -160,7 +162,7 @@ def build_reward_model(
                 section.micro_batch_size, 0, section.max_tokens_per_forward, section.pack_sequences
             ),
             dtype=cfg.model.dtype,
-            head="score",
+            head=ScoreHead(),
             model_options=model_options,
         )
     except (ParallelLayoutError, ValueError) as error:  # a layout or family it cannot take

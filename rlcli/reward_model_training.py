@@ -28,13 +28,16 @@ import numpy as np
 import torch.distributed as dist
 
 from parallel.mesh import Mesh
+from parallel.model_options import ModelBuildOptions
+from parallel.optim import OptimizerSettings
 from parallel.preference_pairs import TokenizedPairs
 from rlcli.config import RLConfig
 from rlcli.errors import UserError
+from rlcli.model_heads import ScoreHead
 from rlcli.run_checkpoint import CheckpointManager
 from rlcli.run_save_resume import CheckpointedModel, RunCheckpoints, replacing_folder
 from rlcli.run_state import RunState
-from rlcli.trained_model import MicroBatching, OptimizerSettings, TrainedModel
+from rlcli.trained_model import MicroBatching, TrainedModel
 
 REPORT_FILE = "reward_model_report.json"
 
@@ -130,7 +133,7 @@ def _build(
     init_dir: str,
     is_reward_model: bool,
     pad_token_id: int,
-    model_options: dict[str, Any],
+    model_options: ModelBuildOptions,
 ) -> TrainedModel:
     """The reward model to train: the trained-model core with a score head, ``rm.*``'s Adam
     (betas and eps as ``actor.*``) and constant LR after warmup, micro-batches of
@@ -154,18 +157,19 @@ def _build(
         init_dir,
         micro_batching=MicroBatching(rm.micro_batch_size, rm.max_tokens),
         dtype=cfg.model.dtype,
-        head="score",
+        head=ScoreHead(
+            from_language_model=not is_reward_model,
+            pad_token_id=None if is_reward_model else pad_token_id,
+        ),
         optim=settings,
         model_options=model_options,
-        score_head_from_language_model=not is_reward_model,
-        pad_token_id=None if is_reward_model else pad_token_id,
     )
 
 
 def train_reward_model(
     cfg: RLConfig,
     mesh: Mesh,
-    model_options: dict[str, Any],
+    model_options: ModelBuildOptions,
     log: Callable[[str], None] | None = None,
     init_path: str | None = None,
     extra_pairs: tuple[list[str], list[str]] = ([], []),

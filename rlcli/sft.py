@@ -15,9 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
+from parallel.step_types import LossReport, ModelOutputs
 from rlcli.batch import RolloutBatch, Sample, collate, response_values, split_evenly
 from rlcli.data.sft_rows import SFTConversation, SFTRow, read_sft_rows
 from rlcli.errors import UserError
@@ -102,12 +102,11 @@ def generated_tokens(sample: Sample) -> int:
 
 
 def make_sft_loss(denominator: float):
-    def loss_fn(outputs: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]):
-        mb = RolloutBatch.from_tensors(tensors)
-        mask = mb.loss_mask.to(outputs["log_probs"].device)
-        log_prob = response_values(outputs["log_probs"], mb.response_index)
+    def loss_fn(outputs: ModelOutputs, mb: RolloutBatch):
+        mask = mb.loss_mask.to(outputs.log_probs.device)
+        log_prob = response_values(outputs.log_probs, mb.response_index)
         nll = -(log_prob * mask).sum() / denominator
-        return nll, {"sft/loss": nll.item()}
+        return nll, LossReport({"sft/loss": nll.item()})
 
     return loss_fn
 
@@ -161,9 +160,9 @@ def sft_warm_start(
         local = split_evenly(chosen, mesh.dp)[mesh.dp_rank]
         batch = collate(local, c.tokenizer.pad_token_id)
         tokens = sum(generated_tokens(s) for s in chosen)  # of the whole batch, all DP ranks
-        result = actor.train_step(batch.tensors(), make_sft_loss(tokens / mesh.dp))
+        result = actor.train_step(batch, make_sft_loss(tokens / mesh.dp))
         if step % 50 == 0 or step == cfg.sft.steps:
-            loss = sum(m["sft/loss"] for m in result["micro_batch_metrics"])
+            loss = sum(report.metrics["sft/loss"] for report in result.reports)
             log(
                 f"sft step {step}/{cfg.sft.steps}: loss {loss:.4f} "
                 f"({time.perf_counter() - start:.1f} s)"

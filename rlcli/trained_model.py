@@ -6,26 +6,28 @@ The roles are compositions of this core with their own math:
 
     actor     = TrainedModel(mesh, hf_dir, optim=..., micro_batching=...)   # + rlcli.actor_update
     reference = TrainedModel(mesh, hf_dir, micro_batching=...)              # frozen: log-probs only
-    critic    = TrainedModel(mesh, hf_dir, head="value", optim=...)         # + rlcli.critic
-    reward    = TrainedModel(mesh, rm_dir, head="score")  # rlcli.model_rewards; trained: rlcli rm
+    critic    = TrainedModel(mesh, hf_dir, head=ValueHead(), optim=...)     # + rlcli.critic
+    reward    = TrainedModel(mesh, rm_dir, head=ScoreHead())  # rlcli.model_rewards, rlcli rm
 
     actor     = TrainedModel(..., optim=..., lora=LoraSpec(...))   # LoRA: only adapters train
     reference = LoraReference(actor)        # the same chunks with the adapters off: no 2nd model
 
-``forward`` gives the response-aligned outputs ``[B, R]`` of a ``RolloutBatch`` (log-probs of a
-language-model head, values of a value head) through ``parallel.schedule``; ``score`` a reward
-model's one score per sequence; ``update`` runs PPO epochs x mini-batches of whole groups x
-micro-batches through megatron-core's schedule and optimizer, with a loss the role supplies;
-``train_step`` is one optimizer step (``train_micro_batches`` when the caller cuts the
-micro-batches itself, as preference pairs must be).
+The head (``rlcli.model_heads``: language model, value, score) decides how the chunks are loaded
+and what the no-grad passes give: ``forward`` the response-aligned outputs ``[B, R]`` of a
+``RolloutBatch`` (log-probs of a language-model head, values of a value head) through
+``parallel.schedule``, ``score`` a reward model's one score per sequence. ``update`` runs PPO
+epochs x mini-batches of whole groups x micro-batches through megatron-core's schedule and
+optimizer, with a loss the role supplies; ``train_step`` is one optimizer step
+(``train_micro_batches`` when the caller cuts the micro-batches itself, as preference pairs
+must be).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,55 +36,42 @@ from parallel.dtypes import DTYPES
 from parallel.lora import LoraConfigError, LoraSpec, lora_disabled
 from parallel.mesh import Mesh
 from parallel.micro_batches import micro_batches
+from parallel.model_options import ModelBuildOptions
 from parallel.offload import Offloader, TransferStats
-from parallel.schedule import LossFn, forward_log_probs, forward_values
-from rlcli.batch import RolloutBatch, response_values, split_evenly
+from parallel.optim import OptimizerSettings
+from parallel.step_types import LossFn, MicroBatch, StepResult
+from rlcli.batch import RolloutBatch, split_evenly
 from rlcli.dp_stats import DataParallelStats
 from rlcli.errors import UserError
+from rlcli.model_heads import LanguageModelHead, ModelHead
 
 if TYPE_CHECKING:
     from rlcli.config import TrainedModelConfig
 
 
-@dataclass(frozen=True)
-class OptimizerSettings:
-    lr: float
-    min_lr: float
-    weight_decay: float
-    adam_beta1: float
-    adam_beta2: float
-    adam_eps: float
-    clip_grad: float
-    warmup_steps: int
-    total_steps: int
-    decay_style: str
-    use_distributed_optimizer: bool
-
-    @classmethod
-    def of(
-        cls,
-        section: TrainedModelConfig,
-        *,
-        total_steps: int,
-        use_distributed_optimizer: bool,
-        lr: float | None = None,
-        warmup_steps: int | None = None,
-    ) -> OptimizerSettings:
-        """A section's Adam(W) and schedule (``actor.*`` / ``critic.*``); ``lr`` and
-        ``warmup_steps`` override the section's (the SFT warm start has its own)."""
-        return cls(
-            lr=section.lr if lr is None else lr,
-            min_lr=section.min_lr,
-            weight_decay=section.weight_decay,
-            adam_beta1=section.adam_beta1,
-            adam_beta2=section.adam_beta2,
-            adam_eps=section.adam_eps,
-            clip_grad=section.grad_clip,
-            warmup_steps=section.lr_warmup_steps if warmup_steps is None else warmup_steps,
-            total_steps=total_steps,
-            decay_style=section.lr_decay_style,
-            use_distributed_optimizer=use_distributed_optimizer,
-        )
+def optimizer_settings(
+    section: TrainedModelConfig,
+    *,
+    total_steps: int,
+    use_distributed_optimizer: bool,
+    lr: float | None = None,
+    warmup_steps: int | None = None,
+) -> OptimizerSettings:
+    """A section's Adam(W) and schedule (``actor.*`` / ``critic.*``); ``lr`` and
+    ``warmup_steps`` override the section's (the SFT warm start has its own)."""
+    return OptimizerSettings(
+        lr=section.lr if lr is None else lr,
+        min_lr=section.min_lr,
+        weight_decay=section.weight_decay,
+        adam_beta1=section.adam_beta1,
+        adam_beta2=section.adam_beta2,
+        adam_eps=section.adam_eps,
+        clip_grad=section.grad_clip,
+        warmup_steps=section.lr_warmup_steps if warmup_steps is None else warmup_steps,
+        total_steps=total_steps,
+        decay_style=section.lr_decay_style,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
 
 
 @dataclass(frozen=True)
@@ -125,51 +114,26 @@ class TrainedModel:
         hf_dir: str,
         *,
         micro_batching: MicroBatching,
+        head: ModelHead = LanguageModelHead(),
         dtype: str = "float32",
-        head: Literal["lm", "value", "score"] = "lm",
         optim: OptimizerSettings | None = None,
-        model_options: dict[str, Any] | None = None,
-        score_head_from_language_model: bool = False,
-        pad_token_id: int | None = None,
+        model_options: ModelBuildOptions = ModelBuildOptions(),
         lora: LoraSpec | None = None,
         adapter_path: str | None = None,
     ) -> None:
-        """``model_options``: ``parallel.model.build_model``'s layout options (sequence_parallel,
-        transformer_impl, attention_backend, recompute; ``micro_batching.pack`` adds
-        pack_sequences); a setting this machine cannot build is a UserError.
-        ``head="value"``: a value model (PPO's critic); ``head="score"``: a reward model, an HF
-        ``*ForSequenceClassification`` folder (``parallel.reward_model.load_reward_model``;
-        ``score_head_from_language_model``: a language model with a fresh score head;
-        ``pad_token_id`` overrides the config's, which decides the scored position).
+        """``head``: what sits on the last layer (``rlcli.model_heads``; default the language
+        model's). ``model_options``: how ``parallel.model.build_model`` lays the model out
+        (``micro_batching.pack`` decides packed sequences); a setting this machine cannot build
+        is a UserError. ``optim``: the model trains (megatron DDP, Adam(W) and its schedule).
         ``lora``: LoRA adapters on the frozen base, added before DDP and the optimizer, which
         then hold only the adapters; ``adapter_path``: a PEFT adapter folder to start from."""
-        from parallel.hf_model import load_hf_model
         from parallel.model import ModelConfigError
-        from parallel.reward_model import load_reward_model
 
         self.mesh, self.hf_dir, self.head = mesh, hf_dir, head
         self.micro_batching = micro_batching
         self.lora = lora
-        options = model_options or {}
         try:
-            if head == "score":
-                models = load_reward_model(
-                    hf_dir,
-                    mesh,
-                    dtype=DTYPES[dtype],
-                    from_language_model=score_head_from_language_model,
-                    pad_token_id=pad_token_id,
-                    **options,
-                )
-            else:
-                models = load_hf_model(
-                    hf_dir,
-                    mesh,
-                    dtype=DTYPES[dtype],
-                    critic=head == "value",
-                    pack_sequences=micro_batching.pack,
-                    **options,
-                )
+            models = head.load(hf_dir, mesh, DTYPES[dtype], model_options, micro_batching.pack)
             if lora is not None:
                 from parallel.lora import apply_lora
                 from parallel.lora_io import load_peft_adapter
@@ -192,18 +156,7 @@ class TrainedModel:
                 models, mesh, use_distributed_optimizer=optim.use_distributed_optimizer
             )
             self.optimizer, self.scheduler = build_optimizer(
-                models,
-                lr=optim.lr,
-                min_lr=optim.min_lr,
-                weight_decay=optim.weight_decay,
-                adam_beta1=optim.adam_beta1,
-                adam_beta2=optim.adam_beta2,
-                adam_eps=optim.adam_eps,
-                clip_grad=optim.clip_grad,
-                use_distributed_optimizer=optim.use_distributed_optimizer,
-                warmup_steps=optim.warmup_steps,
-                total_steps=max(1, optim.total_steps),
-                decay_style=optim.decay_style,
+                models, replace(optim, total_steps=max(1, optim.total_steps))
             )
         self.models = models
         self.offloader = Offloader(models, self.optimizer)
@@ -215,23 +168,10 @@ class TrainedModel:
     @torch.no_grad()
     def forward(self, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
         """Response-aligned ``[B, R]`` outputs under the current weights, float32 on the CPU:
-        the response tokens' log-probs (``lm``; at ``temperature``) or the values of the
-        positions that predict them (``value``; zero where ``loss_mask`` is 0)."""
-        if self.head == "score":
-            raise ValueError("a reward model scores whole sequences: call score()")
-        mb, tokens = self.micro_batching.size, self.micro_batching.forward_tokens
-        pack = self.micro_batching.pack
+        the response tokens' log-probs (a language-model head; at ``temperature``) or the values
+        of the positions that predict them (a value head; zero where ``loss_mask`` is 0)."""
         with self._without_dropout():
-            if self.head == "value":
-                per_position = forward_values(
-                    self.models, self.mesh, batch.input_ids, batch.attention_mask, mb, tokens, pack
-                )
-                return response_values(per_position.cpu(), batch.response_index) * batch.loss_mask
-            ids, mask = batch.input_ids, batch.attention_mask
-            per_position = forward_log_probs(
-                self.models, self.mesh, ids, mask, mb, temperature, tokens, pack
-            )
-        return response_values(per_position.cpu(), batch.response_index)
+            return self.head.forward(self, batch, temperature)
 
     @torch.no_grad()
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -239,19 +179,7 @@ class TrainedModel:
         right-padded sequences ``input_ids / attention_mask [B, S]``, in micro-batches of
         ``micro_batching.size`` rows or its no-grad token budget, packed with
         ``micro_batching.pack`` (``parallel.reward_model.score_sequences``)."""
-        from parallel.reward_model import score_sequences
-
-        if self.head != "score":
-            raise ValueError(f"score() needs a reward model (head='score'), not {self.head!r}")
-        return score_sequences(
-            self.models,
-            self.mesh,
-            input_ids,
-            attention_mask,
-            micro_batch_size=self.micro_batching.size,
-            max_tokens=self.micro_batching.forward_tokens,
-            pack=self.micro_batching.pack,
-        )
+        return self.head.score(self, input_ids, attention_mask)
 
     @contextmanager
     def _without_dropout(self) -> Iterator[None]:
@@ -271,17 +199,16 @@ class TrainedModel:
 
     def train_step(
         self,
-        tensors: dict[str, torch.Tensor],
+        batch: MicroBatch,
         loss_fn: LossFn,
         temperature: float = 1.0,
         compute_entropy: bool = False,
-    ) -> dict[str, Any]:
-        """One optimizer step over a batch's row-aligned tensors (``RolloutBatch.tensors()``,
-        or any ``input_ids`` / ``attention_mask`` + what ``loss_fn`` reads) cut into
-        micro-batches: gradients summed over micro-batches, averaged over DP (see
-        ``parallel.optim.train_step``)."""
+    ) -> StepResult:
+        """One optimizer step over a batch (a ``RolloutBatch``, or any ``MicroBatch`` with what
+        ``loss_fn`` reads) cut into micro-batches of its type: gradients summed over
+        micro-batches, averaged over DP (see ``parallel.optim.train_step``)."""
         chunks = micro_batches(
-            tensors,
+            batch,
             self.micro_batching.size,
             equal_sizes=self.mesh.pp > 1,
             max_tokens=self.micro_batching.max_tokens,
@@ -291,11 +218,11 @@ class TrainedModel:
 
     def train_micro_batches(
         self,
-        chunks: list[dict[str, torch.Tensor]],
+        chunks: list[MicroBatch],
         loss_fn: LossFn,
         temperature: float = 1.0,
         compute_entropy: bool = False,
-    ) -> dict[str, Any]:
+    ) -> StepResult:
         """``train_step`` on micro-batches the caller cut (all of one size under pipeline
         parallelism), e.g. preference pairs kept together (``parallel.reward_training``)."""
         from parallel.optim import train_step
@@ -312,7 +239,7 @@ class TrainedModel:
             step_scheduler=self.schedule_per_update,
             pack_sequences=self.micro_batching.pack,
         )
-        self.nonfinite_updates += bool(result.get("nonfinite"))
+        self.nonfinite_updates += result.nonfinite
         return result
 
     def update(
@@ -326,7 +253,7 @@ class TrainedModel:
         norm_length: int,
         temperature: float = 1.0,
         compute_entropy: bool = False,
-    ) -> list[dict[str, Any]]:
+    ) -> list[StepResult]:
         """``epochs`` x ``num_mini_batches`` optimizer steps on this DP rank's share of the
         batch; each step's ``train_step`` result, in order.
 
@@ -338,7 +265,7 @@ class TrainedModel:
         (global denominator / dp) and the average is exact."""
         groups = batch.group_index
         stats = DataParallelStats(self.mesh)
-        results: list[dict[str, Any]] = []
+        results: list[StepResult] = []
         for _ in range(epochs):
             for chunk in split_evenly(torch.unique_consecutive(groups).tolist(), num_mini_batches):
                 mini = batch.select(torch.isin(groups, torch.tensor(chunk)))
@@ -347,7 +274,7 @@ class TrainedModel:
                 ).double()
                 denominator = (stats.sum(denominator) / self.mesh.dp).float()
                 loss_fn = loss_for(mini, denominator, len(results))
-                step = self.train_step(mini.tensors(), loss_fn, temperature, compute_entropy)
+                step = self.train_step(mini, loss_fn, temperature, compute_entropy)
                 results.append(step)
         return results
 

@@ -3,21 +3,19 @@ the critic updates both report (loss terms summed over micro-batches, the rest a
 
 from __future__ import annotations
 
-from typing import Any
+from parallel.step_types import StepResult
 
 
-def reduce_step(
-    result: dict[str, Any], prefix: str, summed: tuple[str, ...] = ()
-) -> dict[str, float]:
+def reduce_step(result: StepResult, prefix: str, summed: tuple[str, ...] = ()) -> dict[str, float]:
     """One optimizer step's metrics: loss terms (``summed``) summed over micro-batches, the rest
     averaged; grad norm and lr under ``prefix``."""
-    per_micro: list[dict[str, float]] = result["micro_batch_metrics"]
+    per_micro = [report.metrics for report in result.reports]
     out: dict[str, float] = {}
     for key in per_micro[0] if per_micro else []:
         values = [m[key] for m in per_micro if key in m]
         out[key] = sum(values) if key in summed else sum(values) / len(values)
-    out[f"{prefix}/grad_norm"] = float(result.get("grad_norm") or 0.0)
-    out[f"{prefix}/lr"] = float(result.get("lr") or 0.0)
+    out[f"{prefix}/grad_norm"] = float(result.grad_norm or 0.0)
+    out[f"{prefix}/lr"] = float(result.lr or 0.0)
     return out
 
 

@@ -1,6 +1,6 @@
 """The reward model from the trainer's side: its folder checked (errors name
 ``reward.model.path``), the token ids it scores for each policy sample, and the step's scores
-(the model itself is a ``TrainedModel(head="score")``, built by ``rlcli.model_rewards``).
+(the model itself is a ``TrainedModel(head=ScoreHead())``, built by ``rlcli.model_rewards``).
 
     check_reward_model_path(path)                          UserError unless an HF reward model
     inputs = RewardModelInputs(policy_tokenizer, reward_tokenizer)

@@ -135,8 +135,10 @@ def check_memory_phases(ctx: Context) -> tuple[bool, str]:
         with torch.no_grad():
             forward_log_probs(actor.models, ctx.mesh, ids, mask, micro_batch_size=8)
         used["log-probs"] = used_memory_gb()
+        from parallel.step_types import MicroBatch
+
         micro = [
-            {"input_ids": i, "attention_mask": m}
+            MicroBatch(input_ids=i, attention_mask=m)
             for i, m in zip(ids.split(8), mask.split(8), strict=True)
         ]
         from parallel.optim import train_step

@@ -32,6 +32,7 @@ def check_parity(ctx: Context) -> tuple[bool, str]:
 
     from parallel.convert import iter_hf_weights, load_hf_weights
     from parallel.model import build_model
+    from parallel.model_options import ModelBuildOptions
 
     model_dir = ctx.small_model_dir
     hf_config = hf_config_of(model_dir)
@@ -46,9 +47,8 @@ def check_parity(ctx: Context) -> tuple[bool, str]:
     del hf
     ok, parts = True, [f"HF bf16 mean|dlogit| vs fp32 {hf_err:.2e}"]
     for impl, attention in _backends():
-        models = build_model(
-            hf_config, ctx.mesh, dtype=BF16, transformer_impl=impl, attention_backend=attention
-        )
+        options = ModelBuildOptions(transformer_impl=impl, attention_backend=attention)
+        models = build_model(hf_config, ctx.mesh, dtype=BF16, options=options)
         load_hf_weights(models, ctx.mesh, model_dir)
         for chunk in models:
             chunk.eval()

@@ -15,6 +15,9 @@ from typing import Any
 
 import torch
 
+from parallel.model_options import ModelBuildOptions
+from parallel.step_types import LossReport, MicroBatch, ModelOutputs
+
 BF16 = torch.bfloat16
 REPO_ROOT_ENV = str(Path(__file__).resolve().parents[2])  # for child processes' PYTHONPATH
 
@@ -183,7 +186,7 @@ def make_actor(
     micro-batches packed."""
     from parallel.convert import load_hf_weights
     from parallel.model import build_model
-    from parallel.optim import build_optimizer, wrap_for_training
+    from parallel.optim import OptimizerSettings, build_optimizer, wrap_for_training
 
     torch.manual_seed(seed)
     if torch.cuda.is_available():
@@ -194,40 +197,43 @@ def make_actor(
         hf_config,
         ctx.mesh,
         dtype=BF16,
-        transformer_impl=transformer_impl,
-        attention_backend=attention_backend,
-        pack_sequences=pack_sequences,
+        options=ModelBuildOptions(
+            transformer_impl=transformer_impl,
+            attention_backend=attention_backend,
+            pack_sequences=pack_sequences,
+        ),
     )
     if model_dir is not None:
         load_hf_weights(models, ctx.mesh, model_dir)
     models = wrap_for_training(models, ctx.mesh, use_distributed_optimizer=distributed_optimizer)
     optimizer, scheduler = build_optimizer(
-        models, lr=lr, use_distributed_optimizer=distributed_optimizer, total_steps=100
+        models,
+        OptimizerSettings(lr=lr, use_distributed_optimizer=distributed_optimizer, total_steps=100),
     )
     return Actor(models, optimizer, scheduler, pack_sequences)
 
 
-def nll_loss(outputs: dict, micro_batch: dict) -> tuple[torch.Tensor, dict]:
+def nll_loss(outputs: ModelOutputs, micro_batch: MicroBatch) -> tuple[torch.Tensor, LossReport]:
     """Mean next-token NLL over the micro-batch's real tokens."""
-    mask = micro_batch["attention_mask"][:, 1:].float()
-    loss = -(outputs["log_probs"] * mask).sum() / mask.sum().clamp(min=1)
-    return loss, {"loss": loss.detach()}
+    mask = micro_batch.attention_mask[:, 1:].float()
+    loss = -(outputs.log_probs * mask).sum() / mask.sum().clamp(min=1)
+    return loss, LossReport({"loss": loss.detach()})
 
 
 def token_batch(
     ctx: Context, vocab: int, rows: int, length: int, micro: int, seed: int = 0
-) -> list[dict[str, torch.Tensor]]:
+) -> list[MicroBatch]:
     """Random token rows split into micro-batches (all tokens real)."""
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, vocab, (rows, length), generator=generator).to(ctx.device)
     mask = torch.ones_like(ids)
     return [
-        {"input_ids": i, "attention_mask": m}
+        MicroBatch(input_ids=i, attention_mask=m)
         for i, m in zip(ids.split(micro), mask.split(micro), strict=True)
     ]
 
 
-def step(ctx: Context, actor: Actor, batch: list[dict[str, torch.Tensor]]) -> float:
+def step(ctx: Context, actor: Actor, batch: list[MicroBatch]) -> float:
     from parallel.optim import train_step
 
     result = train_step(
@@ -239,7 +245,7 @@ def step(ctx: Context, actor: Actor, batch: list[dict[str, torch.Tensor]]) -> fl
         nll_loss,
         pack_sequences=actor.pack_sequences,
     )
-    losses = [float(m["loss"]) for m in result["micro_batch_metrics"]]
+    losses = [report.metrics["loss"] for report in result.reports]
     return sum(losses) / len(losses)
 
 

@@ -18,6 +18,7 @@ import torch
 from parallel import model as pmodel
 from parallel import model_backends as backends
 from parallel.mesh import Mesh
+from parallel.model_options import ModelBuildOptions
 from rlcli.config import RolloutConfig
 from rlcli.rollout import SamplingConfig, make_engine
 from tests.parallel.dist_utils import make_tiny_hf_model
@@ -207,7 +208,7 @@ def test_sequence_parallel_without_te_names_the_key(fresh_te_status):
     mesh = Mesh(2, 0, 0, 2, 1, 1, None, 0, 0, 0, True, True)  # tp=2; nothing collective runs
     config = Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
     with pytest.raises(backends.ModelConfigError, match="parallel.sequence_parallel"):
-        pmodel.build_model(config, mesh, sequence_parallel=True)
+        pmodel.build_model(config, mesh, options=ModelBuildOptions(sequence_parallel=True))
     with pytest.raises(backends.ModelConfigError, match="parallel.sequence_parallel"):
         backends.check_model_settings("auto", "auto", sequence_parallel=True, tp=4)
     resolved = backends.check_model_settings("auto", "auto", sequence_parallel=True, tp=1)

@@ -29,8 +29,9 @@ from parallel.checkpoint import load_checkpoint, save_checkpoint
 from parallel.convert import load_hf_weights
 from parallel.mesh import Mesh, init_parallel
 from parallel.model import build_model
-from parallel.optim import build_optimizer, train_step, wrap_for_training
+from parallel.optim import OptimizerSettings, build_optimizer, train_step, wrap_for_training
 from parallel.schedule import forward_log_probs
+from parallel.step_types import LossReport, MicroBatch, ModelOutputs
 
 ROWS, SEQ = 4, 9
 
@@ -44,9 +45,9 @@ def make_batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
 def nll_loss(dp: int):
     """Summed NLL scaled so that DP averaging gives the same gradient at every layout."""
 
-    def loss_fn(outputs: dict, micro_batch: dict) -> tuple[torch.Tensor, dict]:
-        nll = -outputs["log_probs"].sum()
-        return nll * dp / 64.0, {"nll": nll.item()}
+    def loss_fn(outputs: ModelOutputs, micro_batch: MicroBatch) -> tuple[torch.Tensor, LossReport]:
+        nll = -outputs.log_probs.sum()
+        return nll * dp / 64.0, LossReport({"nll": nll.item()})
 
     return loss_fn
 
@@ -59,13 +60,15 @@ def training_state(mesh: Mesh, hf_config, hf_dir: str | None, distributed: bool 
     models = wrap_for_training(models, mesh, use_distributed_optimizer=distributed)
     optimizer, scheduler = build_optimizer(
         models,
-        use_distributed_optimizer=distributed,
-        lr=1e-3,
-        min_lr=1e-4,
-        weight_decay=0.01,
-        warmup_steps=1,
-        total_steps=5,
-        decay_style="cosine",
+        OptimizerSettings(
+            use_distributed_optimizer=distributed,
+            lr=1e-3,
+            min_lr=1e-4,
+            weight_decay=0.01,
+            warmup_steps=1,
+            total_steps=5,
+            decay_style="cosine",
+        ),
     )
     return models, optimizer, scheduler
 
@@ -75,13 +78,13 @@ def step(models, mesh, optimizer, scheduler, batch) -> dict:
     rows = ROWS // mesh.dp
     mine = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
     micro_batches = [
-        {"input_ids": ids, "attention_mask": mask}
+        MicroBatch(input_ids=ids, attention_mask=mask)
         for ids, mask in zip(input_ids[mine].split(1), attention_mask[mine].split(1), strict=True)
     ]
     result = train_step(models, mesh, optimizer, scheduler, micro_batches, nll_loss(mesh.dp))
-    nll = torch.tensor(sum(m["nll"] for m in result["micro_batch_metrics"]), dtype=torch.float64)
+    nll = torch.tensor(sum(r.metrics["nll"] for r in result.reports), dtype=torch.float64)
     dist.all_reduce(nll, group=mesh.dp_group)
-    return {**result, "loss": nll.item() / 64.0}
+    return {"grad_norm": result.grad_norm, "lr": result.lr, "loss": nll.item() / 64.0}
 
 
 def full_logits(models, mesh: Mesh, input_ids: torch.Tensor) -> torch.Tensor:

@@ -45,12 +45,19 @@ from parallel.convert.mapping import unwrap_chunk
 from parallel.hf_model import load_hf_model
 from parallel.lora import LoraConfigError, LoraSpec, adapter_params, apply_lora, lora_disabled
 from parallel.lora_io import load_peft_adapter, save_peft_adapter
-from parallel.memory_terms import recompute_options
 from parallel.mesh import Mesh, init_parallel
+from parallel.model_options import ModelBuildOptions, Recompute
 from parallel.model_shapes import LORA_TARGET_MODULES, ModelShape, lora_stage_params
-from parallel.optim import build_optimizer, sub_optimizers, train_step, wrap_for_training
+from parallel.optim import (
+    OptimizerSettings,
+    build_optimizer,
+    sub_optimizers,
+    train_step,
+    wrap_for_training,
+)
 from parallel.parity import megatron_logits
 from parallel.reshard import iter_adapter_buckets, iter_inference_buckets
+from parallel.step_types import LossReport, MicroBatch, ModelOutputs
 
 SPEC = LoraSpec(rank=4, alpha=8.0, target_modules=("all",))
 ROWS, SEQ = 4, 10
@@ -89,9 +96,9 @@ def logits_diff(models, mesh: Mesh, tokens: torch.Tensor, reference: torch.Tenso
     return world_max(diff)
 
 
-def mean_nll(outputs: dict, micro_batch: dict, global_tokens: float, dp: int):
-    mask = micro_batch["attention_mask"][:, 1:].float()
-    return -(outputs["log_probs"] * mask).sum() * dp / global_tokens, {}
+def mean_nll(outputs: ModelOutputs, micro_batch: MicroBatch, global_tokens: float, dp: int):
+    mask = micro_batch.attention_mask[:, 1:].float()
+    return -(outputs.log_probs * mask).sum() * dp / global_tokens, LossReport()
 
 
 def peft_grads(hf_dir: str, adapter_dir: str, input_ids, mask) -> dict[str, torch.Tensor]:
@@ -128,8 +135,14 @@ def grad_diff(models, mesh: Mesh, reference: dict[str, torch.Tensor]) -> float:
     return world_max(diff)
 
 
-def lora_model(hf_dir: str, mesh: Mesh, adapter_dir: str | None, spec=SPEC, **build_options):
-    models = load_hf_model(hf_dir, mesh, **build_options)
+def lora_model(
+    hf_dir: str,
+    mesh: Mesh,
+    adapter_dir: str | None,
+    spec=SPEC,
+    options: ModelBuildOptions = ModelBuildOptions(),
+):
+    models = load_hf_model(hf_dir, mesh, options=options)
     apply_lora(models, spec)
     if adapter_dir is not None:
         load_peft_adapter(models, mesh, adapter_dir)
@@ -139,7 +152,7 @@ def lora_model(hf_dir: str, mesh: Mesh, adapter_dir: str | None, spec=SPEC, **bu
 def trained(models, mesh: Mesh, distributed: bool = False):
     models = wrap_for_training(models, mesh, use_distributed_optimizer=distributed)
     optimizer, scheduler = build_optimizer(
-        models, lr=1e-2, clip_grad=0.0, use_distributed_optimizer=distributed
+        models, OptimizerSettings(lr=1e-2, clip_grad=0.0, use_distributed_optimizer=distributed)
     )
     return models, optimizer, scheduler
 
@@ -148,7 +161,7 @@ def step(models, mesh: Mesh, optimizer, scheduler, input_ids, mask) -> None:
     rows = ROWS // mesh.dp
     mine = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
     tokens = mask[:, 1:].sum().item()
-    micro = [{"input_ids": input_ids[mine], "attention_mask": mask[mine]}]
+    micro = [MicroBatch(input_ids=input_ids[mine], attention_mask=mask[mine])]
     result = train_step(
         models,
         mesh,
@@ -157,7 +170,7 @@ def step(models, mesh: Mesh, optimizer, scheduler, input_ids, mask) -> None:
         micro,
         lambda out, mb: mean_nll(out, mb, tokens, mesh.dp),
     )
-    assert not result["skipped"], result
+    assert not result.skipped, result
 
 
 def optimizer_state_numel(optimizer) -> int:
@@ -323,9 +336,9 @@ def check_dp_extras(mesh: Mesh, hf_dir: str, args, input_ids, mask, counted: int
         == {id(e.param) for e in adapter_params(models)}
     )
 
-    recompute = recompute_options("full", "uniform", 1)
+    recompute = ModelBuildOptions(recompute=Recompute("full", "uniform", 1))
     models, optimizer, scheduler = trained(
-        lora_model(hf_dir, mesh, args.peft, recompute=recompute), mesh
+        lora_model(hf_dir, mesh, args.peft, options=recompute), mesh
     )
     step(models, mesh, optimizer, scheduler, input_ids, mask)
     report["full_recompute_grads_vs_peft"] = grad_diff(

@@ -29,9 +29,11 @@ from parallel.memory_terms import (
 )
 from parallel.mesh import init_parallel
 from parallel.model import build_model
+from parallel.model_options import ModelBuildOptions
 from parallel.model_shapes import KNOWN_SHAPES, ModelShape
 from parallel.offload import Offloader
-from parallel.optim import build_optimizer, train_step, wrap_for_training
+from parallel.optim import OptimizerSettings, build_optimizer, train_step, wrap_for_training
+from parallel.step_types import LossReport, MicroBatch, ModelOutputs
 
 MICRO_BATCH = int(os.environ.get("PROBE_MICRO_BATCH", 4))
 SEQ = int(os.environ.get("PROBE_SEQ", 1024))
@@ -88,8 +90,8 @@ def pinned_floor(nbytes: int) -> tuple[float, float]:
     return times[0], times[1]
 
 
-def loss_fn(outputs: dict, micro_batch: dict):
-    return -outputs["log_probs"].sum() / outputs["log_probs"].numel(), {}
+def loss_fn(outputs: ModelOutputs, micro_batch: MicroBatch):
+    return -outputs.log_probs.sum() / outputs.log_probs.numel(), LossReport()
 
 
 def probe(name: str, mesh) -> None:
@@ -98,11 +100,10 @@ def probe(name: str, mesh) -> None:
         hf_config(name),
         mesh,
         dtype=torch.bfloat16,
-        transformer_impl="local",
-        attention_backend="sdpa",
+        options=ModelBuildOptions(transformer_impl="local", attention_backend="sdpa"),
     )
     models = wrap_for_training(models, mesh)
-    optimizer, scheduler = build_optimizer(models, lr=1e-5, total_steps=10)
+    optimizer, scheduler = build_optimizer(models, OptimizerSettings(lr=1e-5, total_steps=10))
     plan = TrainedModel(
         SHAPES[name],
         dtype="bfloat16",
@@ -113,10 +114,10 @@ def probe(name: str, mesh) -> None:
     )
     vocab = SHAPES[name].vocab
     micro = [
-        {
-            "input_ids": torch.randint(0, vocab, (MICRO_BATCH, SEQ), device=mesh_device()),
-            "attention_mask": torch.ones(MICRO_BATCH, SEQ, dtype=torch.long, device=mesh_device()),
-        }
+        MicroBatch(
+            input_ids=torch.randint(0, vocab, (MICRO_BATCH, SEQ), device=mesh_device()),
+            attention_mask=torch.ones(MICRO_BATCH, SEQ, dtype=torch.long, device=mesh_device()),
+        )
         for _ in range(MICRO_BATCHES)
     ]
     train_step(models, mesh, optimizer, scheduler, micro, loss_fn)  # Adam state now exists

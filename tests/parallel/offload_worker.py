@@ -32,13 +32,19 @@ from parallel.memory_terms import (
     grad_numel_bytes,
     layer_activation_bytes,
     optimizer_state_numel,
-    recompute_options,
 )
 from parallel.mesh import Mesh, init_parallel
 from parallel.model import build_model
+from parallel.model_options import ModelBuildOptions, Recompute
 from parallel.model_shapes import ModelShape, stage_params
 from parallel.offload import Offloader
-from parallel.optim import build_optimizer, sub_optimizers, train_step, wrap_for_training
+from parallel.optim import (
+    OptimizerSettings,
+    build_optimizer,
+    sub_optimizers,
+    train_step,
+    wrap_for_training,
+)
 from tests.parallel.optim_worker import make_batch, mean_nll_loss, split
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -46,11 +52,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def fresh(mesh: Mesh, hf_config, hf_dir: str, dtype: str, distributed: bool, recompute=None):
     torch.manual_seed(5)
-    models = build_model(hf_config, mesh, dtype=DTYPES[dtype], recompute=recompute)
+    options = ModelBuildOptions(recompute=recompute or Recompute())
+    models = build_model(hf_config, mesh, dtype=DTYPES[dtype], options=options)
     load_hf_weights(models, mesh, hf_dir)
     models = wrap_for_training(models, mesh, use_distributed_optimizer=distributed)
     optimizer, scheduler = build_optimizer(
-        models, lr=1e-3, clip_grad=1.0, use_distributed_optimizer=distributed, total_steps=10
+        models,
+        OptimizerSettings(
+            lr=1e-3, clip_grad=1.0, use_distributed_optimizer=distributed, total_steps=10
+        ),
     )
     return models, optimizer, scheduler
 
@@ -186,8 +196,8 @@ def check_recompute(mesh, hf_config, hf_dir) -> dict:
     micro, loss_fn = batch_for(mesh, hf_config.vocab_size)
     results = {}
     for mode in ("none", "selective", "full"):
-        options = recompute_options(mode, "uniform", 1)
-        models, optimizer, scheduler = fresh(mesh, hf_config, hf_dir, "float32", False, options)
+        recompute = Recompute(mode, "uniform", 1)
+        models, optimizer, scheduler = fresh(mesh, hf_config, hf_dir, "float32", False, recompute)
         calls = []  # core attention runs again in backward when it is recomputed
         for chunk in models:
             for layer in chunk.module.decoder.layers:
@@ -200,8 +210,8 @@ def check_recompute(mesh, hf_config, hf_dir) -> dict:
         )
         assert runs_per_layer == (1 if mode == "none" else 2), (mode, runs_per_layer)
         grads = [p.main_grad.clone() for c in models for p in c.module.parameters()]
-        nll = sum(float(m["nll_sum"]) for m in out["micro_batch_metrics"])
-        results[mode] = (nll, out["grad_norm"], grads)
+        nll = sum(float(r.metrics["nll_sum"]) for r in out.reports)
+        results[mode] = (nll, out.grad_norm, grads)
     numbers = {}
     for mode in ("selective", "full"):
         loss_diff = abs(results[mode][0] - results["none"][0])
@@ -250,8 +260,9 @@ def check_activation_estimate(mesh, hf_config, hf_dir) -> dict:
                     hf_config,
                     mesh,
                     dtype=getattr(torch, dtype),
-                    attention_backend=attention,
-                    recompute=recompute_options(mode),
+                    options=ModelBuildOptions(
+                        attention_backend=attention, recompute=Recompute(mode)
+                    ),
                 )
                 measured = measured_layer_activations(models, input_ids)
                 planned = TrainedModel(

@@ -26,7 +26,14 @@ from transformers import AutoConfig, Qwen2ForCausalLM
 from parallel.convert import load_hf_weights
 from parallel.mesh import Mesh, init_parallel
 from parallel.model import build_model
-from parallel.optim import build_optimizer, sub_optimizers, train_step, wrap_for_training
+from parallel.optim import (
+    OptimizerSettings,
+    build_optimizer,
+    sub_optimizers,
+    train_step,
+    wrap_for_training,
+)
+from parallel.step_types import LossReport, MicroBatch, ModelOutputs
 
 LAYOUTS = [(2, 1, None), (1, 2, None), (1, 2, 2), (1, 1, None)]  # (tp, pp, vpp); 1x1 is DP2
 ROWS, SEQ = 8, 10
@@ -43,10 +50,10 @@ def make_batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
 def mean_nll_loss(global_tokens: float, dp: int):
     """Loss whose DP-averaged, micro-batch-summed gradient is that of the global mean NLL."""
 
-    def loss_fn(outputs: dict, micro_batch: dict) -> tuple[torch.Tensor, dict]:
-        mask = micro_batch["attention_mask"][:, 1:].float()
-        nll = -(outputs["log_probs"] * mask).sum()
-        return nll * dp / global_tokens, {"nll_sum": nll.item()}
+    def loss_fn(outputs: ModelOutputs, micro_batch: MicroBatch) -> tuple[torch.Tensor, LossReport]:
+        mask = micro_batch.attention_mask[:, 1:].float()
+        nll = -(outputs.log_probs * mask).sum()
+        return nll * dp / global_tokens, LossReport({"nll_sum": nll.item()})
 
     return loss_fn
 
@@ -77,20 +84,22 @@ def fresh_training_state(
     )
     optimizer, scheduler = build_optimizer(
         models,
-        lr=2e-3,
-        min_lr=1e-4,
-        clip_grad=clip_grad,
-        use_distributed_optimizer=distributed,
-        warmup_steps=0,
-        total_steps=10,
-        decay_style="linear",
+        OptimizerSettings(
+            lr=2e-3,
+            min_lr=1e-4,
+            clip_grad=clip_grad,
+            use_distributed_optimizer=distributed,
+            warmup_steps=0,
+            total_steps=10,
+            decay_style="linear",
+        ),
     )
     return models, optimizer, scheduler
 
 
-def split(input_ids, attention_mask, size: int) -> list[dict]:
+def split(input_ids, attention_mask, size: int) -> list[MicroBatch]:
     return [
-        {"input_ids": ids, "attention_mask": mask}
+        MicroBatch(input_ids=ids, attention_mask=mask)
         for ids, mask in zip(input_ids.split(size), attention_mask.split(size), strict=True)
     ]
 
@@ -120,13 +129,13 @@ def check_layout(mesh: Mesh, hf_config, hf_dir: str, batch, ref_grad_norm) -> di
     losses, lrs = [], []
     for step in range(4):
         result = train_step(models, mesh, optimizer, scheduler, split(ids, mask, 2), loss_fn)
-        assert not result["skipped"]
-        nll = torch.tensor(sum(m["nll_sum"] for m in result["micro_batch_metrics"]))
+        assert not result.skipped
+        nll = torch.tensor(sum(r.metrics["nll_sum"] for r in result.reports))
         dist.all_reduce(nll, group=mesh.dp_group)
         losses.append(nll.item() / global_tokens)
-        lrs.append(result["lr"])
+        lrs.append(result.lr)
         if step == 0:
-            numbers["grad_norm_vs_hf"] = abs(result["grad_norm"] - ref_grad_norm)
+            numbers["grad_norm_vs_hf"] = abs(result.grad_norm - ref_grad_norm)
             assert numbers["grad_norm_vs_hf"] < 1e-4 * ref_grad_norm, (result, ref_grad_norm)
     numbers.update({f"loss{i}": loss for i, loss in enumerate(losses)})
     assert all(a > b for a, b in zip(losses, losses[1:], strict=False)), losses
@@ -175,7 +184,7 @@ def check_layout(mesh: Mesh, hf_config, hf_dir: str, batch, ref_grad_norm) -> di
         result = train_step(
             models, mesh, optimizer, scheduler, split(ids[:4], mask[:4], 2), loss_fn
         )
-        reference.param_groups[0]["lr"] = result["lr"]
+        reference.param_groups[0]["lr"] = result.lr
         for param, grad in zip(reference_params, local_grads(models), strict=True):
             param.grad = grad
         reference.step()

@@ -36,6 +36,7 @@ from parallel.memory_terms import TrainedModel, weight_bytes
 from parallel.mesh import Mesh, destroy_parallel, init_parallel
 from parallel.model import build_model
 from parallel.model_backends import transformer_engine_status
+from parallel.model_options import ModelBuildOptions, MoeOptions
 from parallel.model_shapes import ModelShape, stage_expert_params, stage_params
 from parallel.moe import is_moe
 from tests.parallel.moe_checks import (
@@ -46,7 +47,7 @@ from tests.parallel.moe_checks import (
 
 BATCH, SEQ = 2, 12
 # Qwen2-MoE runs megatron's all-gather token dispatcher, Qwen3-MoE the default all-to-all.
-MOE_OPTIONS = {"qwen2_moe": {"token_dispatcher": "allgather"}}
+MOE_OPTIONS = {"qwen2_moe": MoeOptions(token_dispatcher="allgather")}
 
 
 def _tokens(vocab: int, dp_rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,7 +134,8 @@ def _all_true(flag: bool) -> bool:
 
 def check_model(hf_dir: Path, mesh: Mesh, export_dir: Path | None) -> dict:
     hf_config = AutoConfig.from_pretrained(hf_dir)
-    models = build_model(hf_config, mesh, moe=MOE_OPTIONS.get(hf_config.model_type))
+    moe = MOE_OPTIONS.get(hf_config.model_type, MoeOptions())
+    models = build_model(hf_config, mesh, options=ModelBuildOptions(moe=moe))
     for model in models:
         model.eval()  # megatron's MoE layer refuses to train at TP > 1 without SP
     report = {"dp_replicas_equal": _all_true(_dp_replicas_equal(models, mesh))}
@@ -220,7 +222,7 @@ def _check_variants(hf_dir: Path, hf_config, mesh: Mesh, tokens, positions) -> d
     )
 
     if mesh.tp > 1 and transformer_engine_status()[0]:  # the local spec cannot do SP
-        sp_models = build_model(hf_config, mesh, sequence_parallel=True)
+        sp_models = build_model(hf_config, mesh, options=ModelBuildOptions(sequence_parallel=True))
         load_hf_weights(sp_models, mesh, hf_dir)
         logits = _megatron_logits(sp_models, mesh, tokens, positions, hf_config.vocab_size)
         diff = (logits - hf_logits).abs().max().item() if logits is not None else None

@@ -19,7 +19,7 @@ For each layout (megatron's model-parallel state is rebuilt in between):
     scores and pairwise accuracy as Megatron;
   * the RL step's path: policy samples (some cut at the length limit) scored by
     rlcli.rewards.reward_model.reward_model_scores with the trainer's reward model
-    (TrainedModel(head="score"), micro-batched by rows under PP, by a token budget otherwise;
+    (TrainedModel(head=ScoreHead()), micro-batched by rows under PP, by a token budget otherwise;
     the Qwen2 RM's micro-batches packed),
     through the policy's own tokenizer (the Llama RM) and through the reward model's tokenizer
     and chat template (the Qwen2 RM), equal HF transformers' scores of the same inputs (1e-5) on
@@ -42,7 +42,8 @@ from transformers import AutoModelForSequenceClassification
 
 from parallel.convert import save_hf_checkpoint
 from parallel.mesh import Mesh, init_parallel
-from parallel.optim import build_optimizer, train_step, wrap_for_training
+from parallel.model_options import ModelBuildOptions
+from parallel.optim import OptimizerSettings, build_optimizer, train_step, wrap_for_training
 from parallel.preference_pairs import TokenizedPairs, pad_sequences
 from parallel.reward_model import load_reward_model, score_sequences
 from parallel.reward_training import bradley_terry_step, pairwise_accuracy
@@ -87,7 +88,9 @@ def check_scores(mesh: Mesh, hf_dir: str, input_ids, attention_mask) -> float:
     diff = (scores - expected).abs().max().item()
     assert diff < TOLERANCE, (hf_dir, diff, scores, expected)
     # Packed: each micro-batch one row of whole sequences (SDPA varlen), no padding computed.
-    packed_models = load_reward_model(hf_dir, mesh, attention_backend="sdpa", pack_sequences=True)
+    packed_models = load_reward_model(
+        hf_dir, mesh, options=ModelBuildOptions(attention_backend="sdpa", pack_sequences=True)
+    )
     rows_seen = []  # the rows of each forward's input_ids: 1 when the micro-batch ran packed
     hooks = [
         chunk.register_forward_pre_hook(lambda _, args: rows_seen.append(args[0].shape[0]))
@@ -118,7 +121,9 @@ def check_training(mesh: Mesh, lm_dir: str, out_dir: Path, pairs: TokenizedPairs
     layout = f"tp{mesh.tp}_pp{mesh.pp}_dp{mesh.dp}"
     models = load_reward_model(lm_dir, mesh, from_language_model=True, pad_token_id=PAD)
     models = wrap_for_training(models, mesh)
-    optimizer, scheduler = build_optimizer(models, lr=3e-3, clip_grad=100.0, total_steps=10)
+    optimizer, scheduler = build_optimizer(
+        models, OptimizerSettings(lr=3e-3, clip_grad=100.0, total_steps=10)
+    )
     initial = out_dir / f"initial_{layout}"
     save_hf_checkpoint(models, mesh, initial, models[0].module.hf_config)
     ref_loss, ref_norm, _ = hf_bradley_terry(initial, pairs)
@@ -198,12 +203,13 @@ def check_step_scores(mesh: Mesh, rm_dir: str, policy_tokenizer, shares_tokenize
     from transformers import AutoTokenizer
 
     from parallel.model_shapes import ModelShape, stage_params
+    from rlcli.model_heads import ScoreHead
     from rlcli.rewards.reward_model import RewardModelInputs, reward_model_scores
     from rlcli.trained_model import MicroBatching, TrainedModel
 
     pack = not shares_tokenizer  # the Qwen2 RM scores packed rows (reward.model.pack_sequences)
     budget = MicroBatching(2, pack=pack) if mesh.pp > 1 else MicroBatching(1, 0, 40, pack)
-    model = TrainedModel(mesh, rm_dir, micro_batching=budget, head="score")
+    model = TrainedModel(mesh, rm_dir, micro_batching=budget, head=ScoreHead())
     shape = ModelShape.from_hf_config(model.hf_config.to_dict())
     held = sum(p.numel() for chunk in model.models for p in chunk.parameters())
     planned = stage_params(

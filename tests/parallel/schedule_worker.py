@@ -26,6 +26,7 @@ from parallel.convert import load_hf_weights
 from parallel.mesh import Mesh, init_parallel
 from parallel.model import build_model
 from parallel.schedule import forward_backward, forward_log_probs
+from parallel.step_types import LossReport, MicroBatch, ModelOutputs
 
 TEMPERATURE = 0.7
 LAYOUTS = [(2, 1, None), (1, 2, None), (1, 2, 2)]
@@ -41,20 +42,20 @@ def make_batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return input_ids * attention_mask, attention_mask
 
 
-def micro_batches_of(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[dict]:
+def micro_batches_of(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[MicroBatch]:
     """Three micro-batches of 2 rows, cut to different lengths (12, 12, 9 columns)."""
     cuts = [(0, 2, 12), (2, 4, 12), (4, 6, 9)]
     return [
-        {"input_ids": input_ids[a:b, :s], "attention_mask": attention_mask[a:b, :s]}
+        MicroBatch(input_ids=input_ids[a:b, :s], attention_mask=attention_mask[a:b, :s])
         for a, b, s in cuts
     ]
 
 
-def policy_loss(outputs: dict, micro_batch: dict) -> tuple[torch.Tensor, dict]:
+def policy_loss(outputs: ModelOutputs, micro_batch: MicroBatch) -> tuple[torch.Tensor, LossReport]:
     """A summed (not averaged) per-token loss, so the sum over micro-batches is well defined."""
-    mask = micro_batch["attention_mask"][:, 1:].float()
-    loss = -(outputs["log_probs"] * mask).sum() - 0.1 * (outputs["entropy"] * mask).sum()
-    return loss, {"loss": loss.item(), "tokens": mask.sum().item()}
+    mask = micro_batch.attention_mask[:, 1:].float()
+    loss = -(outputs.log_probs * mask).sum() - 0.1 * (outputs.entropy * mask).sum()
+    return loss, LossReport({"loss": loss.item(), "tokens": mask.sum().item()})
 
 
 def hf_policy_reference(hf_dir: str, input_ids, attention_mask):
@@ -106,16 +107,20 @@ def check_layout(mesh: Mesh, hf_config, policy_dir, critic_dir, batch, refs) -> 
     )
     lp_diff, entropy_diff = 0.0, 0.0
     for result, (a, b, s) in zip(results, [(0, 2, 12), (2, 4, 12), (4, 6, 9)], strict=True):
-        assert result["log_probs"].shape == (2, s - 1), result["log_probs"].shape
+        assert result.outputs.log_probs.shape == (2, s - 1), result.outputs.log_probs.shape
         lp_diff = max(
             lp_diff,
-            max_masked_diff(result["log_probs"], ref_lp[a:b, : s - 1], label_mask[a:b, : s - 1]),
+            max_masked_diff(
+                result.outputs.log_probs, ref_lp[a:b, : s - 1], label_mask[a:b, : s - 1]
+            ),
         )
         entropy_diff = max(
             entropy_diff,
-            max_masked_diff(result["entropy"], ref_entropy[a:b, : s - 1], label_mask[a:b, : s - 1]),
+            max_masked_diff(
+                result.outputs.entropy, ref_entropy[a:b, : s - 1], label_mask[a:b, : s - 1]
+            ),
         )
-        assert abs(result["tokens"] - label_mask[a:b, : s - 1].sum().item()) == 0
+        assert abs(result.report.metrics["tokens"] - label_mask[a:b, : s - 1].sum().item()) == 0
     diffs["log_probs"], diffs["entropy"] = lp_diff, entropy_diff
 
     whole = forward_log_probs(models, mesh, input_ids[:5], attention_mask[:5], 2, TEMPERATURE)
@@ -156,10 +161,12 @@ def check_layout(mesh: Mesh, hf_config, policy_dir, critic_dir, batch, refs) -> 
     values = forward_backward(critics, mesh, micro_batches, None, forward_only=True)
     value_diff = 0.0
     for result, (a, b, s) in zip(values, [(0, 2, 12), (2, 4, 12), (4, 6, 9)], strict=True):
-        assert result["values"].shape == (2, s)
+        assert result.outputs.values.shape == (2, s)
         value_diff = max(
             value_diff,
-            max_masked_diff(result["values"], ref_values[a:b, :s], attention_mask[a:b, :s].float()),
+            max_masked_diff(
+                result.outputs.values, ref_values[a:b, :s], attention_mask[a:b, :s].float()
+            ),
         )
     diffs["values"] = value_diff
 

@@ -11,6 +11,7 @@ from transformers import LlamaConfig, Qwen2Config
 
 from parallel.mesh import ParallelLayoutError
 from parallel.model import padded_vocab_size, transformer_config_from_hf
+from parallel.model_options import MoeOptions
 from tests.parallel.dist_utils import TINY_CONFIG
 
 
@@ -78,7 +79,7 @@ def _qwen3_moe(**overrides):
 
 def test_moe_config_carries_experts_layout_and_training_knobs():
     config = transformer_config_from_hf(
-        _qwen3_moe(), tp=2, pp=1, ep=2, etp=1, moe={"aux_loss_coef": 0.01}
+        _qwen3_moe(), tp=2, pp=1, ep=2, etp=1, moe=MoeOptions(aux_loss_coef=0.01)
     )
     assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (
         8,
@@ -92,7 +93,9 @@ def test_moe_config_carries_experts_layout_and_training_knobs():
     default = transformer_config_from_hf(_qwen3_moe(router_aux_loss_coef=0.002), tp=1, pp=1)
     assert default.moe_aux_loss_coeff == 0.002  # config.json's coefficient
     assert default.expert_tensor_parallel_size == 1  # expert TP defaults to TP
-    off = transformer_config_from_hf(_qwen3_moe(), tp=1, pp=1, moe={"load_balancing": "none"})
+    off = transformer_config_from_hf(
+        _qwen3_moe(), tp=1, pp=1, moe=MoeOptions(load_balancing="none")
+    )
     assert off.moe_aux_loss_coeff == 0.0
 
 
@@ -106,7 +109,7 @@ def test_moe_layout_and_dense_model_errors_name_the_keys():
     with pytest.raises(ModelConfigError, match="parallel.ep"):
         transformer_config_from_hf(_qwen2(), tp=1, pp=1, ep=2)
     with pytest.raises(ModelConfigError, match="model.moe_"):
-        transformer_config_from_hf(_qwen2(), tp=1, pp=1, moe={"aux_loss_coef": 0.1})
+        transformer_config_from_hf(_qwen2(), tp=1, pp=1, moe=MoeOptions(aux_loss_coef=0.1))
 
 
 class _Head(torch.nn.Linear):

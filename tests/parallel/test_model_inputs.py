@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from parallel.model_inputs import pack_rows, packed_inputs, padded_inputs
+from parallel.step_types import MicroBatch
 
 
 def right_padded(lengths: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,13 +53,15 @@ def test_unpack_gives_the_padded_layout_with_zeros_past_each_row():
 
 def test_model_inputs_share_one_shape_under_pipeline_parallelism():
     first, second = right_padded([3, 2], width=3), right_padded([1, 1, 1], width=1)
-    batches = [{"input_ids": i, "attention_mask": m} for i, m in (first, second)]
+    batches = [MicroBatch(input_ids=i, attention_mask=m) for i, m in (first, second)]
     packed = packed_inputs(batches, common_length=True, multiple=2)
-    assert [p["input_ids"].shape for p in packed] == [(1, 6), (1, 6)]  # 5 and 3 real tokens
-    assert [p["packed"].lengths.tolist() for p in packed] == [[3, 2], [1, 1, 1]]
+    assert [p.input_ids.shape for p in packed] == [(1, 6), (1, 6)]  # 5 and 3 real tokens
+    assert [p.packed.lengths.tolist() for p in packed] == [[3, 2], [1, 1, 1]]
     alone = packed_inputs(batches, common_length=False)
-    assert [p["input_ids"].shape[1] for p in alone] == [5, 3]
-    same_rows = [{"input_ids": i, "attention_mask": m} for i, m in (first, right_padded([1, 1], 1))]
+    assert [p.input_ids.shape[1] for p in alone] == [5, 3]
+    same_rows = [
+        MicroBatch(input_ids=i, attention_mask=m) for i, m in (first, right_padded([1, 1], 1))
+    ]
     padded = padded_inputs(same_rows, common_length=True)
-    assert [tuple(p["input_ids"].shape) for p in padded] == [(2, 3), (2, 3)]
-    assert padded[1]["position_ids"].tolist() == [[0, 1, 2], [0, 1, 2]]
+    assert [tuple(p.input_ids.shape) for p in padded] == [(2, 3), (2, 3)]
+    assert padded[1].position_ids.tolist() == [[0, 1, 2], [0, 1, 2]]

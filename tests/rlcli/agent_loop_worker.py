@@ -36,6 +36,7 @@ def main(model_dir: str, tool_config: str, out: str) -> None:
     from rlcli.batch import collate
     from rlcli.config import MultiTurnConfig, RolloutConfig
     from rlcli.data import PromptItem
+    from rlcli.model_heads import ValueHead
     from rlcli.rollout.base import SamplingConfig
     from rlcli.rollout.factory import make_engine
     from rlcli.tools.multi_turn import build_multi_turn
@@ -71,7 +72,7 @@ def main(model_dir: str, tool_config: str, out: str) -> None:
             "masked_tokens": int(off.sum()),
         }
     del actor
-    critic = TrainedModel(mesh, model_dir, micro_batching=MicroBatching(8), head="value")
+    critic = TrainedModel(mesh, model_dir, micro_batching=MicroBatching(8), head=ValueHead())
     values = critic.forward(batch)
     generated = batch.loss_mask.bool()
     # An outcome reward on each trajectory's last generated token (the trainer's placement).

@@ -40,13 +40,15 @@ def plain_gae(rewards: list[float], values: list[float]) -> tuple[list[float], l
 def check_loop(model_dir: str, out: str) -> None:
     from parallel.mesh import init_parallel
     from parallel.schedule import forward_backward
+    from parallel.step_types import MicroBatch
     from rlcli.advantages import compute_advantages
     from rlcli.batch import collate, take_dp_share
     from rlcli.build import build_kl_controller
     from rlcli.config_loader import load_config
     from rlcli.critic import update_critic
     from rlcli.dp_stats import DataParallelStats
-    from rlcli.trained_model import MicroBatching, OptimizerSettings, TrainedModel
+    from rlcli.model_heads import ValueHead
+    from rlcli.trained_model import MicroBatching, TrainedModel, optimizer_settings
     from tests.rlcli.dp_step_worker import random_samples, with_log_probs
 
     mesh = init_parallel(1, 1)
@@ -69,8 +71,8 @@ def check_loop(model_dir: str, out: str) -> None:
     critic = TrainedModel(  # as rlcli.build.build_critic builds it, with the lr this test wants
         mesh,
         model_dir,
-        head="value",
-        optim=OptimizerSettings.of(
+        head=ValueHead(),
+        optim=optimizer_settings(
             cfg.critic, total_steps=10, use_distributed_optimizer=False, lr=2e-5
         ),
         micro_batching=MicroBatching.of(cfg.critic),
@@ -83,13 +85,17 @@ def check_loop(model_dir: str, out: str) -> None:
     worst = {"values_alone": 0.0, "advantages": 0.0, "returns": 0.0, "rewards": 0.0}
     for row, s in enumerate(mine):  # each sequence alone, whole-sequence output
         tokens = torch.tensor([s.prompt_ids + s.response_ids])
-        alone = forward_backward(
-            critic.models,
-            mesh,
-            [{"input_ids": tokens, "attention_mask": torch.ones_like(tokens)}],
-            None,
-            forward_only=True,
-        )[0]["values"][0].cpu()
+        alone = (
+            forward_backward(
+                critic.models,
+                mesh,
+                [MicroBatch(input_ids=tokens, attention_mask=torch.ones_like(tokens))],
+                None,
+                forward_only=True,
+            )[0]
+            .outputs.values[0]
+            .cpu()
+        )
         n, p = len(s.response_ids), len(s.prompt_ids)
         diff = (batch.values[row, :n] - alone[p - 1 : p - 1 + n]).abs().max().item()
         worst["values_alone"] = max(worst["values_alone"], diff)
@@ -156,6 +162,7 @@ def compare_export(step_dir: str, hf_dir: str, out: str) -> None:
     from parallel.mesh import init_parallel
     from parallel.model import build_model
     from parallel.schedule import forward_backward
+    from parallel.step_types import MicroBatch
 
     mesh = init_parallel(1, 1)
     config = AutoConfig.from_pretrained(f"{step_dir}/critic/hf")
@@ -167,10 +174,10 @@ def compare_export(step_dir: str, hf_dir: str, out: str) -> None:
     megatron = forward_backward(
         models,
         mesh,
-        [{"input_ids": tokens, "attention_mask": torch.ones_like(tokens)}],
+        [MicroBatch(input_ids=tokens, attention_mask=torch.ones_like(tokens))],
         None,
         forward_only=True,
-    )[0]["values"].cpu()
+    )[0].outputs.values.cpu()
     hf = AutoModelForTokenClassification.from_pretrained(hf_dir).eval()
     with torch.no_grad():
         values = hf(tokens).logits[..., 0]

@@ -12,7 +12,7 @@ state is rebuilt between layouts, the default process group is kept):
    denominator) summed over packed micro-batches and the gradients of that sum (after
    megatron's DP all-reduce) against fixed micro-batches of 2 rows; one on-policy update
    (update_actor) from the same weights, packed and padded: the weights after it.
-3. the PPO critic's values (TrainedModel(head="value").forward) packed and padded.
+3. the PPO critic's values (TrainedModel(head=ValueHead()).forward) packed and padded.
 Rank 0 writes the largest differences (and the scales they are measured against).
 """
 
@@ -26,13 +26,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from parallel.model_options import ModelBuildOptions
 from tests.rlcli.token_budget_worker import AGG_MODES, config, make_batch, random_samples
 
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}
 
 
 def optim_settings():
-    from rlcli.trained_model import OptimizerSettings
+    from parallel.optim import OptimizerSettings
 
     # lr = 1, adam_eps = 1: the first step is nearly linear in the gradient (token_budget_worker)
     return OptimizerSettings(
@@ -42,15 +43,17 @@ def optim_settings():
     )  # fmt: skip
 
 
-def trained(mesh, hf_dir: str, pack: bool, head: str = "lm", attention: str = "sdpa"):
-    """A trainable model as rlcli.build builds it: micro-batches of 2 rows, or packed within a
-    40-token budget."""
+def trained(mesh, hf_dir: str, pack: bool, value: bool = False, attention: str = "sdpa"):
+    """A trainable model as rlcli.build builds it (a policy, or with ``value`` a critic):
+    micro-batches of 2 rows, or packed within a 40-token budget."""
+    from rlcli.model_heads import LanguageModelHead, ValueHead
     from rlcli.trained_model import MicroBatching, TrainedModel
 
+    head = ValueHead() if value else LanguageModelHead()
     return TrainedModel(
         mesh, hf_dir, head=head, optim=optim_settings(),
         micro_batching=MicroBatching(2, 40 * pack, pack=pack),
-        model_options={"attention_backend": attention},
+        model_options=ModelBuildOptions(attention_backend=attention),
     )  # fmt: skip
 
 
@@ -85,12 +88,12 @@ def attention_parity(mesh, hf_dir: str, batch) -> dict[str, float]:
     ids = batch.input_ids
     logits = {}
     for attention in ("local", "sdpa"):
-        models = load_hf_model(hf_dir, mesh, attention_backend=attention)
+        models = load_hf_model(hf_dir, mesh, options=ModelBuildOptions(attention_backend=attention))
         logits[attention] = full_logits(models, mesh, ids)
     log_probs = {
         attention: TrainedModel(
             mesh, hf_dir, micro_batching=MicroBatching(4),
-            model_options={"attention_backend": attention},
+            model_options=ModelBuildOptions(attention_backend=attention),
         ).forward(batch)
         for attention in ("local", "sdpa")
     }  # fmt: skip
@@ -108,25 +111,26 @@ def attention_parity(mesh, hf_dir: str, batch) -> dict[str, float]:
 
 def per_row(actor, batch, pack: bool) -> dict[str, torch.Tensor]:
     """log_probs and entropy [B, S-1] of every row, put back by row number."""
-    from parallel.micro_batches import ROW_KEY, micro_batches
+    from parallel.micro_batches import micro_batches
     from parallel.schedule import forward_backward
+    from parallel.step_types import MicroBatch
 
-    rows = {
-        "input_ids": batch.input_ids,
-        "attention_mask": batch.attention_mask,
-        ROW_KEY: torch.arange(batch.input_ids.shape[0]),
-    }
+    rows = MicroBatch(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        row_index=torch.arange(batch.input_ids.shape[0]),
+    )
     parts = micro_batches(rows, 2, equal_sizes=actor.mesh.pp > 1, max_tokens=40 * pack, pack=pack)
     results = forward_backward(
         actor.models, actor.mesh, parts, None, forward_only=True, compute_entropy=True,
         pack_sequences=pack,
     )  # fmt: skip
-    shape = (rows["input_ids"].shape[0], rows["input_ids"].shape[1] - 1)
+    shape = (rows.input_ids.shape[0], rows.input_ids.shape[1] - 1)
     out = {name: torch.zeros(shape) for name in ("log_probs", "entropy")}
     for part, result in zip(parts, results, strict=True):
         for name in out:
-            values = result[name].cpu()
-            out[name][part[ROW_KEY], : values.shape[1]] = values
+            values = getattr(result.outputs, name).cpu()
+            out[name][part.row_index, : values.shape[1]] = values
     return out
 
 
@@ -141,8 +145,7 @@ def loss_and_grads(actor, batch, cfg, mesh, pack: bool):
 
     for chunk in actor.models:
         chunk.zero_grad_buffer()
-    tensors = batch.tensors()
-    parts = micro_batches(tensors, 2, equal_sizes=mesh.pp > 1, max_tokens=40 * pack, pack=pack)
+    parts = micro_batches(batch, 2, equal_sizes=mesh.pp > 1, max_tokens=40 * pack, pack=pack)
     # This rank's share of the global denominator (DDP averages gradients over DP).
     denominator = algorithms.agg_loss_denominator(
         batch.loss_mask, cfg.actor.loss_agg_mode, norm_length=cfg.rollout.max_tokens
@@ -152,13 +155,13 @@ def loss_and_grads(actor, batch, cfg, mesh, pack: bool):
         actor.models, mesh, parts, make_actor_loss(cfg, denominator),
         forward_only=False, compute_entropy=True, pack_sequences=pack,
     )  # fmt: skip
-    loss = sum(r["actor/pg_loss"] - 0.01 * r["actor/entropy"] + 0.001 * r["actor/kl_loss"]
-               for r in results)  # fmt: skip
+    loss = sum(m["actor/pg_loss"] - 0.01 * m["actor/entropy"] + 0.001 * m["actor/kl_loss"]
+               for m in (r.report.metrics for r in results))  # fmt: skip
     total = torch.tensor([loss], dtype=torch.float64)
     if mesh.dp > 1:
         dist.all_reduce(total, group=mesh.dp_group)
     grads = [p.main_grad.clone() for m in actor.models for p in m.parameters()]
-    return total.item(), grads, [int(p["attention_mask"].sum()) for p in parts]
+    return total.item(), grads, [int(p.attention_mask.sum()) for p in parts]
 
 
 def weights(policy) -> list[torch.Tensor]:
@@ -205,7 +208,7 @@ def packing_parity(mesh, hf_dir: str, critic_dir: str, batch) -> dict:
         "weight_change": max_diff(runs[False], before),
     }
     # The critic's values through TrainedModel.forward, one model read packed and padded.
-    critic = trained(mesh, critic_dir, pack=True, head="value")
+    critic = trained(mesh, critic_dir, pack=True, value=True)
     values = {}
     for pack in (False, True):
         critic.micro_batching = replace(critic.micro_batching, pack=pack)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import algorithms
+from parallel.step_types import ModelOutputs
 from rlcli.actor_update import make_actor_loss
 from rlcli.batch import Sample, collate
 from rlcli.config import RLConfig
@@ -89,7 +90,8 @@ def test_masked_losses_equal_a_hand_computation_on_generated_tokens(mode):
     cfg.actor.kl_loss_coef = KL_COEF
     batch, outputs = _batch()
     denominator = algorithms.agg_loss_denominator(batch.loss_mask, mode, norm_length=NORM_LENGTH)
-    loss, metrics = make_actor_loss(cfg, denominator)(outputs, batch.tensors())
+    loss, report = make_actor_loss(cfg, denominator)(ModelOutputs(**outputs), batch)
+    metrics = report.metrics
 
     log_prob = torch.gather(outputs["log_probs"], 1, batch.response_index)
     entropy = torch.gather(outputs["entropy"], 1, batch.response_index)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from parallel.step_types import ModelOutputs
 from rlcli.actor_update import make_actor_loss
 from rlcli.batch import Sample, collate
 from rlcli.config import RLConfig
@@ -32,14 +33,14 @@ def actor_loss(correction: str, staleness: int = 1) -> tuple[float, dict]:
     per_position = torch.zeros(1, 4)  # [B, S - 1]: response token j is scored at 1 + j
     per_position[0, 1:] = CURRENT[0]
     loss_fn = make_actor_loss(cfg, torch.tensor(3.0), record_agreement=True)
-    loss, metrics = loss_fn({"log_probs": per_position}, batch.tensors())
-    return loss.item(), metrics
+    loss, report = loss_fn(ModelOutputs(log_probs=per_position), batch)
+    return loss.item(), report
 
 
 def test_the_actor_loss_corrects_with_the_engine_log_probs():
-    loss, metrics = actor_loss("decoupled_ppo")
+    loss, report = actor_loss("decoupled_ppo")
     assert loss == pytest.approx(-0.83, abs=1e-6)
-    assert metrics["actor/is_weight_mean"] == pytest.approx((1.2 + 2 + 0.75) / 3, abs=1e-6)
+    assert report.metrics["actor/is_weight_mean"] == pytest.approx((1.2 + 2 + 0.75) / 3, abs=1e-6)
     assert actor_loss("tis")[0] == pytest.approx(-2.81 / 3, abs=1e-6)
     assert actor_loss("none")[0] == pytest.approx((-1.2 - 0.9 + 1.0) / 3, abs=1e-6)
 
@@ -48,6 +49,9 @@ def test_log_prob_agreement_counts_only_rows_of_the_trainers_weights():
     """A stale row's engine log-probs come from other weights: no agreement is measured on it."""
     _, stale = actor_loss("decoupled_ppo", staleness=1)
     _, fresh = actor_loss("decoupled_ppo", staleness=0)
-    assert stale["_diff_tokens"] == 0.0 and stale["_kl_tokens"] == 0.0
-    assert fresh["_diff_tokens"] == 3.0
-    assert fresh["_diff_sum"] == pytest.approx((CURRENT - BEHAVIOUR).abs().sum().item(), rel=1e-6)
+    # logprob_agreement's sums: |diff| sum, tokens, KL sum, KL tokens
+    diff_sum, diff_tokens, _, kl_tokens = stale.sums.tolist()
+    assert diff_tokens == 0.0 and kl_tokens == 0.0
+    diff_sum, diff_tokens, _, _ = fresh.sums.tolist()
+    assert diff_tokens == 3.0
+    assert diff_sum == pytest.approx((CURRENT - BEHAVIOUR).abs().sum().item(), rel=1e-6)

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from parallel.step_types import LossReport, StepResult
 from rlcli.actor_update import update_actor
 from rlcli.batch import RolloutBatch, Sample, collate
 from rlcli.config_loader import load_config
@@ -23,16 +24,13 @@ class RecordingModel(TrainedModel):
         self.steps: list[list[int]] = []
         self.refuse = refuse  # optimizer steps that report skipped=True
 
-    def train_step(self, tensors, loss_fn, temperature=1.0, compute_entropy=False):
-        groups = tensors["group_index"].tolist()
+    def train_step(self, batch, loss_fn, temperature=1.0, compute_entropy=False):
+        groups = batch.group_index.tolist()
         skipped = len(self.steps) in self.refuse
         self.steps.append(groups)
-        return {
-            "micro_batch_metrics": [{"actor/pg_loss": 0.0}],
-            "grad_norm": 1.0,
-            "lr": 1e-6,
-            "skipped": skipped,
-        }
+        return StepResult(
+            [LossReport({"actor/pg_loss": 0.0})], grad_norm=1.0, lr=1e-6, skipped=skipped
+        )
 
 
 def batch_of(num_groups: int, n: int = 2) -> RolloutBatch:

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from parallel.step_types import ModelOutputs
 from rlcli.batch import collate
 from rlcli.data.sft_rows import SFTConversation, read_sft_rows, sft_corpus
 from rlcli.errors import UserError
@@ -64,7 +65,7 @@ def test_the_sft_loss_counts_only_the_assistant_tokens(tokenizer):
     batch = collate([sample], pad_id=tokenizer.pad_token_id)
     log_probs = -torch.rand(1, batch.input_ids.shape[1] - 1, dtype=torch.float32) - 0.1
     loss, _ = make_sft_loss(float(generated_tokens(sample)))(
-        {"log_probs": log_probs}, batch.tensors()
+        ModelOutputs(log_probs=log_probs), batch
     )
     start = len(sample.prompt_ids) - 1
     per_token = [-log_probs[0, start + j].item() for j, m in enumerate(sample.loss_mask) if m]

@@ -73,7 +73,8 @@ def config(mode: str, extra: list[str] = ()):
 
 
 def policy(mesh, hf_dir: str, max_tokens: int = 0):
-    from rlcli.trained_model import MicroBatching, OptimizerSettings, TrainedModel
+    from parallel.optim import OptimizerSettings
+    from rlcli.trained_model import MicroBatching, TrainedModel
 
     # adam_eps = 1 and lr = 1: the first Adam step is g / (|g| + 1), nearly linear in the
     # gradient, so gradient differences show in the weights (a tiny eps would turn rounding
@@ -96,7 +97,7 @@ def loss_and_grads(actor, batch, cfg, mesh, max_tokens: int):
 
     for chunk in actor.models:
         chunk.zero_grad_buffer()
-    parts = micro_batches(batch.tensors(), 2, equal_sizes=mesh.pp > 1, max_tokens=max_tokens)
+    parts = micro_batches(batch, 2, equal_sizes=mesh.pp > 1, max_tokens=max_tokens)
     # This rank's share of the global denominator (DDP averages gradients over DP).
     denominator = algorithms.agg_loss_denominator(
         batch.loss_mask, cfg.actor.loss_agg_mode, norm_length=cfg.rollout.max_tokens
@@ -106,10 +107,10 @@ def loss_and_grads(actor, batch, cfg, mesh, max_tokens: int):
         actor.models, mesh, parts, make_actor_loss(cfg, denominator),
         forward_only=False, compute_entropy=True,
     )  # fmt: skip
-    loss = sum(r["actor/pg_loss"] - 0.01 * r["actor/entropy"] + 0.001 * r["actor/kl_loss"]
-               for r in results)  # fmt: skip
+    loss = sum(m["actor/pg_loss"] - 0.01 * m["actor/entropy"] + 0.001 * m["actor/kl_loss"]
+               for m in (r.report.metrics for r in results))  # fmt: skip
     grads = [p.main_grad.clone() for m in actor.models for p in m.parameters()]
-    widths = [p["input_ids"].numel() for p in parts]
+    widths = [p.input_ids.numel() for p in parts]
     return loss, grads, widths
 
 
