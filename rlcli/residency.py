@@ -125,7 +125,7 @@ def residency_plan(cfg: RLConfig) -> ResidencyPlan:
         Phase.sync: {"actor": Need(on=frozenset({"params"}))},
         Phase.checkpoint: {"actor": Need(on=everything), "critic": Need(on=everything)},
     }
-    if cfg.rollout.is_separate:
+    if cfg.rollout.placement == "separate":
         plan[Phase.rollout] = {}
     for phase, row in plan.items():
         if phase != Phase.ref:

@@ -63,7 +63,7 @@ def test_unsupported_rope_scaling_and_model_type():
     with pytest.raises(ValueError, match="unsupported RoPE scaling"):
         transformer_config_from_hf(config, tp=1, pp=1)
     config.model_type = "gpt2"
-    with pytest.raises(ValueError, match="supported: llama, qwen2"):
+    with pytest.raises(ValueError, match="valid names: llama, qwen2"):
         transformer_config_from_hf(config, tp=1, pp=1)
 
 
