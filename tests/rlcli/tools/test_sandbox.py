@@ -162,7 +162,7 @@ attempts = [
     ("overwrite", lambda: open({str(existing)!r}, "w").write("escaped")),
     ("remove", lambda: os.remove({str(existing)!r})),
     ("create", lambda: open({str(outside_dir / "new.txt")!r}, "w")),
-    ("tmp", lambda: open("/tmp/x", "w")),
+    ("tmp", lambda: open("/tmp/rlcli-sandbox-write-probe", "w")),
     ("shm", lambda: open("/dev/shm/x", "w")),
     ("parent", lambda: open(os.path.expanduser("~/../x"), "w")),
     ("root", lambda: open("/x", "w")),
