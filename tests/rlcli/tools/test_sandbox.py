@@ -164,7 +164,7 @@ attempts = [
     ("create", lambda: open({str(outside_dir / "new.txt")!r}, "w")),
     ("tmp", lambda: open("/tmp/rlcli-sandbox-write-probe", "w")),
     ("shm", lambda: open("/dev/shm/x", "w")),
-    ("parent", lambda: open(os.path.expanduser("~/../x"), "w")),
+    ("parent", lambda: open(os.path.expanduser("~/../rlcli-sandbox-write-probe"), "w")),
     ("root", lambda: open("/x", "w")),
     ("usr", lambda: open("/usr/x", "w")),
     ("prefix", lambda: open(os.path.join(sys.prefix, "x"), "w")),
