@@ -51,7 +51,7 @@ def _measure(ctx: Context, config, batch, attention: str, pack: bool) -> dict:
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
     del actor
     ctx.release_memory()
-    tokens = sum(int(m["attention_mask"].sum()) for m in batch)
+    tokens = sum(int(m.attention_mask.sum()) for m in batch)
     return {"first_loss": losses[0], "finite": all(x == x for x in losses),
             "tokens_per_s": tokens / seconds, "peak_gb": peak}  # fmt: skip
 
