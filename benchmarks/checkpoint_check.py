@@ -3,7 +3,7 @@ docs/troubleshooting.md): ``python -m benchmarks.checkpoint_check [--work-dir DI
 
 For the quickstart's model (rlcli's default ``model.spec``) and the benchmark's 25M model, one
 process saves a run-shaped checkpoint (model and Adam's moments through
-``parallel.checkpoint``, the manifest through ``rlcli.run_checkpoint``) after one update, then
+``parallel.checkpoint``, the manifest through ``rlcli.run.checkpoints``) after one update, then
 times, best of ``--repeats``, with the page cache warm and with the checkpoint's files evicted
 from it (``posix_fadvise(DONTNEED)``; the files are fsynced by the commit):
 
@@ -27,7 +27,7 @@ import typer
 from benchmarks.common import SEED, random_token_ids
 from benchmarks.train_section import megatron_actor, nll_loss
 from benchmarks.workload import CPU_25M, ModelShape, ensure_model
-from rlcli.config import ModelBuildConfig
+from rlcli.config.schema import ModelBuildConfig
 
 _QUICKSTART_SPEC = ModelBuildConfig()
 QUICKSTART = ModelShape(
@@ -67,7 +67,7 @@ def measure(shape: ModelShape, work_dir: Path, repeats: int) -> dict:
     from parallel.checkpoint import load_checkpoint, save_checkpoint
     from parallel.mesh import destroy_parallel, init_parallel
     from parallel.step_types import MicroBatch
-    from rlcli.run_checkpoint import CheckpointManager
+    from rlcli.run.checkpoints import CheckpointManager
 
     model_dir = ensure_model(shape, work_dir / "models", "float32")
     mesh = init_parallel(tp=1, pp=1, seed=SEED)

@@ -101,7 +101,7 @@ def run_demo(
 def accuracies(metrics_file: Path) -> dict:
     """``before`` (step 0), ``after`` (the last evaluation), ``curve`` {step: accuracy} of
     ``val/reward/accuracy``, and the median ``timing/step`` of a run's metrics.jsonl."""
-    from rlcli.metrics import read_metrics_jsonl
+    from rlcli.run.metrics import read_metrics_jsonl
 
     records = read_metrics_jsonl(metrics_file)
     curve = {

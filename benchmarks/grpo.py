@@ -31,9 +31,9 @@ PHASE_ORDER = (
 
 
 def grpo_section(workload: Workload, work_dir: Path) -> dict:
-    from rlcli.build import build_trainer
-    from rlcli.config_loader import load_config
-    from rlcli.metrics import METRICS_FILE_NAME, read_metrics_jsonl
+    from rlcli.run.metrics import METRICS_FILE_NAME, read_metrics_jsonl
+    from rlcli.train.build import build_trainer
+    from rlcli.validation.loader import load_config
 
     output_dir = work_dir / "grpo"
     overrides = [

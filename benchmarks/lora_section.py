@@ -75,7 +75,7 @@ def lora_section(workload: Workload, work_dir: Path) -> dict:
 
 def _sync_times(actor, mesh, model_dir: Path, w: Workload) -> dict:
     """Seconds and bytes of the two LoRA syncs into one vLLM engine that takes adapters."""
-    from rlcli.config import RolloutConfig
+    from rlcli.config.schema import RolloutConfig
     from rlcli.rollout import make_engine
     from rlcli.rollout.transport import InProcessAdapterTransport, InProcessTransport
 

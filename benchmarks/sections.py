@@ -8,7 +8,7 @@ one section into the next; a smoke run saves the start-up cost and runs them all
     rollout  vLLM engine vs HF `generate` engine: new tokens/s, same model, prompts, sampling
     sync     parallel.reshard weight sync vs naive per-tensor gather-and-load vs memcpy floor
              (sync_section.py)
-    train    Megatron actor update (rlcli.trained_model) vs a plain HF + torch AdamW loop: tokens/s
+    train    Megatron actor update (rlcli.model.trained_model) vs a plain HF + torch AdamW loop: tokens/s
              (train_section.py)
     lora     the same update with LoRA adapters: tokens/s and peak memory against full fine-tuning,
              and its weight sync merged vs adapter (lora_section.py)
@@ -65,7 +65,7 @@ def device_section(workload: Workload, work_dir: Path) -> dict:
 
 
 def rollout_section(workload: Workload, work_dir: Path) -> dict:
-    from rlcli.config import RolloutConfig
+    from rlcli.config.schema import RolloutConfig
     from rlcli.rollout import SamplingConfig, make_engine
 
     w = workload

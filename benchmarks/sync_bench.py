@@ -88,7 +88,7 @@ def main() -> None:
     from parallel.hf_model import load_hf_model
     from parallel.mesh import destroy_parallel, init_parallel
     from parallel.reshard import iter_inference_buckets, sync_weights
-    from rlcli.config import RolloutConfig
+    from rlcli.config.schema import RolloutConfig
     from rlcli.rollout import make_engine
 
     mesh = init_parallel(tp=args.tp, pp=args.pp, seed=0)

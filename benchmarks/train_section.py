@@ -1,4 +1,4 @@
-"""The benchmark's train section: the Megatron actor update (rlcli.trained_model) against a plain
+"""The benchmark's train section: the Megatron actor update (rlcli.model.trained_model) against a plain
 HF + torch AdamW loop on the same model, batch and loss; the core attentions
 (``model.attention_backend``) side by side on that batch; and on rows of mixed lengths, fixed
 micro-batches against a token budget of padded rows and packed sequences
@@ -29,7 +29,7 @@ from parallel.step_types import LossReport, MicroBatch, ModelOutputs
 if TYPE_CHECKING:
     from parallel.lora import LoraSpec
     from parallel.mesh import Mesh
-    from rlcli.trained_model import TrainedModel
+    from rlcli.model.trained_model import TrainedModel
 
 
 def nll_loss(outputs: ModelOutputs, micro_batch: MicroBatch):
@@ -187,12 +187,12 @@ def megatron_actor(
     attention: str = "auto",
     pack: bool = False,
 ) -> TrainedModel:
-    """rlcli's actor (`rlcli.trained_model.TrainedModel`: megatron-core GPTModel, DDP,
+    """rlcli's actor (`rlcli.model.trained_model.TrainedModel`: megatron-core GPTModel, DDP,
     distributed optimizer off, Adam, clipping at 1.0; `lora`: adapters on the frozen base;
     `attention`: model.attention_backend; `pack`: packed micro-batches)."""
     from parallel.model_options import ModelBuildOptions
     from parallel.optim import OptimizerSettings
-    from rlcli.trained_model import MicroBatching, TrainedModel
+    from rlcli.model.trained_model import MicroBatching, TrainedModel
 
     settings = OptimizerSettings(
         lr=1e-5, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,

@@ -1,6 +1,6 @@
 """The fixed workloads: one per mode, sized to the hardware, and the random models they run on.
 
-Models are random Qwen2s built with rlcli's own builder (`rlcli.model_builder`) and saved as HF
+Models are random Qwen2s built with rlcli's own builder (`rlcli.model.builder`) and saved as HF
 safetensors, so every engine reads them exactly as it would read a downloaded checkpoint.
 Modes: "smoke" (seconds; checks the code paths), "cpu" (tens of millions of parameters, a few
 minutes on 2 cores), "gpu" (Qwen2-0.5B / 1.5B shapes, bf16).
@@ -168,8 +168,8 @@ def ensure_model(shape: ModelShape, root: Path, dtype: str, seed: int = 0) -> Pa
         return out
     import torch
 
-    from rlcli.config import ModelBuildConfig
-    from rlcli.model_builder import build_random_model
+    from rlcli.config.schema import ModelBuildConfig
+    from rlcli.model.builder import build_random_model
 
     spec = ModelBuildConfig(
         architecture="qwen2",

@@ -8,7 +8,7 @@
     )
     build_model(hf_config, mesh, options=options)
 
-The caller fills it (rlcli from its config, ``rlcli.build.model_options``); a new build option is
+The caller fills it (rlcli from its config, ``rlcli.train.build.model_options``); a new build option is
 one field here and the line of ``build_model`` that reads it.
 """
 

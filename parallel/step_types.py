@@ -64,7 +64,7 @@ def response_field(*, mask: bool = False, default: Any = dataclasses.MISSING) ->
 class MicroBatch:
     """Right-padded rows (prompt then response), so plain causal attention is exact.
 
-    Subclasses add the fields their loss reads (``rlcli.batch.RolloutBatch``, the reward
+    Subclasses add the fields their loss reads (``rlcli.rollout.batch.RolloutBatch``, the reward
     model's pairs); every field is a tensor declared with ``row_field`` / ``sequence_field`` /
     ``response_field`` (module docstring), or None when not filled.
     """

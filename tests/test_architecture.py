@@ -168,3 +168,69 @@ def test_algorithms_import_only_torch_and_the_standard_library() -> None:
         if root not in allowed
     )
     assert not bad, f"algorithms/ may import only torch and the standard library: {bad}"
+
+
+# rlcli's wings, lowest first (docs/architecture.md): a module may import from its own wing and the
+# wings before it, never from one after it. "" is the package's root modules (errors, console,
+# plugins, ...), which everything stands on; `rlcli.cli`, the entry point, stands above everything.
+WINGS = (
+    "",
+    "config",
+    "data",
+    "run",
+    "environments",
+    "tools",
+    "rewards",
+    "rollout",
+    "model",
+    "reward_models",
+    "validation",
+    "train",
+    "commands",
+)
+ENTRY_POINT = "rlcli.cli"
+
+
+def _wing(module: str) -> int:
+    """The rank of the wing `module` lives in (len(WINGS) for the entry point)."""
+    if module == ENTRY_POINT:
+        return len(WINGS)
+    parts = module.split(".")
+    is_package = (ROOT / Path(*parts) / "__init__.py").exists()
+    wing = parts[1] if len(parts) > 2 or (len(parts) == 2 and is_package) else ""
+    assert wing in WINGS, f"{module} lives in {wing!r}, which is not in WINGS: add it in its place"
+    return WINGS.index(wing)
+
+
+def test_every_rlcli_module_lives_in_a_declared_wing() -> None:
+    for module in _modules():
+        if _top(module) == "rlcli" and module != "rlcli":
+            _wing(module)
+
+
+def _upward_wing_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if _top(module) == "rlcli" and module != "rlcli"
+        for target in targets
+        if _top(target) == "rlcli" and target != "rlcli" and _wing(target) > _wing(module)
+    )
+
+
+def test_no_imports_up_between_rlcli_wings() -> None:
+    bad = _upward_wing_imports(_graph())
+    assert not bad, f"imports from a lower wing of rlcli up into a higher one: {bad}"
+
+
+def test_the_wing_check_sees_an_upward_import() -> None:
+    graph = {
+        "rlcli.rollout.batch": {"rlcli.train.trainer", "rlcli.errors"},
+        "rlcli.train.trainer": {"rlcli.rollout.batch", "rlcli.config.schema"},
+        "rlcli.errors": {"rlcli.cli"},
+    }
+    assert _upward_wing_imports(graph) == [
+        "rlcli.errors -> rlcli.cli",
+        "rlcli.rollout.batch -> rlcli.train.trainer",
+    ]
+    assert _wing("rlcli.config.schema") == WINGS.index("config")

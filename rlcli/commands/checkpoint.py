@@ -1,5 +1,5 @@
 """``rlcli checkpoint verify DIR``: check checkpoints against their manifests by hand (the same
-check a resume makes, ``rlcli.checkpoint_manifest``), for a run's checkpoint folder or one step.
+check a resume makes, ``rlcli.run.manifest``), for a run's checkpoint folder or one step.
 
 Exit codes: 0 every checkpoint is intact; 1 at least one is damaged (or DIR is a step folder
 without its COMPLETE marker); 3 none is damaged but at least one has no manifest (saved before
@@ -41,9 +41,9 @@ def verify(
 
     Exit code 0: all intact; 1: some damaged; 3: some without a manifest, none damaged; 2: no
     checkpoint in DIRECTORY."""
-    from rlcli.checkpoint_manifest import check_checkpoint
-    from rlcli.run_checkpoint import COMPLETE_MARKER, CheckpointManager
-    from rlcli.run_state import TEMPORARY_PREFIX
+    from rlcli.run.checkpoints import COMPLETE_MARKER, CheckpointManager
+    from rlcli.run.manifest import check_checkpoint
+    from rlcli.run.state import TEMPORARY_PREFIX
 
     if (directory / COMPLETE_MARKER).is_file():
         committed, incomplete = [directory], []
@@ -78,8 +78,8 @@ def verify(
 
 
 def _incomplete_saves(root: Path) -> list[Path]:
-    from rlcli.run_checkpoint import COMPLETE_MARKER
-    from rlcli.run_state import TEMPORARY_PREFIX
+    from rlcli.run.checkpoints import COMPLETE_MARKER
+    from rlcli.run.state import TEMPORARY_PREFIX
 
     if not root.is_dir():
         return []

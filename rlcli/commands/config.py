@@ -15,8 +15,8 @@ config_app = typer.Typer(help="Show or validate a recipe's resolved config.", no
 @config_app.command("show")
 def config_show(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES):
     """Print the fully resolved config (defaults <- recipe <- overrides)."""
-    from rlcli.config import to_yaml
-    from rlcli.config_loader import load_config
+    from rlcli.config.schema import to_yaml
+    from rlcli.validation.loader import load_config
 
     typer.echo(to_yaml(load_config(recipe, overrides or [])), nl=False)
 
@@ -30,8 +30,8 @@ def config_validate(
     ),
 ):
     """Check a recipe without running it; exit code 2 and a message naming the key if it is wrong."""
-    from rlcli.config_loader import load_config
-    from rlcli.config_validation import derive_dp, validate
+    from rlcli.validation.loader import load_config
+    from rlcli.validation.validate import derive_dp, validate
 
     cfg = load_config(recipe, overrides or [])
     if world_size is not None:

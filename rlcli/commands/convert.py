@@ -152,10 +152,10 @@ def export(
     """Write a training checkpoint's policy (or, with --critic, its value model) as a
     HuggingFace model directory; a LoRA run's policy as a PEFT adapter (--lora) or merged into
     its base model (--merge)."""
-    from rlcli.checkpoint_manifest import check_checkpoint
-    from rlcli.lora import spec_of_state
-    from rlcli.run_checkpoint import is_complete_checkpoint
-    from rlcli.run_state import load_run_state
+    from rlcli.model.lora import spec_of_state
+    from rlcli.run.checkpoints import is_complete_checkpoint
+    from rlcli.run.manifest import check_checkpoint
+    from rlcli.run.state import load_run_state
 
     if not is_complete_checkpoint(checkpoint):
         raise UserError(f"{checkpoint} is not a complete rlcli checkpoint (no COMPLETE marker)")
@@ -249,7 +249,7 @@ def export_critic(checkpoint: Path, out: Path) -> None:
     from parallel.convert import save_hf_checkpoint
     from parallel.mesh import destroy_parallel, init_parallel
     from parallel.model import build_model
-    from rlcli.critic import value_model_config
+    from rlcli.train.critic import value_model_config
 
     mesh = init_parallel(tp=1, pp=1)
     hf_config = AutoConfig.from_pretrained(folder / "hf")

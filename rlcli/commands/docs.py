@@ -24,12 +24,12 @@ from typing import Any, Optional
 import typer
 
 REGENERATE = "rlcli config docs --output docs/config.md"
-# Every module that declares config sections; ``rlcli.config`` assembles them into ``RLConfig``.
+# Every module that declares config sections; ``rlcli.config.schema`` assembles them into ``RLConfig``.
 CONFIG_MODULES = (
-    "rlcli.config",
-    "rlcli.config_algorithm",
-    "rlcli.config_engine",
-    "rlcli.config_rewards",
+    "rlcli.config.schema",
+    "rlcli.config.algorithm",
+    "rlcli.config.engine",
+    "rlcli.config.rewards",
 )
 
 
@@ -140,7 +140,7 @@ def _section(cls: type, prefix: str, sources: dict, out: list[str], missing: lis
 
 def render_config_reference() -> tuple[str, list[str]]:
     """(the Markdown reference, the keys whose field has no comment in the config modules)."""
-    from rlcli.config import RLConfig
+    from rlcli.config.schema import RLConfig
 
     sources: dict[str, dict[str, Any]] = {}
     for name in CONFIG_MODULES:

@@ -12,7 +12,7 @@ import typer
 
 from rlcli.commands.relaunch import run_torchrun
 from rlcli.errors import UserError
-from rlcli.launch import (
+from rlcli.run.launch import (
     DEFAULT_MAX_RESTARTS,
     DEFAULT_SLURM_TEMPLATE,
     SlurmJob,

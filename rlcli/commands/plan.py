@@ -23,7 +23,7 @@ from rlcli.errors import UserError
 def _candidates(cfg, shape, gpus_per_node: int, world_size: int, plan) -> list[list[str]]:
     """Single changes, cheapest first: offload, distributed optimizer, recompute, smaller
     micro-batches, less vLLM memory, more EP (MoE), more TP, more PP."""
-    from rlcli.placement_validation import trainer_ranks
+    from rlcli.validation.placement import trainer_ranks
 
     a, par = cfg.actor, cfg.parallel
     world_size = trainer_ranks(cfg, world_size)  # the ranks TP x PP x DP lay out
@@ -112,7 +112,7 @@ def plan_command(
     layout fit?"""
 
     from parallel.memory_plan import plan_memory
-    from rlcli.config_loader import load_config
+    from rlcli.validation.loader import load_config
 
     if nodes < 1 or gpus_per_node < 1 or gpu_memory_gb <= 0:
         raise UserError("--nodes, --gpus-per-node and --gpu-memory-gb must be positive")

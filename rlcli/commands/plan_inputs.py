@@ -102,11 +102,11 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float):
     from parallel.memory_plan import JudgeEngine, PlanInputs, RolloutEngine
     from parallel.memory_terms import TrainedModel
     from parallel.reshard import AUTO_BUCKET_MB
-    from rlcli.batch import mini_batch_count
-    from rlcli.config_validation import derive_dp, validate
-    from rlcli.config_validation_model import validate_against_model
-    from rlcli.lora import lora_spec
-    from rlcli.placement_validation import trainer_ranks
+    from rlcli.model.lora import lora_spec
+    from rlcli.rollout.batch import mini_batch_count
+    from rlcli.validation.model import validate_against_model
+    from rlcli.validation.placement import trainer_ranks
+    from rlcli.validation.validate import derive_dp, validate
 
     validate(cfg, world_size=world_size)
     par = cfg.parallel

@@ -145,7 +145,7 @@ def plot_command(
     ),
 ):
     """Plot a run's curves (reward, held-out accuracy, losses, KL, timing) as one PNG."""
-    from rlcli.metrics import METRICS_FILE_NAME
+    from rlcli.run.metrics import METRICS_FILE_NAME
 
     metrics_file = run_dir / METRICS_FILE_NAME if run_dir.is_dir() else run_dir
     records = read_metrics(metrics_file)

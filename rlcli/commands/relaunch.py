@@ -25,7 +25,7 @@ from typing import NoReturn
 import typer
 
 from rlcli.errors import USER_ERROR_EXIT_CODE
-from rlcli.launch import local_torchrun_command, torchrun_prefix
+from rlcli.run.launch import local_torchrun_command, torchrun_prefix
 
 USER_ERROR_DIR_ENV = "RLCLI_USER_ERROR_DIR"
 
@@ -44,7 +44,7 @@ def relaunch_under_torchrun(nproc: int, cli_args: list[str], max_restarts: int =
 
 
 def run_torchrun(command: list[str]) -> int:
-    """Run a torchrun command line (``rlcli.launch`` builds them) in this process; the exit code:
+    """Run a torchrun command line (``rlcli.run.launch`` builds them) in this process; the exit code:
     0, 2 after printing the ranks' user errors, or 1 after naming the ranks that failed."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

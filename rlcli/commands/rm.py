@@ -1,5 +1,5 @@
 """``rlcli rm RECIPE [overrides] [--nproc N]``: train a reward model on preference pairs
-(``rm.*``; the work is ``rlcli.reward_model_training``)."""
+(``rm.*``; the work is ``rlcli.train.reward_model``)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ NPROC = typer.Option(
 def rm(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES, nproc: int = NPROC):
     """Train a reward model (Bradley-Terry loss on pairwise preference rows) and write it as an
     HF *ForSequenceClassification folder (rm.out_dir)."""
-    from rlcli.config_loader import load_config
-    from rlcli.config_validation import derive_dp, validate
-    from rlcli.config_validation_rewards import check_reward_model_training
+    from rlcli.validation.loader import load_config
+    from rlcli.validation.rewards import check_reward_model_training
+    from rlcli.validation.validate import derive_dp, validate
 
     cfg = load_config(recipe, overrides or [])
     if under_torchrun():
@@ -48,8 +48,8 @@ def rm(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES, nproc:
         relaunch_under_torchrun(nproc, without_nproc(sys.argv[1:]))
 
     from parallel.mesh import destroy_parallel, init_parallel
-    from rlcli.build import model_options
-    from rlcli.reward_model_training import train_reward_model
+    from rlcli.train.build import model_options
+    from rlcli.train.reward_model import train_reward_model
 
     mesh = init_parallel(
         cfg.parallel.tp,

@@ -16,7 +16,7 @@ from typing import Optional
 import typer
 
 from rlcli.commands.relaunch import relaunch_under_torchrun, under_torchrun, without_nproc
-from rlcli.config import RLConfig
+from rlcli.config.schema import RLConfig
 from rlcli.errors import UserError
 
 RECIPE = typer.Argument(..., help="Recipe YAML, e.g. recipes/quickstart.yaml")
@@ -40,7 +40,7 @@ def train(
 ):
     """Run RL post-training (GRPO, DAPO, PPO, ...) as the recipe says."""
     cfg = _load_for_run(recipe, overrides, nproc, max_restarts)
-    from rlcli.build import run_role
+    from rlcli.train.build import run_role
 
     run_role(cfg)  # the trainer (and with rollout.placement=separate, the rollout ranks' loop)
 
@@ -48,7 +48,7 @@ def train(
 def sft(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES, nproc: int = NPROC):
     """Supervised warm start: cross-entropy on the responses of the recipe's SFT data."""
     cfg = _load_for_run(recipe, overrides, nproc)
-    from rlcli.build import run_sft_only
+    from rlcli.train.build import run_sft_only
 
     run_sft_only(cfg)
 
@@ -60,7 +60,7 @@ def _load_for_run(
     with ``--nproc N`` outside torchrun, this command is first run again under torchrun on N
     local processes (each of which loads the config again) and this process exits with their
     outcome."""
-    from rlcli.config_loader import load_config
+    from rlcli.validation.loader import load_config
 
     cfg = load_config(recipe, overrides or [])
     if under_torchrun():
@@ -70,8 +70,8 @@ def _load_for_run(
             raise UserError(f"--nproc must be >= 1, got {nproc}")
         _check_process_count(cfg, nproc)
         world_size = nproc
-    from rlcli.config_validation import derive_dp, validate
-    from rlcli.config_validation_rewards import check_reward_model_dirs, check_reward_model_training
+    from rlcli.validation.rewards import check_reward_model_dirs, check_reward_model_training
+    from rlcli.validation.validate import derive_dp, validate
 
     validate(cfg, world_size=world_size)
     check_model_dir(cfg)
@@ -115,7 +115,7 @@ def check_model_dir(cfg: RLConfig) -> None:
     may be writing it right now): it is a dense model of model.spec."""
     import json
 
-    from rlcli.config_validation_model import validate_against_model
+    from rlcli.validation.model import validate_against_model
 
     if cfg.model.build:
         validate_against_model(cfg, {"model_type": cfg.model.spec.architecture})

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from rlcli.errors import UserError
 
 if TYPE_CHECKING:
-    from rlcli.config import JudgeConfig
+    from rlcli.config.schema import JudgeConfig
 
 JUDGE_TEMPLATE_KEY = "reward.judge.template"
 PLACEHOLDERS = ("question", "response", "reference")

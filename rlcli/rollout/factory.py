@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from rlcli.config import JudgeConfig, RolloutConfig
+from rlcli.config.schema import JudgeConfig, RolloutConfig
 from rlcli.errors import UserError
 from rlcli.rollout.base import RolloutEngine, read_hf_config
 
@@ -37,7 +37,7 @@ def make_engine(
     With ``rollout.sleep_level=2`` or dummy start weights, sync whenever
     ``engine.needs_weight_sync`` before ``generate``. ``section`` is a validated config: its
     engine name, the hf engine's tp and LoRA adapters only with vLLM are checked when the config
-    loads (``rlcli.config_validation``), not here.
+    loads (``rlcli.validation.validate``), not here.
     """
     read_hf_config(model_dir, key)
     if section.engine == "vllm":
@@ -57,7 +57,7 @@ def make_engine(
             key=key,
             max_lora_rank=max_lora_rank,
         )
-    if section.engine != "hf":  # a config that did not load through rlcli.config_loader
+    if section.engine != "hf":  # a config that did not load through rlcli.validation.loader
         raise ValueError(f"{key}.engine={section.engine!r} is not an engine")
     from rlcli.rollout.hf_engine import HFEngine
 

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
     from parallel.mesh import Mesh
     from parallel.reshard import SyncStats
-    from rlcli.config import RolloutConfig
+    from rlcli.config.schema import RolloutConfig
 
 
 class WeightTransport(ABC):

@@ -57,7 +57,7 @@ from rlcli.rollout.base import (
 )
 
 if TYPE_CHECKING:
-    from rlcli.config import JudgeConfig, RolloutConfig
+    from rlcli.config.schema import JudgeConfig, RolloutConfig
 
 # The engine must run inside the calling process to share it with Megatron (colocation).
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from rlcli.commands.docs import REGENERATE, render_config_reference
-from rlcli.config import RLConfig, valid_keys
+from rlcli.config.schema import RLConfig, valid_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "config.md"

@@ -116,7 +116,7 @@ class Context:
         torch.distributed's default group, so it is closed only at the very end."""
         if self._engine is None:
             from rlcli import rollout
-            from rlcli.config import RolloutConfig
+            from rlcli.config.schema import RolloutConfig
 
             section = RolloutConfig(
                 engine=self.engine,

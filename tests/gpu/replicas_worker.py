@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from rlcli.config import RolloutConfig
+from rlcli.config.schema import RolloutConfig
 from rlcli.rollout import SamplingConfig, make_engine
 
 

@@ -19,7 +19,7 @@ from parallel import model as pmodel
 from parallel import model_backends as backends
 from parallel.mesh import Mesh
 from parallel.model_options import ModelBuildOptions
-from rlcli.config import RolloutConfig
+from rlcli.config.schema import RolloutConfig
 from rlcli.rollout import SamplingConfig, make_engine
 from tests.parallel.dist_utils import make_tiny_hf_model
 
@@ -133,8 +133,8 @@ def test_vllm_dummy_start_then_first_sync_equals_the_checkpoint(model_dir):
 
 
 def test_bad_sleep_level_and_load_format_name_the_key():
-    from rlcli.config_loader import load_config
     from rlcli.errors import UserError
+    from rlcli.validation.loader import load_config
 
     with pytest.raises(UserError, match=r"rollout\.sleep_level=.*choose one of: 1, 2"):
         load_config(None, ["model.path=/m", "rollout.sleep_level=3"])

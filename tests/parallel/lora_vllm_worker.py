@@ -26,7 +26,7 @@ from parallel.lora_io import load_peft_adapter, sync_lora_adapter
 from parallel.mesh import destroy_parallel, init_parallel
 from parallel.reshard import sync_weights
 from parallel.schedule import forward_log_probs
-from rlcli.config import RolloutConfig
+from rlcli.config.schema import RolloutConfig
 from rlcli.rollout import SamplingConfig
 from rlcli.rollout.vllm_engine import VLLMEngine
 

@@ -32,7 +32,7 @@ from parallel.mesh import destroy_parallel, init_parallel
 from parallel.model import build_model
 from parallel.reshard import iter_inference_buckets, sync_weights
 from parallel.schedule import forward_log_probs
-from rlcli.config import RolloutConfig
+from rlcli.config.schema import RolloutConfig
 from rlcli.rollout import SamplingConfig, make_engine
 
 TEMPERATURE = 0.8

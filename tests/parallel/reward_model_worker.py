@@ -18,7 +18,7 @@ For each layout (megatron's model-parallel state is rebuilt in between):
     AutoModelForSequenceClassification without missing or unexpected keys and gives the same
     scores and pairwise accuracy as Megatron;
   * the RL step's path: policy samples (some cut at the length limit) scored by
-    rlcli.rewards.reward_model.reward_model_scores with the trainer's reward model
+    rlcli.reward_models.reward_model.reward_model_scores with the trainer's reward model
     (TrainedModel(head=ScoreHead()), micro-batched by rows under PP, by a token budget otherwise;
     the Qwen2 RM's micro-batches packed),
     through the policy's own tokenizer (the Llama RM) and through the reward model's tokenizer
@@ -168,8 +168,8 @@ def check_training(mesh: Mesh, lm_dir: str, out_dir: Path, pairs: TokenizedPairs
 
 def policy_samples(tokenizer) -> list:
     """Seven samples of the quickstart's task (DP2 splits them 4 + 3), the last two unfinished."""
-    from rlcli.batch import Sample
     from rlcli.data.dataset import PromptItem
+    from rlcli.rollout.batch import Sample
 
     samples = []
     for i in range(7):
@@ -203,9 +203,9 @@ def check_step_scores(mesh: Mesh, rm_dir: str, policy_tokenizer, shares_tokenize
     from transformers import AutoTokenizer
 
     from parallel.model_shapes import ModelShape, stage_params
-    from rlcli.model_heads import ScoreHead
-    from rlcli.rewards.reward_model import RewardModelInputs, reward_model_scores
-    from rlcli.trained_model import MicroBatching, TrainedModel
+    from rlcli.model.heads import ScoreHead
+    from rlcli.model.trained_model import MicroBatching, TrainedModel
+    from rlcli.reward_models.reward_model import RewardModelInputs, reward_model_scores
 
     pack = not shares_tokenizer  # the Qwen2 RM scores packed rows (reward.model.pack_sequences)
     budget = MicroBatching(2, pack=pack) if mesh.pp > 1 else MicroBatching(1, 0, 40, pack)

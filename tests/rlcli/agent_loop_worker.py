@@ -32,15 +32,15 @@ def main(model_dir: str, tool_config: str, out: str) -> None:
 
     import algorithms
     from parallel.mesh import init_parallel
-    from rlcli.agent_loop import AgentLoop
-    from rlcli.batch import collate
-    from rlcli.config import MultiTurnConfig, RolloutConfig
+    from rlcli.config.schema import MultiTurnConfig, RolloutConfig
     from rlcli.data import PromptItem
-    from rlcli.model_heads import ValueHead
+    from rlcli.model.heads import ValueHead
+    from rlcli.model.trained_model import MicroBatching, TrainedModel
+    from rlcli.rollout.agent_loop import AgentLoop
     from rlcli.rollout.base import SamplingConfig
+    from rlcli.rollout.batch import collate
     from rlcli.rollout.factory import make_engine
     from rlcli.tools.multi_turn import build_multi_turn
-    from rlcli.trained_model import MicroBatching, TrainedModel
     from tests.rlcli.multi_turn_model import QUESTION
 
     mesh = init_parallel(1, 1)

@@ -10,10 +10,10 @@ import dataclasses
 import json
 import sys
 
-from rlcli.build import build_kl_controller, build_trainer, needs_reference
-from rlcli.config_loader import load_config
 from rlcli.data import PromptLoader
-from rlcli.trainer import rl_step
+from rlcli.train.build import build_kl_controller, build_trainer, needs_reference
+from rlcli.train.trainer import rl_step
+from rlcli.validation.loader import load_config
 
 VARIANTS = {
     "grpo": [],

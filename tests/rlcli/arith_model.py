@@ -9,9 +9,9 @@ from pathlib import Path
 def build_arith_model(root: Path, **spec: int) -> Path:
     """Write the arith data under ``root/data`` and a model of ``spec`` (``ModelBuildConfig``
     fields) into ``root/model``; returns the model folder."""
-    from rlcli.config import ModelBuildConfig
+    from rlcli.config.schema import ModelBuildConfig
     from rlcli.data import read_sft_pairs, write_arith_dataset
-    from rlcli.model_builder import build_model_dir
+    from rlcli.model.builder import build_model_dir
 
     paths = write_arith_dataset(str(root / "data"))
     corpus = [p + r for p, r in read_sft_pairs(paths["sft_train"])]

@@ -3,7 +3,7 @@ checkpoints by directory: ``complete_dirs`` / ``latest_dir``)."""
 
 from __future__ import annotations
 
-from rlcli.run_checkpoint import REPLACED_PREFIX, CheckpointManager, checkpoint_step
+from rlcli.run.checkpoints import REPLACED_PREFIX, CheckpointManager, checkpoint_step
 
 
 def _step(path) -> int:

@@ -41,14 +41,14 @@ def check_loop(model_dir: str, out: str) -> None:
     from parallel.mesh import init_parallel
     from parallel.schedule import forward_backward
     from parallel.step_types import MicroBatch
-    from rlcli.advantages import compute_advantages
-    from rlcli.batch import collate, take_dp_share
-    from rlcli.build import build_kl_controller
-    from rlcli.config_loader import load_config
-    from rlcli.critic import update_critic
-    from rlcli.dp_stats import DataParallelStats
-    from rlcli.model_heads import ValueHead
-    from rlcli.trained_model import MicroBatching, TrainedModel, optimizer_settings
+    from rlcli.model.dp_stats import DataParallelStats
+    from rlcli.model.heads import ValueHead
+    from rlcli.model.trained_model import MicroBatching, TrainedModel, optimizer_settings
+    from rlcli.rollout.batch import collate, take_dp_share
+    from rlcli.train.advantages import compute_advantages
+    from rlcli.train.build import build_kl_controller
+    from rlcli.train.critic import update_critic
+    from rlcli.validation.loader import load_config
     from tests.rlcli.dp_step_worker import random_samples, with_log_probs
 
     mesh = init_parallel(1, 1)
@@ -68,14 +68,16 @@ def check_loop(model_dir: str, out: str) -> None:
             "critic.cliprange_value=100.0",  # the test checks the plain regression loss
         ],
     )
-    critic = TrainedModel(  # as rlcli.build.build_critic builds it, with the lr this test wants
-        mesh,
-        model_dir,
-        head=ValueHead(),
-        optim=optimizer_settings(
-            cfg.critic, total_steps=10, use_distributed_optimizer=False, lr=2e-5
-        ),
-        micro_batching=MicroBatching.of(cfg.critic),
+    critic = (
+        TrainedModel(  # as rlcli.train.build.build_critic builds it, with the lr this test wants
+            mesh,
+            model_dir,
+            head=ValueHead(),
+            optim=optimizer_settings(
+                cfg.critic, total_steps=10, use_distributed_optimizer=False, lr=2e-5
+            ),
+            micro_batching=MicroBatching.of(cfg.critic),
+        )
     )
     samples = random_samples(seed=5)
     mine, fewest = take_dp_share(samples, mesh.dp, mesh.dp_rank)

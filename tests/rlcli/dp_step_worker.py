@@ -31,7 +31,7 @@ ESTIMATORS = (
 
 
 def random_samples(seed: int):
-    from rlcli.batch import Sample
+    from rlcli.rollout.batch import Sample
 
     rng = random.Random(seed)
     samples = []
@@ -69,11 +69,11 @@ def with_log_probs(batch, samples):
 
 def check_advantages() -> dict:
     from parallel.mesh import init_parallel
-    from rlcli.advantages import compute_advantages
-    from rlcli.batch import collate, take_dp_share
-    from rlcli.build import build_kl_controller
-    from rlcli.config_loader import load_config
-    from rlcli.dp_stats import DataParallelStats
+    from rlcli.model.dp_stats import DataParallelStats
+    from rlcli.rollout.batch import collate, take_dp_share
+    from rlcli.train.advantages import compute_advantages
+    from rlcli.train.build import build_kl_controller
+    from rlcli.validation.loader import load_config
 
     mesh = init_parallel(1, 1)
     assert mesh.dp == 2
@@ -158,9 +158,9 @@ class CollectiveAudit:
 
 
 def check_step(recipe: str, *overrides: str) -> dict:
-    from rlcli.build import build_trainer
-    from rlcli.config_loader import load_config
-    from rlcli.trainer import rl_step
+    from rlcli.train.build import build_trainer
+    from rlcli.train.trainer import rl_step
+    from rlcli.validation.loader import load_config
 
     audit = CollectiveAudit()
     audit.install()

@@ -20,8 +20,8 @@ def main() -> None:
     from parallel.lora import adapter_params, apply_lora
     from parallel.mesh import destroy_parallel, init_parallel
     from parallel.parity import megatron_logits
-    from rlcli.lora import spec_of_state
-    from rlcli.run_state import load_run_state
+    from rlcli.model.lora import spec_of_state
+    from rlcli.run.state import load_run_state
 
     state = load_run_state(checkpoint, rank=0, restore_rng=False)
     mesh = init_parallel(tp=1, pp=1)

@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
-from rlcli.build import build_trainer
-from rlcli.config_loader import load_config
-from rlcli.dynamic_sampling import keep_informative_groups
-from rlcli.residency import StepPhases
-from rlcli.run_state import TRAINER_STATE_FILE
-from rlcli.trainer import rl_step
+from rlcli.model.residency import StepPhases
+from rlcli.rollout.dynamic_sampling import keep_informative_groups
+from rlcli.run.state import TRAINER_STATE_FILE
+from rlcli.train.build import build_trainer
+from rlcli.train.trainer import rl_step
+from rlcli.validation.loader import load_config
 from tests.rlcli.residency_worker import Recorder
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from rlcli.model_builder import train_tokenizer
+from rlcli.model.builder import train_tokenizer
 from rlcli.tools.calculator import CalculatorTool
 from rlcli.tools.parsing import parse_hermes
 

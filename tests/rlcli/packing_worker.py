@@ -44,10 +44,10 @@ def optim_settings():
 
 
 def trained(mesh, hf_dir: str, pack: bool, value: bool = False, attention: str = "sdpa"):
-    """A trainable model as rlcli.build builds it (a policy, or with ``value`` a critic):
+    """A trainable model as rlcli.train.build builds it (a policy, or with ``value`` a critic):
     micro-batches of 2 rows, or packed within a 40-token budget."""
-    from rlcli.model_heads import LanguageModelHead, ValueHead
-    from rlcli.trained_model import MicroBatching, TrainedModel
+    from rlcli.model.heads import LanguageModelHead, ValueHead
+    from rlcli.model.trained_model import MicroBatching, TrainedModel
 
     head = ValueHead() if value else LanguageModelHead()
     return TrainedModel(
@@ -83,7 +83,7 @@ def attention_parity(mesh, hf_dir: str, batch) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
     from parallel.hf_model import load_hf_model
-    from rlcli.trained_model import MicroBatching, TrainedModel
+    from rlcli.model.trained_model import MicroBatching, TrainedModel
 
     ids = batch.input_ids
     logits = {}
@@ -140,8 +140,8 @@ def loss_and_grads(actor, batch, cfg, mesh, pack: bool):
     import algorithms
     from parallel.micro_batches import micro_batches
     from parallel.schedule import forward_backward
-    from rlcli.actor_update import make_actor_loss
-    from rlcli.dp_stats import DataParallelStats
+    from rlcli.model.dp_stats import DataParallelStats
+    from rlcli.train.actor_update import make_actor_loss
 
     for chunk in actor.models:
         chunk.zero_grad_buffer()
@@ -175,7 +175,7 @@ def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 def packing_parity(mesh, hf_dir: str, critic_dir: str, batch) -> dict:
     from dataclasses import replace
 
-    from rlcli.actor_update import update_actor
+    from rlcli.train.actor_update import update_actor
 
     actor = trained(mesh, hf_dir, pack=True)
     padded, packed = per_row(actor, batch, False), per_row(actor, batch, True)

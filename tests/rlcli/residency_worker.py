@@ -15,10 +15,10 @@ import json
 import sys
 from pathlib import Path
 
-from rlcli.build import build_rewards, build_trainer
-from rlcli.config_loader import load_config
-from rlcli.residency import KINDS
-from rlcli.trainer import rl_step
+from rlcli.model.residency import KINDS
+from rlcli.train.build import build_rewards, build_trainer
+from rlcli.train.trainer import rl_step
+from rlcli.validation.loader import load_config
 
 PPO_ALL_OFFLOADED = [
     "algorithm.adv_estimator=gae",

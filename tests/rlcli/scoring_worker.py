@@ -9,10 +9,10 @@ import sys
 
 import torch.distributed as dist
 
-from rlcli.batch import Sample
 from rlcli.data.dataset import PromptItem
 from rlcli.rewards import RewardManager
-from rlcli.sampling import score_samples
+from rlcli.rollout.batch import Sample
+from rlcli.rollout.sampling import score_samples
 
 
 class ByteTokenizer:

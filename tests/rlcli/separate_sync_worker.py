@@ -23,12 +23,12 @@ import torch.distributed as dist
 from parallel.convert import param_mappings
 from parallel.mesh import init_parallel
 from parallel.roles import init_role_world
-from rlcli.batch import Sample, collate
-from rlcli.config import RolloutConfig
+from rlcli.config.schema import RolloutConfig
+from rlcli.model.trained_model import MicroBatching, TrainedModel
 from rlcli.rollout import SamplingConfig, make_engine
+from rlcli.rollout.batch import Sample, collate
+from rlcli.rollout.channel import Notice, RolloutChannel, StreamedBatch
 from rlcli.rollout.transport import BroadcastTransport, receive_weights
-from rlcli.rollout_channel import Notice, RolloutChannel, StreamedBatch
-from rlcli.trained_model import MicroBatching, TrainedModel
 
 ROUNDS = 3
 PROMPTS = [[5, 17, 42, 7], [100, 3, 250], [9, 9, 9, 9, 9, 200]]

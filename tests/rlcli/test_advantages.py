@@ -1,13 +1,13 @@
-"""The step's token-level scores (rlcli.advantages): DAPO's overlong shaping measures what the
+"""The step's token-level scores (rlcli.train.advantages): DAPO's overlong shaping measures what the
 policy generated against the run's response budget."""
 
 from __future__ import annotations
 
 import pytest
 
-from rlcli.advantages import token_level_scores
-from rlcli.batch import Sample, collate
-from rlcli.config import RLConfig
+from rlcli.config.schema import RLConfig
+from rlcli.rollout.batch import Sample, collate
+from rlcli.train.advantages import token_level_scores
 
 
 def _sample(generated: int, appended: int = 0, turns: int = 1) -> Sample:
@@ -58,8 +58,8 @@ def test_overlong_multi_turn_counts_generated_tokens_against_the_trajectory_budg
 
 
 def test_an_overlong_buffer_beyond_the_response_budget_is_refused_at_config_time():
-    from rlcli.config_loader import load_config
     from rlcli.errors import UserError
+    from rlcli.validation.loader import load_config
 
     overlong = ["model.path=m", "algorithm.overlong.enabled=true", "rollout.max_tokens=32"]
     with pytest.raises(UserError, match=r"buffer_len=64 must be in \(0, rollout.max_tokens=32\]"):

@@ -1,4 +1,4 @@
-"""The multi-turn rollout loop (``rlcli.agent_loop``) driven by real engines and real tools.
+"""The multi-turn rollout loop (``rlcli.rollout.agent_loop``) driven by real engines and real tools.
 
 A tiny model that memorised one 3-turn tool conversation (``multi_turn_model.py``: a malformed
 call, the parser's error text, a good call, the calculator's answer, the final answer) writes it
@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlcli.agent_loop import AgentLoop, multi_turn_metrics, turn_seed
-from rlcli.config import MultiTurnConfig
+from rlcli.config.schema import MultiTurnConfig
 from rlcli.data import PromptItem
 from rlcli.rewards import RewardManager, default_compute_score
+from rlcli.rollout.agent_loop import AgentLoop, multi_turn_metrics, turn_seed
 from rlcli.rollout.base import SamplingConfig
-from rlcli.sampling import score_samples
+from rlcli.rollout.sampling import score_samples
 from rlcli.tools.multi_turn import build_multi_turn
 from rlcli.tools.rendering import TRUNCATED
 from tests.rlcli.counting_engine import CountingEngine
@@ -277,11 +277,11 @@ def test_dapo_dynamic_sampling_draws_again_through_the_agent_loop(model):
     block. The memorised model answers every sample alike, so no group's reward varies (the first
     prompt always right, the second graded against a wrong ground truth): every round is drawn,
     nothing is kept, and the step's multi-turn metrics are those of its first round."""
-    from rlcli.agent_loop import build_agent_loop
-    from rlcli.config_loader import load_config
-    from rlcli.dynamic_sampling import keep_informative_groups
-    from rlcli.metrics import Timer
-    from rlcli.sampling import Sampler
+    from rlcli.rollout.agent_loop import build_agent_loop
+    from rlcli.rollout.dynamic_sampling import keep_informative_groups
+    from rlcli.rollout.sampling import Sampler
+    from rlcli.run.metrics import Timer
+    from rlcli.validation.loader import load_config
 
     model_dir, tokenizer, engine, tools = model
     cfg = load_config(None, [

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlcli.batch import Sample, balance_groups, collate, groups_of, response_values, take_dp_share
+from rlcli.rollout.batch import (
+    Sample,
+    balance_groups,
+    collate,
+    groups_of,
+    response_values,
+    take_dp_share,
+)
 
 
 def sample(group: int, prompt: list[int], response: list[int]) -> Sample:

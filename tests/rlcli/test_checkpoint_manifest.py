@@ -14,16 +14,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlcli.checkpoint_manifest import (
+from rlcli.cli import main
+from rlcli.errors import UserError
+from rlcli.run.checkpoints import CheckpointManager
+from rlcli.run.manifest import (
     MANIFEST_FILE,
     check_checkpoint,
     shard_writers,
     share_of_files,
 )
-from rlcli.cli import main
-from rlcli.errors import UserError
-from rlcli.run_checkpoint import CheckpointManager
-from rlcli.run_state import RunState, save_run_state
+from rlcli.run.state import RunState, save_run_state
 from tests.rlcli.checkpoint_steps import complete_steps
 
 SHARD = "model/__0_0.distcp"

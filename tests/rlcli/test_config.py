@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from rlcli.config import RLConfig, valid_keys
-from rlcli.config_loader import load_config
-from rlcli.config_validation import derive_dp
+from rlcli.config.schema import RLConfig, valid_keys
 from rlcli.errors import UserError
+from rlcli.validation.loader import load_config
+from rlcli.validation.validate import derive_dp
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"

@@ -8,17 +8,17 @@ import ast
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 
-from rlcli.config import EngineConfig, RLConfig, TrainedModelConfig
+from rlcli.config.schema import EngineConfig, RLConfig, TrainedModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 # Where keys are declared, loaded and checked: reading a key there does not make it do anything.
 CONFIG_MODULES = {
-    "rlcli/config.py",
-    "rlcli/config_engine.py",
-    "rlcli/config_rewards.py",
-    "rlcli/config_loader.py",
-    "rlcli/config_validation.py",
-    "rlcli/config_validation_rewards.py",
+    "rlcli/config/schema.py",
+    "rlcli/config/engine.py",
+    "rlcli/config/rewards.py",
+    "rlcli/validation/loader.py",
+    "rlcli/validation/validate.py",
+    "rlcli/validation/rewards.py",
 }
 
 # A section type shared by several sections (``actor.*`` and ``critic.*`` are both

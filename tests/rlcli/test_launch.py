@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from rlcli.commands.launch import launch_app
 from rlcli.errors import UserError
-from rlcli.launch import (
+from rlcli.run.launch import (
     SlurmJob,
     local_torchrun_command,
     render_sbatch_script,

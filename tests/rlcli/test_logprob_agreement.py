@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlcli.actor_update import logprob_agreement, logprob_metrics
-from rlcli.dp_stats import DataParallelStats
+from rlcli.model.dp_stats import DataParallelStats
+from rlcli.train.actor_update import logprob_agreement, logprob_metrics
 
 ENGINE = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, 9.0]])
 TRAINER = torch.tensor([[-1.1, -2.0, -2.0], [-0.5, -0.7, 0.0]])

@@ -9,12 +9,12 @@ import dataclasses
 import pytest
 
 from parallel.model_shapes import KNOWN_SHAPES, LORA_TARGET_MODULES, lora_stage_params
-from rlcli.config import LoraConfig, choices
-from rlcli.config_loader import load_config
+from rlcli.config.schema import LoraConfig, choices
 from rlcli.errors import UserError
-from rlcli.lora import check_resumed_lora, lora_spec, lora_state, spec_of_state
-from rlcli.residency import Need, residency_plan
-from rlcli.run_state import RunState
+from rlcli.model.lora import check_resumed_lora, lora_spec, lora_state, spec_of_state
+from rlcli.model.residency import Need, residency_plan
+from rlcli.run.state import RunState
+from rlcli.validation.loader import load_config
 from tests.rlcli.test_cli_errors import QUICKSTART, assert_exit_2, rlcli
 from tests.rlcli.test_plan import SEVEN_B, run_cli
 

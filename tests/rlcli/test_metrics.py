@@ -6,9 +6,9 @@ import sys
 import pytest
 from rich.console import Console
 
-from rlcli import metrics as metrics_module
 from rlcli.errors import UserError
-from rlcli.metrics import (
+from rlcli.run import metrics as metrics_module
+from rlcli.run.metrics import (
     MetricsLogger,
     Timer,
     read_metrics_jsonl,

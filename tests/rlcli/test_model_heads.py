@@ -1,10 +1,10 @@
-"""rlcli.model_heads: what a head cannot do is said once, by the base class."""
+"""rlcli.model.heads: what a head cannot do is said once, by the base class."""
 
 from __future__ import annotations
 
 import pytest
 
-from rlcli.model_heads import LanguageModelHead, ScoreHead, ValueHead
+from rlcli.model.heads import LanguageModelHead, ScoreHead, ValueHead
 
 
 def test_a_head_without_a_pass_says_so():

@@ -248,8 +248,8 @@ def test_a_judge_template_without_the_response_exits_2(tmp_path):
 
 def test_the_combine_choices_are_the_algorithms():
     from algorithms.reward_shaping import COMBINE_MODES
-    from rlcli.config import choices
-    from rlcli.config_rewards import RewardCombineConfig
+    from rlcli.config.rewards import RewardCombineConfig
+    from rlcli.config.schema import choices
 
     assert choices(RewardCombineConfig, "mode") == COMBINE_MODES
 
@@ -271,8 +271,8 @@ def test_the_combine_choices_are_the_algorithms():
     ],
 )
 def test_model_reward_settings_are_checked_with_the_config(overrides, needle):
-    from rlcli.config_loader import load_config
     from rlcli.errors import UserError
+    from rlcli.validation.loader import load_config
 
     with pytest.raises(UserError, match=re.escape(needle)):  # loading validates
         load_config(REPO / "recipes/quickstart.yaml", ["reward.model.path=/rm", *overrides])

@@ -12,9 +12,9 @@ import torch
 
 import algorithms
 from parallel.step_types import ModelOutputs
-from rlcli.actor_update import make_actor_loss
-from rlcli.batch import Sample, collate
-from rlcli.config import RLConfig
+from rlcli.config.schema import RLConfig
+from rlcli.rollout.batch import Sample, collate
+from rlcli.train.actor_update import make_actor_loss
 
 # Per row: its response's loss mask (1 generated, 0 appended by a tool), as a 3-turn trajectory,
 # a 2-turn one, and a single-turn answer.

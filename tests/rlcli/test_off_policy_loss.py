@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from parallel.step_types import ModelOutputs
-from rlcli.actor_update import make_actor_loss
-from rlcli.batch import Sample, collate
-from rlcli.config import RLConfig
+from rlcli.config.schema import RLConfig
+from rlcli.rollout.batch import Sample, collate
+from rlcli.train.actor_update import make_actor_loss
 from tests.algorithms.test_off_policy import ADVANTAGES, BEHAVIOUR, CURRENT, PROXIMAL
 
 

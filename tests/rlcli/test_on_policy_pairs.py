@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from rlcli.batch import Sample
 from rlcli.data import PromptItem
 from rlcli.errors import USER_ERROR_EXIT_CODE
-from rlcli.on_policy_pairs import preference_rows
+from rlcli.rollout.batch import Sample
+from rlcli.train.on_policy_pairs import preference_rows
 from tests.rlcli.arith_model import build_arith_model
 from tests.rlcli.length_reward import compute_score  # the run's reward, called directly
 
@@ -138,9 +138,9 @@ def test_the_rm_stage_trains_on_graded_on_policy_pairs_and_keeps_its_engine(tiny
     ],
 )
 def test_on_policy_settings_it_cannot_serve_are_named(overrides, needle):
-    from rlcli.config_loader import load_config
-    from rlcli.config_validation_rewards import check_reward_model_training
     from rlcli.errors import UserError
+    from rlcli.validation.loader import load_config
+    from rlcli.validation.rewards import check_reward_model_training
 
     cfg = load_config(REPO / "recipes/rlhf_quickstart.yaml", overrides)
     with pytest.raises(UserError, match=re.escape(needle)):

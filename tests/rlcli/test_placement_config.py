@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from rlcli.config_loader import load_config
-from rlcli.config_validation import validate
 from rlcli.errors import UserError
-from rlcli.placement_validation import trainer_ranks
-from rlcli.residency import residency_plan
-from rlcli.streamed_rollouts import generating_version
+from rlcli.model.residency import residency_plan
+from rlcli.rollout.streamed import generating_version
+from rlcli.validation.loader import load_config
+from rlcli.validation.placement import trainer_ranks
+from rlcli.validation.validate import validate
 from tests.rlcli.test_cli_errors import QUICKSTART, assert_exit_2, rlcli
 
 SEPARATE = ["rollout.placement=separate", "rollout.num_ranks=1"]

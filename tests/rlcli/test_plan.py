@@ -140,7 +140,7 @@ def test_activations_follow_the_core_attention():
     """No s^2 score tensor with sdpa or TE; the local layers' fp32 norm copies cost more than TE's
     fused norms; packing counts the budget's tokens as one row."""
     from rlcli.commands.plan import build_plan_inputs
-    from rlcli.config_loader import load_config
+    from rlcli.validation.loader import load_config
 
     actor = TrainedModel(KNOWN_SHAPES["qwen2.5-7b"], tp=4, micro_batch_size=2, seq_len=4096)
     te, sdpa, local = (
@@ -178,7 +178,7 @@ def test_a_critic_is_one_more_trained_model():
 
 def test_the_critic_is_planned_with_its_own_micro_batches():
     from rlcli.commands.plan import build_plan_inputs
-    from rlcli.config_loader import load_config
+    from rlcli.validation.loader import load_config
 
     recipe = "recipes/ppo_qwen7b.yaml"  # tests run from the repository root, as SEVEN_B does
     shape = KNOWN_SHAPES["qwen2.5-7b"]

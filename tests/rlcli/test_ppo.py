@@ -152,8 +152,8 @@ def test_export_critic_of_a_run_without_one_is_a_user_error(tmp_path):
 
 @pytest.mark.parametrize(("recipe", "world_size"), [("ppo_quickstart", 1), ("ppo_qwen7b", 16)])
 def test_ppo_recipes_load_at_their_world_size(recipe, world_size):
-    from rlcli.config_loader import load_config
-    from rlcli.config_validation import validate
+    from rlcli.validation.loader import load_config
+    from rlcli.validation.validate import validate
 
     cfg = load_config(REPO / "recipes" / f"{recipe}.yaml")
     validate(cfg, world_size=world_size)

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from parallel.step_types import LossReport, StepResult
-from rlcli.actor_update import update_actor
-from rlcli.batch import RolloutBatch, Sample, collate
-from rlcli.config_loader import load_config
-from rlcli.trained_model import TrainedModel
+from rlcli.model.trained_model import TrainedModel
+from rlcli.rollout.batch import RolloutBatch, Sample, collate
+from rlcli.train.actor_update import update_actor
+from rlcli.validation.loader import load_config
 
 
 class RecordingModel(TrainedModel):

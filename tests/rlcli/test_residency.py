@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rlcli.residency import Phase, Residency, StepPhases
+from rlcli.model.residency import Phase, Residency, StepPhases
 from tests.rlcli.test_train_e2e import REPO, TINY
 
 WORKER = Path(__file__).with_name("residency_worker.py")

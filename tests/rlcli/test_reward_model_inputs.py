@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from rlcli.errors import UserError
-from rlcli.rewards.reward_model import (
+from rlcli.reward_models.reward_model import (
     RewardModelInputs,
     check_reward_model_path,
     same_tokenizer,

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from rlcli.batch import Sample
 from rlcli.data.dataset import PromptItem
 from rlcli.errors import UserError
 from rlcli.rewards import RewardManager
-from rlcli.sampling import score_samples
+from rlcli.rollout.batch import Sample
+from rlcli.rollout.sampling import score_samples
 from tests.parallel.dist_utils import run_torchrun
 from tests.rlcli.failing_reward import compute_score as failing
 from tests.rlcli.scoring_worker import ByteTokenizer

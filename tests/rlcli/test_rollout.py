@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from rlcli.config import RolloutConfig
+from rlcli.config.schema import RolloutConfig
 from rlcli.errors import UserError
 from rlcli.rollout import GenerationRequest, ReplicaInfo, SamplingConfig, make_engine
 from tests.parallel.dist_utils import make_tiny_hf_model
@@ -62,7 +62,7 @@ def perturbed_weights(model_dir, seed=1):
 
 
 def test_unknown_engine_kind_lists_the_choices(model_dir):
-    from rlcli.config_loader import load_config
+    from rlcli.validation.loader import load_config
 
     # Checked once, as the config loads (the factory takes a validated section).
     for key in ("rollout.engine", "reward.judge.engine"):
@@ -72,7 +72,7 @@ def test_unknown_engine_kind_lists_the_choices(model_dir):
 
 
 def test_hf_engine_tp_is_checked_when_the_config_loads(model_dir):
-    from rlcli.config_loader import load_config
+    from rlcli.validation.loader import load_config
 
     with pytest.raises(UserError, match=r"rollout.engine=hf runs one full model per rank"):
         load_config(None, [f"model.path={model_dir}", "rollout.engine=hf", "rollout.tp=2"])
@@ -314,7 +314,7 @@ def test_two_vllm_engines_in_one_process(model_dir, tmp_path):
     """The policy's engine and a judge's (another model, built from a reward.judge section) live
     in one process: each answers as HF greedy does for its own model, and closing the policy's
     leaves the judge's working (vLLM's shared state is torn down when the last one closes)."""
-    from rlcli.config import JudgeConfig
+    from rlcli.config.schema import JudgeConfig
 
     judge_dir = make_tiny_hf_model(tmp_path / "judge", "llama", seed=5, **VLLM_SHAPE)
     policy = engine_for("vllm", model_dir, kv_cache_gb=0.05, max_model_len=64)

@@ -12,9 +12,9 @@ from datetime import timedelta
 
 import pytest
 
-from rlcli.batch import Sample
 from rlcli.errors import UserError
-from rlcli.rollout_channel import Notice, RolloutChannel, RunEnded, StreamedBatch
+from rlcli.rollout.batch import Sample
+from rlcli.rollout.channel import Notice, RolloutChannel, RunEnded, StreamedBatch
 
 
 def channel(role: str, port: int) -> RolloutChannel:

@@ -8,8 +8,8 @@ import torch
 from safetensors import safe_open
 
 from rlcli.errors import UserError
-from rlcli.run_checkpoint import CheckpointManager
-from rlcli.run_state import RunState, load_run_state, rng_state_file, save_run_state
+from rlcli.run.checkpoints import CheckpointManager
+from rlcli.run.state import RunState, load_run_state, rng_state_file, save_run_state
 from tests.rlcli.checkpoint_steps import complete_steps, latest_step
 
 

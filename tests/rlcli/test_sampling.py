@@ -1,4 +1,4 @@
-"""The step's rollout phase (rlcli.sampling.Sampler) on the real HF engine: how it steps the
+"""The step's rollout phase (rlcli.rollout.sampling.Sampler) on the real HF engine: how it steps the
 engine.
 
 The engine's ``wake_up`` / ``sleep`` / ``generate`` are no-ops or cheap on CPU but countable: on
@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import pytest
 
-from rlcli.build import build_rewards
-from rlcli.config import RolloutConfig
-from rlcli.config_loader import load_config
+from rlcli.config.schema import RolloutConfig
 from rlcli.data import PromptLoader, load_prompt_dataset, read_sft_pairs, write_arith_dataset
-from rlcli.metrics import Timer
-from rlcli.model_builder import build_model_dir
+from rlcli.model.builder import build_model_dir
 from rlcli.rollout.base import ReplicaInfo
 from rlcli.rollout.factory import make_engine
-from rlcli.sampling import Sampler
+from rlcli.rollout.sampling import Sampler
+from rlcli.run.metrics import Timer
+from rlcli.train.build import build_rewards
+from rlcli.validation.loader import load_config
 from tests.rlcli.counting_engine import CountingEngine
 
 OVERRIDES = [
@@ -83,7 +83,7 @@ def test_all_sampling_rounds_run_in_one_awake_block(setup, overrides):
         assert [s.reward_baseline for s in samples] == [expected[s.group] for s in samples]
     else:
         assert generates == metrics["dapo/gen_batches"] == 3, metrics
-        # Every round's samples reach the step, whose filter (rlcli.dynamic_sampling) keeps the
+        # Every round's samples reach the step, whose filter (rlcli.rollout.dynamic_sampling) keeps the
         # informative groups.
         assert len({s.group for s in samples}) == 3 * cfg.data.train_batch_size
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from parallel.step_types import ModelOutputs
-from rlcli.batch import collate
 from rlcli.data.sft_rows import SFTConversation, read_sft_rows, sft_corpus
 from rlcli.errors import UserError
-from rlcli.model_builder import train_tokenizer
-from rlcli.sft import generated_tokens, make_sft_loss, tokenize_conversations
+from rlcli.model.builder import train_tokenizer
+from rlcli.rollout.batch import collate
 from rlcli.tools.calculator import CalculatorTool
 from rlcli.tools.rendering import MessageRenderer
+from rlcli.train.sft import generated_tokens, make_sft_loss, tokenize_conversations
 
 TOOLS = [CalculatorTool.schema.to_openai()]
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>'

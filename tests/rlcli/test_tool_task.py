@@ -5,7 +5,7 @@ from __future__ import annotations
 from rlcli.data import load_prompt_dataset, read_rows
 from rlcli.data.sft_rows import SFTConversation, read_sft_rows
 from rlcli.data.tool_task import write_tool_multiply_dataset
-from rlcli.model_builder import train_tokenizer
+from rlcli.model.builder import train_tokenizer
 from rlcli.rewards import default_compute_score
 from rlcli.tools.calculator import CalculatorTool
 from rlcli.tools.parsing import parse_hermes

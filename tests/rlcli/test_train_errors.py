@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from rlcli.config import ModelBuildConfig
+from rlcli.config.schema import ModelBuildConfig
 from rlcli.data import arith_split
-from rlcli.model_builder import build_model_dir
+from rlcli.model.builder import build_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -31,7 +31,7 @@ def make_tiny_qwen3_moe(out: Path) -> Path:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from rlcli.data import arith_split
-    from rlcli.model_builder import train_tokenizer
+    from rlcli.model.builder import train_tokenizer
 
     train_rows, _ = arith_split(num_max=50, num_val=10)
     tokenizer = train_tokenizer([r.prompt_text + r.response_text for r in train_rows], 512)

@@ -27,7 +27,7 @@ AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mea
 
 def random_samples(seed: int, vocab: int):
     """9 groups x 3 samples; prompts of 2-9 and responses of 1-24 tokens (mixed lengths)."""
-    from rlcli.batch import Sample
+    from rlcli.rollout.batch import Sample
 
     rng = random.Random(seed)
     samples = []
@@ -42,7 +42,7 @@ def random_samples(seed: int, vocab: int):
 
 
 def make_batch(samples, mesh, seed: int):
-    from rlcli.batch import collate, take_dp_share
+    from rlcli.rollout.batch import collate, take_dp_share
 
     mine, _ = take_dp_share(samples, mesh.dp, mesh.dp_rank)
     batch = collate(mine, 0)
@@ -56,7 +56,7 @@ def make_batch(samples, mesh, seed: int):
 
 
 def config(mode: str, extra: list[str] = ()):
-    from rlcli.config_loader import load_config
+    from rlcli.validation.loader import load_config
 
     return load_config(
         None,
@@ -74,7 +74,7 @@ def config(mode: str, extra: list[str] = ()):
 
 def policy(mesh, hf_dir: str, max_tokens: int = 0):
     from parallel.optim import OptimizerSettings
-    from rlcli.trained_model import MicroBatching, TrainedModel
+    from rlcli.model.trained_model import MicroBatching, TrainedModel
 
     # adam_eps = 1 and lr = 1: the first Adam step is g / (|g| + 1), nearly linear in the
     # gradient, so gradient differences show in the weights (a tiny eps would turn rounding
@@ -92,8 +92,8 @@ def loss_and_grads(actor, batch, cfg, mesh, max_tokens: int):
     import algorithms
     from parallel.micro_batches import micro_batches
     from parallel.schedule import forward_backward
-    from rlcli.actor_update import make_actor_loss
-    from rlcli.dp_stats import DataParallelStats
+    from rlcli.model.dp_stats import DataParallelStats
+    from rlcli.train.actor_update import make_actor_loss
 
     for chunk in actor.models:
         chunk.zero_grad_buffer()
@@ -125,7 +125,7 @@ def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 def main() -> None:
     layout, hf_dir, out = sys.argv[1:4]
     from parallel.mesh import init_parallel
-    from rlcli.actor_update import update_actor
+    from rlcli.train.actor_update import update_actor
 
     mesh = init_parallel(tp=1, pp=2 if layout == "pp2" else 1, seed=0)
     actor = policy(mesh, hf_dir)
@@ -151,7 +151,7 @@ def main() -> None:
     # reward, which the update does not read, makes the plan take the separate pass).
     from dataclasses import replace
 
-    from rlcli.actor_update import old_log_prob_plan
+    from rlcli.train.actor_update import old_log_prob_plan
 
     cfg = config("token-mean")
     cfg_full = config("token-mean", ["algorithm.use_kl_in_reward=true"])

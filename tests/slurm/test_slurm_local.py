@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from rlcli.commands.launch import launch_app
-from rlcli.launch import SlurmJob, render_sbatch_script, submit_sbatch, write_sbatch_script
+from rlcli.run.launch import SlurmJob, render_sbatch_script, submit_sbatch, write_sbatch_script
 
 HERE = Path(__file__).resolve().parent
 START_SCRIPT = HERE / "start_local_slurm.sh"

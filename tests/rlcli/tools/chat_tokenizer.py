@@ -1,6 +1,6 @@
 """A local tokenizer with chat templates that render tool messages (nothing can be downloaded).
 
-A byte-level BPE trained here (``rlcli.model_builder.train_tokenizer``) plus the special tokens of
+A byte-level BPE trained here (``rlcli.model.builder.train_tokenizer``) plus the special tokens of
 the two template families the tests use, saved and loaded back with ``AutoTokenizer`` as a run
 loads its tokenizer:
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlcli.model_builder import train_tokenizer
+from rlcli.model.builder import train_tokenizer
 
 QWEN_STYLE = (
     "{%- if tools %}"

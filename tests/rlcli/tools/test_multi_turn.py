@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlcli.config import MultiTurnConfig
-from rlcli.config_loader import load_config
+from rlcli.config.schema import MultiTurnConfig
 from rlcli.errors import UserError
-from rlcli.model_builder import train_tokenizer
+from rlcli.model.builder import train_tokenizer
 from rlcli.tools.multi_turn import TurnBudget, build_multi_turn
 from rlcli.tools.rendering import TRUNCATED
+from rlcli.validation.loader import load_config
 from tests.rlcli.tools.chat_tokenizer import build_chat_tokenizer
 
 USER_TOOLS = Path(__file__).with_name("user_tools.py")

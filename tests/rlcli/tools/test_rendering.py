@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rlcli.errors import UserError
-from rlcli.model_builder import train_tokenizer
+from rlcli.model.builder import train_tokenizer
 from rlcli.tools.calculator import CalculatorTool
 from rlcli.tools.rendering import TRUNCATED, MessageRenderer, TemplateNotIncremental, tool_message
 from tests.rlcli.tools.chat_tokenizer import END_OF_TURN, build_chat_tokenizer

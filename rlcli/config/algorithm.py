@@ -1,0 +1,55 @@
+"""The algorithm's config section (``algorithm.*``): the advantage estimator, KL control, DAPO's
+dynamic sampling and overlong penalty, and the off-policy correction. ``rlcli.config.schema`` assembles
+every section into ``RLConfig``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class KLControlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"  # the KL coefficient's controller
+    kl_coef: float = 0.001  # (initial) KL coefficient
+    target_kl: float = 0.1  # adaptive: KL the coefficient steers to
+    horizon: int = 10000  # adaptive: samples over which it adapts
+
+
+@dataclass
+class DynamicSamplingConfig:
+    enabled: bool = False  # DAPO: keep only groups whose metric varies, re-sample to fill
+    metric: str = "score"  # what must vary within a group to keep it (score | acc)
+    max_gen_batches: int = 4  # sampling rounds per step before training on what was kept
+
+
+@dataclass
+class OverlongConfig:
+    # DAPO: soft penalty on the generated tokens inside a buffer before the response budget
+    # (rollout.max_tokens; multi-turn: rollout.multi_turn.max_response_tokens)
+    enabled: bool = False
+    buffer_len: int = 16  # tokens before the response budget where the penalty starts
+    penalty_factor: float = 1.0  # penalty at the response budget
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"  # see algorithms.get_advantage_estimator
+    gamma: float = 1.0  # discount (gae, reinforce_plus_plus)
+    lam: float = 1.0  # GAE lambda
+    norm_adv_by_std: bool = True  # False: Dr.GRPO
+    epsilon: float = 1e-6  # added to the group std (grpo)
+    use_kl_in_reward: bool = False  # fold KL to the reference into the token rewards (PPO style)
+    kl_penalty: str = "kl"  # KL estimator for use_kl_in_reward (kl, abs, mse, low_var_kl, ...)
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    # Off-policy correction with the engine's log-probs as the behaviour policy (see
+    # algorithms.get_off_policy_correction): none | decoupled_ppo | tis
+    off_policy_correction: str = "none"
+    tis_cap: float = 2.0  # truncation of the importance weights (decoupled_ppo, tis)
+
+    @property
+    def uses_critic(self) -> bool:
+        """PPO's learned value model: only the ``gae`` estimator reads values."""
+        return self.adv_estimator == "gae"

@@ -1,0 +1,1 @@
+"""Rewards computed by models: a reward model on Megatron and a generative judge on an engine, scored in their own phases of the step."""

@@ -1,0 +1,87 @@
+"""The step's advantage phase: scores -> token rewards (KL-in-reward, DAPO overlong) ->
+advantages, on this data-parallel rank's whole groups.
+
+Each DP rank holds whole groups, so group estimators need nothing from other ranks; the
+batch-wide statistics some estimators and the KL controller need come from ``stats.sum``
+(an all-reduce), which makes the result equal to computing on the whole batch at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import algorithms
+from rlcli.config.schema import RLConfig
+from rlcli.model.dp_stats import DataParallelStats
+from rlcli.rollout.batch import RolloutBatch
+from rlcli.rollout.trajectory import response_limit
+
+KLController = algorithms.FixedKLController | algorithms.AdaptiveKLController
+
+
+def token_level_scores(batch: RolloutBatch, cfg: RLConfig) -> torch.Tensor:
+    """``[B, R]``: the outcome score on each response's last generated token, DAPO's overlong
+    shaping added: the tokens the policy generated (``loss_mask``: a multi-turn trajectory's
+    tool / environment tokens are not its length) against the run's response budget
+    (``response_limit``: ``rollout.max_tokens``, or a trajectory's
+    ``rollout.multi_turn.max_response_tokens``; ``rollout.max_tokens`` is then per turn)."""
+    generated = batch.loss_mask
+    lengths = generated.sum(-1).long()
+    scores = batch.scores.clone()
+    if cfg.algorithm.overlong.enabled:
+        scores += algorithms.overlong_penalty(
+            lengths,
+            response_limit(cfg),
+            cfg.algorithm.overlong.buffer_len,
+            cfg.algorithm.overlong.penalty_factor,
+        )
+    token_scores = torch.zeros_like(generated)
+    # The last position whose loss mask is 1 (a multi-turn response may end with tool tokens).
+    positions = torch.arange(generated.shape[1], dtype=torch.float32)
+    last = (generated * (positions + 1)).argmax(-1)
+    has_generated = generated.sum(-1) > 0
+    token_scores[torch.arange(len(lengths)), last] = scores * has_generated
+    return token_scores
+
+
+def compute_advantages(
+    batch: RolloutBatch,
+    cfg: RLConfig,
+    kl_ctrl: KLController,
+    stats: DataParallelStats,
+) -> dict[str, float]:
+    """Fills ``token_level_rewards``, ``advantages`` and ``returns`` (``[B, R]``) of ``batch``,
+    this rank's whole groups; returns batch-wide metrics."""
+    algo = cfg.algorithm
+    rewards = token_level_scores(batch, cfg)
+    metrics: dict[str, float] = {}
+    if algo.use_kl_in_reward:
+        rewards, kl_metrics = algorithms.apply_kl_penalty_to_rewards(
+            rewards,
+            batch.require("old_log_probs"),
+            batch.require("ref_log_probs"),
+            batch.loss_mask,
+            kl_ctrl,
+            algo.kl_penalty,
+            batch_sum=stats.sum,
+        )
+        metrics.update({k: float(v) for k, v in kl_metrics.items()})
+    estimator = algorithms.get_advantage_estimator(algo.adv_estimator)
+    advantages, returns = estimator(
+        token_level_rewards=rewards,
+        response_mask=batch.loss_mask,
+        group_index=batch.group_index,
+        values=batch.values,
+        gamma=algo.gamma,
+        lam=algo.lam,
+        reward_baselines=batch.reward_baselines,
+        epsilon=algo.epsilon,
+        norm_adv_by_std=algo.norm_adv_by_std,
+        batch_sum=stats.sum,
+    )
+    batch.token_level_rewards, batch.advantages, batch.returns = rewards, advantages, returns
+    mask = batch.loss_mask
+    total = stats.sum(torch.stack([algorithms.masked_sum(advantages, mask), mask.sum()]))
+    metrics["critic/advantages_mean"] = (total[0] / (total[1] + 1e-8)).item()
+    metrics["critic/advantages_abs_max"] = stats.max((advantages.abs() * mask).max()).item()
+    return metrics

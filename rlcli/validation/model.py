@@ -1,0 +1,137 @@
+"""The checks of a config about the model's structure: its LoRA adapters (``actor.lora``), its
+expert layout (``parallel.ep``, ``parallel.expert_tp``, the MoE training knobs), the latter also
+against the model's config.json (``validate_against_model``), and how an engine section holds
+the model (``check_hf_engine``)."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from rlcli.errors import UserError
+
+if TYPE_CHECKING:
+    from rlcli.config.engine import EngineConfig
+    from rlcli.config.schema import RLConfig
+
+
+MOE_SETTINGS = ("moe_load_balancing", "moe_aux_loss_coef", "moe_token_dispatcher")
+
+
+def check_hf_engine(key: str, section: EngineConfig) -> None:
+    """An engine section (``rollout``, ``reward.judge``) with ``engine=hf``: one full model."""
+    if section.engine == "hf" and section.tp != 1:
+        raise UserError(
+            f"{key}.engine=hf runs one full model per rank; set {key}.tp=1 (got {section.tp})"
+        )
+
+
+def check_packing(key: str, pack_sequences: bool, cfg: RLConfig) -> None:
+    """``<key>.pack_sequences`` (the actor, critic and reward model each have one) needs a core
+    attention with a packed-sequence path."""
+    if pack_sequences and cfg.model.attention_backend == "local":
+        raise UserError(
+            f"{key}.pack_sequences=true needs model.attention_backend=sdpa (or te): megatron's "
+            "local attention (model.attention_backend=local) has no packed-sequence path"
+        )
+
+
+def check_moe_settings(cfg: RLConfig) -> None:
+    if cfg.parallel.ep < 1:
+        raise UserError(f"parallel.ep must be >= 1, got {cfg.parallel.ep}")
+    if cfg.parallel.expert_tp is not None and cfg.parallel.expert_tp < 1:
+        raise UserError(
+            f"parallel.expert_tp must be >= 1 (or null: parallel.tp), got {cfg.parallel.expert_tp}"
+        )
+    coef = cfg.model.moe_aux_loss_coef
+    if coef is not None and coef < 0:
+        raise UserError(f"model.moe_aux_loss_coef must be >= 0, got {coef}")
+
+
+def validate_against_model(cfg: RLConfig, model_config: dict[str, Any]) -> None:
+    """The settings that depend on the model (`model_config`: its config.json): MoE settings
+    on a dense model, an expert layout the experts do not split into, MoE at TP > 1 without
+    sequence parallelism (megatron-core's MoE layer refuses to train so)."""
+    from parallel.model_shapes import num_experts_of
+
+    par, experts = cfg.parallel, num_experts_of(model_config)
+    model = f"{model_config.get('model_type')!r} model"
+    if not experts:
+        given = [f"model.{key}" for key in MOE_SETTINGS if getattr(cfg.model, key) is not None]
+        given += [
+            f"parallel.{key}" for key in ("ep", "expert_tp") if getattr(par, key) not in (None, 1)
+        ]
+        if given:
+            raise UserError(
+                f"{', '.join(given)}: the {model} has no experts (config.json num_experts); "
+                "these settings are for mixture-of-experts models: remove them"
+            )
+        return
+    if experts % par.ep:
+        raise UserError(f"parallel.ep={par.ep} must divide the {model}'s {experts} experts")
+    width = int(model_config.get("moe_intermediate_size") or 0)
+    if width and width % (par.expert_tp or par.tp):
+        raise UserError(
+            f"parallel.expert_tp={par.expert_tp or par.tp} must divide the experts' width "
+            f"{width} (config.json moe_intermediate_size)"
+        )
+    if par.tp > 1 and not par.sequence_parallel:
+        raise UserError(
+            f"parallel.tp={par.tp} with a mixture-of-experts model needs "
+            "parallel.sequence_parallel=true (megatron-core's MoE layer trains tensor-parallel "
+            "only with sequence parallelism, which needs Transformer Engine); or set "
+            "parallel.tp=1 and spread the experts with parallel.ep"
+        )
+    if cfg.actor.lora.enable:
+        from rlcli.model.lora import lora_spec
+
+        check_lora(cfg)  # the target names themselves
+        mlp = {"linear_fc1", "linear_fc2"} & set(lora_spec(cfg.actor.lora, 0).targets())
+        if mlp:
+            raise UserError(
+                f"actor.lora.target_modules: the {model}'s MLPs are routed experts, which take "
+                f"no LoRA adapters ({', '.join(sorted(mlp))}); set actor.lora.target_modules="
+                "[linear_qkv,linear_proj]"
+            )
+
+
+def check_lora(cfg: RLConfig) -> None:
+    """``actor.lora`` and ``rollout.lora_sync``: the adapters' settings (rank, alpha, dropout,
+    target modules: ``parallel.lora``'s own checks), the layers they need, the starting adapter's
+    folder, and an engine that can take adapters. Whether the adapter fits the model is checked
+    when it loads (``parallel.lora_io.load_peft_adapter``), against the model's shapes."""
+    lora, rollout = cfg.actor.lora, cfg.rollout
+    if not lora.enable:
+        if rollout.lora_sync == "adapter":
+            raise UserError(
+                "rollout.lora_sync=adapter syncs LoRA adapters, but actor.lora.enable=false: "
+                "set actor.lora.enable=true or rollout.lora_sync=merged"
+            )
+        return
+    from parallel.lora import LoraConfigError
+    from rlcli.model.lora import lora_spec
+
+    try:
+        lora_spec(lora, cfg.trainer.seed).targets()
+    except LoraConfigError as err:
+        raise UserError(str(err)) from None
+    if rollout.lora_sync == "adapter" and rollout.engine != "vllm":
+        raise UserError(
+            f"rollout.lora_sync=adapter: the {rollout.engine} engine cannot apply LoRA adapters "
+            "(only rollout.engine=vllm can); set rollout.lora_sync=merged"
+        )
+    if cfg.parallel.sequence_parallel:
+        raise UserError(
+            "actor.lora: the adapters do not support sequence-parallel linears; set "
+            "parallel.sequence_parallel=false"
+        )
+    if cfg.model.transformer_impl == "transformer_engine":
+        raise UserError(
+            "actor.lora needs megatron's local layers (Transformer Engine fuses the norm into "
+            "the linear the adapter reads): set model.transformer_impl=local"
+        )
+    if lora.adapter_path is not None and not os.path.isdir(lora.adapter_path):
+        raise UserError(
+            f"actor.lora.adapter_path={lora.adapter_path!r}: no such folder (a PEFT adapter "
+            "folder holds adapter_config.json and adapter_model.safetensors)"
+        )
