@@ -82,13 +82,16 @@ def tie_rank_to_agent() -> None:
 
 
 class StopRequest:
-    """SIGTERM / SIGUSR1 (Slurm preemption, ``scancel``) or a stop file ask the run to end after
-    the current step with a checkpoint. ``agreed`` is a collective: every rank stops together."""
+    """Ctrl-C (SIGINT), SIGTERM / SIGUSR1 (Slurm preemption, ``scancel``) or a stop file ask the
+    run to end after the current step with a checkpoint. ``agreed`` is a collective: every rank
+    stops together. A second signal stops at once, after saying which checkpoint is kept
+    (``kept``, which the trainer keeps current)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
     def __init__(self) -> None:
         self.reason: str | None = None
+        self.kept = "no checkpoint yet"
         self.stop_file = os.environ.get(STOP_FILE_ENV)
         self._previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
@@ -96,11 +99,22 @@ class StopRequest:
                 self._previous[number] = signal.signal(number, self._handle)
 
     def _handle(self, number: int, frame: Any) -> None:
+        name = signal.Signals(number).name
         if self.reason is not None:  # asked twice: stop now
+            print(
+                f"[rlcli] {name} again: stopping now without a checkpoint; kept: {self.kept}",
+                flush=True,
+            )
             signal.signal(number, signal.SIG_DFL)
             os.kill(os.getpid(), number)
-        self.reason = signal.Signals(number).name
-        print(f"[rlcli] {self.reason}: stopping after this step", flush=True)
+            return
+        self.reason = name
+        again = "Ctrl-C" if number == signal.SIGINT else name
+        print(
+            f"[rlcli] {name}: stopping after this step with a checkpoint "
+            f"({again} again stops at once)",
+            flush=True,
+        )
 
     def agreed(self, models: list[torch.nn.Module], elsewhere: str | None = None) -> bool:
         """``elsewhere``: why a process outside this world (a rollout rank) asked to stop."""

@@ -106,6 +106,7 @@ class Trainer:
         sync_rollout_weights(self)
         if self.resumed_from is not None:
             say(self.mesh, f"resumed from step {self.resumed_from}")
+            stop.kept = f"the checkpoint of step {self.resumed_from}"
         elif self.validates_at(self.step):
             before = self.evaluate()
             self.log(0, before)
@@ -134,6 +135,7 @@ class Trainer:
             periodic = cfg.checkpoint.save_freq and self.step % cfg.checkpoint.save_freq == 0
             if periodic or last or stopping:
                 self.save()
+                stop.kept = f"the checkpoint of step {self.step}"
             if stopping and not last:
                 say(
                     self.mesh,

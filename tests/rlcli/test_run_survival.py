@@ -131,8 +131,10 @@ def test_lr_schedule_counts_rl_steps_and_resume_takes_the_new_lr(tmp_path):
     assert last["actor/lr"] == pytest.approx(lr_at(4, 2e-3, 1e-4, warmup=2, total=5), rel=1e-9)
 
 
-def _resume_equals_uninterrupted(tmp_path: Path, *overrides: str, sigterm: bool) -> None:
-    """An uninterrupted 3-step run against one stopped after a step (SIGTERM, or the stop file
+def _resume_equals_uninterrupted(
+    tmp_path: Path, *overrides: str, sigterm: bool, stop_signal: int = signal.SIGTERM
+) -> None:
+    """An uninterrupted 3-step run against one stopped after a step (`stop_signal`, or the stop file
     the sbatch script uses) and started again: same weights, optimizer state, metrics and
     loader positions; the stopped run leaves no process behind (its checkpoint writer
     included)."""
@@ -152,10 +154,12 @@ def _resume_equals_uninterrupted(tmp_path: Path, *overrides: str, sigterm: bool)
         deadline = time.monotonic() + 600
         while not rows(split) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)  # while step 2 runs (or just after step 1)
+        proc.send_signal(stop_signal)  # while step 2 runs (or just after step 1)
     code, output = finish(proc)
     assert code == 0, output[-3000:]  # the documented code: 0, with a checkpoint
     assert "checkpoint saved: run the same command again" in output
+    if sigterm:
+        assert f"{signal.Signals(stop_signal).name}: stopping after this step" in output
     assert processes_left(tag) == {}
     stopped_at = max(r["step"] for r in rows(split))
     assert stopped_at < 3
@@ -180,8 +184,12 @@ def _resume_equals_uninterrupted(tmp_path: Path, *overrides: str, sigterm: bool)
     assert split_state["loader"] == whole_state["loader"]
 
 
-def test_sigterm_checkpoints_and_grpo_resume_equals_uninterrupted(tmp_path):
-    _resume_equals_uninterrupted(tmp_path, sigterm=True)
+def test_ctrl_c_checkpoints_and_grpo_resume_equals_uninterrupted(tmp_path):
+    """SIGINT (Ctrl-C) stops like SIGTERM: after the step, with a checkpoint (checkpoint.save_freq
+    is 0: the stop saves one anyway)."""
+    _resume_equals_uninterrupted(
+        tmp_path, "checkpoint.save_freq=0", sigterm=True, stop_signal=signal.SIGINT
+    )
 
 
 def test_dapo_resume_equals_uninterrupted(tmp_path):
