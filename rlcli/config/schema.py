@@ -324,7 +324,7 @@ class LoggingConfig:
 
 @dataclass
 class CheckpointConfig:
-    save_freq: int = 0  # save every N steps (0: only at the end)
+    save_freq: int = 0  # save every N steps (0: only at the end, and when Ctrl-C / SIGTERM stop it)
     keep_last: int = 2  # intact checkpoints kept (older ones pruned; damaged ones do not count)
     dir: Optional[str] = None  # default: <trainer.output_dir>/checkpoints
     # false: model-only checkpoints (smaller; resume reloads master weights)
