@@ -39,7 +39,7 @@ def train(
     max_restarts: Optional[int] = MAX_RESTARTS,
 ):
     """Run RL post-training (GRPO, DAPO, PPO, ...) as the recipe says."""
-    cfg = _load_for_run(recipe, overrides, nproc, max_restarts)
+    cfg = _load_for_run(recipe, overrides, nproc, max_restarts, resumes=True)
     from rlcli.train.build import run_role
 
     run_role(cfg)  # the trainer (and with rollout.placement=separate, the rollout ranks' loop)
@@ -54,12 +54,17 @@ def sft(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES, nproc
 
 
 def _load_for_run(
-    recipe: Path, overrides: Optional[list[str]], nproc: int, max_restarts: Optional[int] = None
+    recipe: Path,
+    overrides: Optional[list[str]],
+    nproc: int,
+    max_restarts: Optional[int] = None,
+    resumes: bool = False,
 ) -> RLConfig:
     """The validated config, checked against the number of processes and the model folder;
     with ``--nproc N`` outside torchrun, this command is first run again under torchrun on N
     local processes (each of which loads the config again) and this process exits with their
-    outcome."""
+    outcome. ``resumes``: say first what happens to a run the output folder already holds
+    (``rlcli.run.resume_plan``): refused settings, nothing to do, or a resume."""
     from rlcli.validation.loader import load_config
 
     cfg = load_config(recipe, overrides or [])
@@ -78,12 +83,29 @@ def _load_for_run(
     check_reward_model_dirs(cfg)
     if cfg.rm.before_rl:
         check_reward_model_training(cfg, derive_dp(cfg.parallel, world_size))
-    if nproc != 1 and not under_torchrun():
+    relaunching = nproc != 1 and not under_torchrun()
+    if resumes:
+        _say_resume_plan(cfg, relaunching)
+    if relaunching:
         restarts = max_restarts if max_restarts is not None else cfg.trainer.max_restarts or 0
         if restarts < 0:
             raise UserError(f"--max-restarts must be >= 0, got {restarts}")
         relaunch_under_torchrun(nproc, without_nproc(sys.argv[1:]), restarts)
     return cfg
+
+
+def _say_resume_plan(cfg: RLConfig, relaunching: bool) -> None:
+    """Refuse, or say "nothing to do" and exit 0, or say what the resume changes (once: by the
+    relaunched rank 0 when this process starts torchrun)."""
+    from rlcli.run.resume_plan import plan_resume
+
+    plan = plan_resume(cfg)
+    if plan is None:
+        return
+    if int(os.environ.get("RANK", "0")) == 0 and (plan.nothing_to_do or not relaunching):
+        typer.echo(f"[rlcli] {plan.message}")
+    if plan.nothing_to_do:
+        raise typer.Exit(0)
 
 
 def _check_process_count(cfg: RLConfig, nproc: int) -> None:

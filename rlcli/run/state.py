@@ -29,7 +29,7 @@ from rlcli.errors import UserError
 TRAINER_STATE_FILE = "trainer_state.json"
 TEMPORARY_PREFIX = ".tmp-"
 # Raised when a field changes meaning; a checkpoint without one (older rlcli) is version 1.
-RUN_STATE_VERSION = 1
+RUN_STATE_VERSION = 2  # 2: settings
 
 
 @dataclass
@@ -46,6 +46,8 @@ class RunState:
         None  # the actor's adapters (rlcli.model.lora.lora_state); None: full
     )
     model_rewards: dict[str, Any] | None = None  # ModelRewards.state_dict(): the normaliser
+    # the resolved config as dotted keys (rlcli.run.resume_plan compares it on a resume)
+    settings: dict[str, Any] | None = None
     # rlcli rm
     history: list[dict[str, Any]] | None = None  # per step: loss, accuracy, grad_norm, lr, ...
     val_accuracy_before: float | None = None  # held-out pairwise accuracy before training

@@ -28,6 +28,7 @@ from rlcli.model.trained_model import LoraReference, MicroBatching, TrainedModel
 from rlcli.rollout.channel import RolloutChannel, RunEnded
 from rlcli.run.checkpoints import CheckpointManager, checkpoint_root
 from rlcli.run.metrics import MetricsLogger
+from rlcli.run.resume_plan import record_warm_start, warm_start_changes
 from rlcli.train.advantages import KLController
 from rlcli.train.build_rollouts import (
     build_agent_loop_of,
@@ -127,6 +128,7 @@ def build_trainer(
         total_steps=total,
         critic=critic,
         model_rewards=model_rewards,
+        settings=inputs.settings,
     )
     gigabytes, seconds = trainer.residency.reserve_host_buffers()
     gigabytes /= 1e9
@@ -215,8 +217,11 @@ def warm_start(inputs: RunInputs, force: bool = False) -> Path:
     cfg, mesh = inputs.cfg, inputs.mesh
     out = inputs.output_dir / "sft_model"
     if (out / "config.json").exists() and not force:
-        say(mesh, f"warm start: reusing {out}")
-        return out
+        changes = warm_start_changes(out, inputs.settings)
+        if changes is None:
+            say(mesh, f"warm start: reusing {out} (made with the same settings)")
+            return out
+        say(mesh, f"warm start: training {out} again: {changes}")
     files = list(cfg.sft.train_files) or inputs.sft_files
     say(mesh, f"warm start: {cfg.sft.steps} SFT steps on {', '.join(files)}")
     # a crash mid-save leaves only sft_model.tmp, never a partial sft_model
@@ -228,6 +233,8 @@ def warm_start(inputs: RunInputs, force: bool = False) -> Path:
             staging,
             log=lambda m: say(mesh, m),
         )
+        if mesh.rank == 0:
+            record_warm_start(staging, inputs.settings)
     return out
 
 

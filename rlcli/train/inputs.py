@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -19,6 +19,7 @@ from parallel.roles import RoleWorld, init_role_world
 from rlcli.config.schema import RLConfig
 from rlcli.data import PromptDataset
 from rlcli.errors import UserError
+from rlcli.run.resume_plan import run_settings
 from rlcli.validation.validate import validate
 
 if TYPE_CHECKING:
@@ -36,6 +37,9 @@ class RunInputs:
     train_data: PromptDataset
     val_data: PromptDataset | None
     sft_files: list[str]  # SFT rows of the synthetic task (for the warm start)
+    # the config as given, before the synthetic data's files are filled in (what a checkpoint
+    # records and a resume compares: rlcli.run.resume_plan)
+    settings: dict[str, Any]
 
 
 def barrier() -> None:
@@ -64,6 +68,7 @@ def prepare_inputs(cfg: RLConfig) -> RunInputs:
 
     from rlcli.data import load_prompt_dataset
 
+    settings = run_settings(cfg)
     timeout_s = cfg.parallel.timeout_minutes * 60
     roles = None
     if cfg.rollout.is_separate:
@@ -130,7 +135,9 @@ def prepare_inputs(cfg: RLConfig) -> RunInputs:
         kwargs["tools"] = multi_turn_prompt_tools(cfg, tokenizer)
     train = load_prompt_dataset(cfg.data.train_files, **kwargs)
     val = load_prompt_dataset(cfg.data.val_files, **kwargs) if cfg.data.val_files else None
-    return RunInputs(cfg, mesh, roles, output_dir, model_dir, tokenizer, train, val, sft_files)
+    return RunInputs(
+        cfg, mesh, roles, output_dir, model_dir, tokenizer, train, val, sft_files, settings
+    )
 
 
 def multi_turn_prompt_tools(cfg: RLConfig, tokenizer: PreTrainedTokenizerBase) -> list | None:

@@ -16,7 +16,7 @@ The trainer is built from the config by ``rlcli.train.build.build_trainer``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -63,6 +63,7 @@ class Trainer:
     total_steps: int
     critic: TrainedModel | None = None  # PPO's value model (algorithm.adv_estimator=gae)
     model_rewards: ModelRewards | None = None  # reward.model / reward.judge
+    settings: dict[str, Any] | None = None  # the config as given (RunInputs.settings)
     step: int = 0
     resumed_from: int | None = None  # the checkpoint step this run continues from
     stats: DataParallelStats = field(init=False)
@@ -191,6 +192,7 @@ class Trainer:
             # A LoRA run saves only the adapters: resume and export rebuild the base from it.
             model_dir=self.model_dir,
             model_rewards=None if self.model_rewards is None else self.model_rewards.state_dict(),
+            settings=self.settings,
         )
         self.checkpoints.save(self.step, state)
 

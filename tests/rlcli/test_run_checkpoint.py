@@ -162,7 +162,7 @@ def test_loading_a_directory_without_trainer_state_is_a_user_error(tmp_path):
 def test_run_state_file_is_versioned_and_checked(tmp_path):
     state = RunState(step=3, loader={"epoch": 0, "position": 12}, kl_coef=0.1, model_dir="m")
     assert state.to_dict() == {
-        "version": 1,
+        "version": 2,
         "step": 3,
         "loader": {"epoch": 0, "position": 12},
         "kl_coef": 0.1,
@@ -171,8 +171,10 @@ def test_run_state_file_is_versioned_and_checked(tmp_path):
     assert RunState.from_dict(state.to_dict(), "x") == state
     # written before the version field: version 1
     assert RunState.from_dict({"step": 2, "history": []}, "x") == RunState(step=2, history=[])
-    with pytest.raises(UserError, match="f.json: run state version 2, this rlcli reads up to 1"):
-        RunState.from_dict({"version": 2, "step": 1}, "f.json")
+    # a version 1 file (before `settings`) reads as it was written
+    assert RunState.from_dict({"version": 1, "step": 4}, "x") == RunState(step=4)
+    with pytest.raises(UserError, match="f.json: run state version 3, this rlcli reads up to 2"):
+        RunState.from_dict({"version": 3, "step": 1}, "f.json")
     with pytest.raises(UserError, match=r"f.json is not an rlcli run state \(unknown keys \['x'\]"):
         RunState.from_dict({"step": 1, "x": 0}, "f.json")
     with pytest.raises(UserError, match="no 'step'"):

@@ -132,16 +132,27 @@ def test_lr_schedule_counts_rl_steps_and_resume_takes_the_new_lr(tmp_path):
 
 
 def _resume_equals_uninterrupted(
-    tmp_path: Path, *overrides: str, sigterm: bool, stop_signal: int = signal.SIGTERM
+    tmp_path: Path,
+    *overrides: str,
+    sigterm: bool,
+    stop_signal: int = signal.SIGTERM,
+    rerun_finished: bool = False,
 ) -> None:
     """An uninterrupted 3-step run against one stopped after a step (`stop_signal`, or the stop file
     the sbatch script uses) and started again: same weights, optimizer state, metrics and
     loader positions; the stopped run leaves no process behind (its checkpoint writer
-    included)."""
+    included). ``rerun_finished``: the uninterrupted run, started again, has nothing to do."""
     steps = ["trainer.total_steps=3", *overrides]
     whole = tmp_path / "whole"
     code, output = finish(rlcli_train(whole, *steps))
     assert code == 0, output[-3000:]
+    if rerun_finished:
+        # The finished run again: its checkpoint records the settings as given, so nothing differs
+        # and there is nothing to do (exit 0, before any model is built).
+        code, output = finish(rlcli_train(whole, *steps))
+        assert code == 0 and "[rlcli] nothing to do:" in output, output[-3000:]
+        assert "building actor" not in output
+        assert [r["step"] for r in rows(whole)] == [1, 2, 3]
 
     split = tmp_path / "split"
     stop_file = tmp_path / "stop"
@@ -182,13 +193,19 @@ def _resume_equals_uninterrupted(
     )
     assert split_state["step"] == whole_state["step"] == 3
     assert split_state["loader"] == whole_state["loader"]
+    assert split_state["settings"]["trainer.total_steps"] == 3
+    assert split_state["settings"]["data.train_files"] == []  # as given, not as filled in
 
 
 def test_ctrl_c_checkpoints_and_grpo_resume_equals_uninterrupted(tmp_path):
     """SIGINT (Ctrl-C) stops like SIGTERM: after the step, with a checkpoint (checkpoint.save_freq
     is 0: the stop saves one anyway)."""
     _resume_equals_uninterrupted(
-        tmp_path, "checkpoint.save_freq=0", sigterm=True, stop_signal=signal.SIGINT
+        tmp_path,
+        "checkpoint.save_freq=0",
+        sigterm=True,
+        stop_signal=signal.SIGINT,
+        rerun_finished=True,
     )
 
 
