@@ -216,12 +216,13 @@ def warm_start(inputs: RunInputs, force: bool = False) -> Path:
 
     cfg, mesh = inputs.cfg, inputs.mesh
     out = inputs.output_dir / "sft_model"
+    changes = None
     if (out / "config.json").exists() and not force:
         changes = warm_start_changes(out, inputs.settings)
         if changes is None:
             say(mesh, f"warm start: reusing {out} (made with the same settings)")
             return out
-        say(mesh, f"warm start: training {out} again: {changes}")
+        say(mesh, f"warm start: training {out} again, from scratch: {changes}")
     files = list(cfg.sft.train_files) or inputs.sft_files
     say(mesh, f"warm start: {cfg.sft.steps} SFT steps on {', '.join(files)}")
     # a crash mid-save leaves only sft_model.tmp, never a partial sft_model
@@ -232,6 +233,7 @@ def warm_start(inputs: RunInputs, force: bool = False) -> Path:
             files,
             staging,
             log=lambda m: say(mesh, m),
+            fresh=changes is not None,  # its checkpoints are the old settings' warm start
         )
         if mesh.rank == 0:
             record_warm_start(staging, inputs.settings)

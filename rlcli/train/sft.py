@@ -129,10 +129,11 @@ def sft_warm_start(
     files: list[str],
     out_dir: Path,
     log: Callable[[str], None] = print,
+    fresh: bool = False,
 ) -> Path:
     """Train ``sft.steps`` steps on ``files`` from a fresh ``build_actor()`` (built once the
-    inputs are checked), or from the newest SFT checkpoint (``sft_checkpoints``); save it as HF
-    into ``out_dir``."""
+    inputs are checked), or from the newest SFT checkpoint (``sft_checkpoints``) unless
+    ``fresh`` (they belong to a warm start of other settings); save it as HF into ``out_dir``."""
     from parallel.convert import save_hf_checkpoint
 
     cfg, mesh = c.cfg, c.mesh
@@ -146,7 +147,7 @@ def sft_warm_start(
     actor = build_actor()
     rng = np.random.default_rng(cfg.trainer.seed)
     checkpoints, done = sft_checkpoints(c, actor), 0
-    fresh = str(cfg.trainer.resume).lower() in ("none", "null", "")
+    fresh = fresh or str(cfg.trainer.resume).lower() in ("none", "null", "")
     resumed = checkpoints.resume("none" if fresh else "auto")
     if resumed is not None:
         if resumed.state.sampler is None:
