@@ -303,6 +303,9 @@ class TrainerConfig:
     # Stop (exit 2) after this many consecutive steps with a non-finite loss or gradient (each
     # one is dropped, not applied).
     max_nonfinite_steps: int = 3
+    # Stop (exit 2) after this many consecutive steps without an update because DAPO's filter kept
+    # fewer informative groups than there are data-parallel ranks (0: never stop).
+    max_skipped_steps: int = 10
     # torchrun restarts of the whole group after a rank dies (it then resumes from the newest
     # checkpoint): `rlcli train --nproc` (also --max-restarts N) and `rlcli launch slurm`
     # (also --max-restarts N). None: 0 locally, 3 on Slurm.

@@ -50,4 +50,9 @@ def keep_informative_groups(
     groups = informative_groups(samples, dynamic_sampling.metric)
     drawn = len(groups_of(samples))
     kept = groups[:batch_size]
-    return [s for g in kept for s in g], {"dapo/kept_groups_ratio": len(groups) / max(drawn, 1)}
+    metrics = {
+        "dapo/kept_groups_ratio": len(groups) / max(drawn, 1),
+        "dapo/kept_groups": float(len(kept)),
+        "dapo/drawn_groups": float(drawn),
+    }
+    return [s for g in kept for s in g], metrics

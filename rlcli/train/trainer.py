@@ -114,7 +114,7 @@ class Trainer:
             accuracy = before.get("val/reward/accuracy", float("nan"))
             say(self.mesh, f"validation before RL: accuracy {accuracy:.3f}")
         after: dict[str, float] = {}
-        nonfinite_in_a_row = 0
+        nonfinite_in_a_row = skipped_in_a_row = 0
         while self.step < self.total_steps:
             self.step += 1
             dropped = self.actor.nonfinite_updates
@@ -132,6 +132,10 @@ class Trainer:
             nonfinite_in_a_row = nonfinite_in_a_row + 1 if nonfinite else 0
             if nonfinite:
                 self.stop_if_nonfinite(nonfinite_in_a_row)
+            skipped = "dapo/kept_groups" in metrics and metrics.get("actor/skipped_update") == 1.0
+            skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
+            if skipped:
+                self.report_skipped_update(metrics, skipped_in_a_row)
             stopping = stop.agreed(self.actor.models, self.rollouts.stop_requested())
             periodic = cfg.checkpoint.save_freq and self.step % cfg.checkpoint.save_freq == 0
             if periodic or last or stopping:
@@ -169,6 +173,25 @@ class Trainer:
                 f"checkpoint is {latest or 'none'}. Likely causes: actor.lr too high, "
                 "actor.grad_clip=0 (no clipping), algorithm.epsilon=0 with groups whose rewards "
                 "are all equal, or overflow in model.dtype=float16 / bfloat16."
+            )
+
+    def report_skipped_update(self, metrics: dict[str, float], in_a_row: int) -> None:
+        """A DAPO step that kept too few groups to give every data-parallel rank one."""
+        kept, drawn = int(metrics["dapo/kept_groups"]), int(metrics["dapo/drawn_groups"])
+        why = (
+            f"DAPO's filter kept {kept} of the {drawn} groups drawn (those whose "
+            f"{self.cfg.algorithm.dynamic_sampling.metric} varies), fewer than the "
+            f"{self.mesh.dp} data-parallel ranks"
+        )
+        say(self.mesh, f"step {self.step}: no update: {why} ({in_a_row} such steps in a row)")
+        limit = self.cfg.trainer.max_skipped_steps
+        if limit and in_a_row >= limit:
+            raise UserError(
+                f"step {self.step}: {in_a_row} steps in a row applied no update "
+                f"(trainer.max_skipped_steps={limit}): {why}. When every group's reward is the "
+                "same the policy gets no signal: check that the reward (reward.fn) tells good "
+                "responses from bad ones, or raise algorithm.dynamic_sampling.max_gen_batches to "
+                "draw more groups per step."
             )
 
     def validates_at(self, step: int) -> bool:

@@ -109,6 +109,30 @@ def test_nonfinite_steps_are_dropped_counted_and_stop_the_run(tmp_path):
     assert tensors and all(torch.isfinite(t).all() for t in tensors.values())
 
 
+def test_steps_without_an_update_are_said_and_stop_the_run(tmp_path):
+    """DAPO with a reward that never varies: its filter keeps no group, so no step updates the
+    actor; each says so, and trainer.max_skipped_steps of them in a row stop the run (exit 2)."""
+    out = tmp_path / "run"
+    code, output = finish(
+        rlcli_train(
+            out,
+            f"reward.fn={HERE / 'constant_reward.py'}:compute_score",
+            "algorithm.dynamic_sampling.enabled=true",
+            "algorithm.dynamic_sampling.max_gen_batches=1",
+            "trainer.max_skipped_steps=2",
+            "trainer.total_steps=4",
+        )
+    )
+    assert code == 2, output[-3000:]
+    assert "Traceback" not in output
+    why = "DAPO's filter kept 0 of the 4 groups drawn (those whose score varies)"
+    assert f"step 1: no update: {why}, fewer than the 1 data-parallel ranks (1 such" in output
+    assert "step 2: 2 steps in a row applied no update (trainer.max_skipped_steps=2)" in output
+    logged = rows(out)
+    assert [r["step"] for r in logged] == [1, 2]
+    assert all(r["actor/skipped_update"] == 1.0 and r["dapo/kept_groups"] == 0 for r in logged)
+
+
 def test_lr_schedule_counts_rl_steps_and_resume_takes_the_new_lr(tmp_path):
     """2 mini-batches per step (4 prompts, ppo_mini_batch_size 2): the schedule still moves once
     per RL step; a resume with a larger actor.lr and total_steps follows the new values."""
