@@ -15,7 +15,7 @@ import sys
 import time
 import warnings
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -38,19 +38,21 @@ VALID_BACKENDS = choices(LoggingConfig, "backends")
 METRICS_FILE_NAME = "metrics.jsonl"
 TENSORBOARD_DIR_NAME = "tensorboard"
 
-# What the console shows per step: (label, metric key); a column whose key a step's metrics do not
-# have is left out of that line.
+# What the console shows per step, the most useful first: (label, metric key). A column whose key a
+# step's metrics do not have is left out; the line ends before the first field that would not fit
+# in CONSOLE_WIDTH columns (every metric is in metrics.jsonl and TensorBoard).
 CONSOLE_COLUMNS: tuple[tuple[str, str], ...] = (
     ("reward", "reward/score_mean"),
     ("acc", "reward/accuracy"),
     ("val_acc", "val/reward/accuracy"),
     ("resp_len", "response_length/mean"),
-    ("pg_loss", "actor/pg_loss"),
-    ("grad_norm", "actor/grad_norm"),
     ("step_s", "timing/step"),
     ("tok/s", "perf/tokens_per_s"),
     ("lp_diff", "rollout/logprob_diff_max"),
+    ("pg_loss", "actor/pg_loss"),
+    ("grad_norm", "actor/grad_norm"),
 )
+CONSOLE_WIDTH = 100
 
 
 class Timer:
@@ -90,45 +92,88 @@ def _format_value(value: float) -> str:
     return f"{value:.4g}"
 
 
-def console_summary(metrics: Mapping[str, float]) -> str:
-    """The short ``label value | ...`` text the console shows for one step."""
-    parts = [
+def console_fields(metrics: Mapping[str, float]) -> list[str]:
+    """The ``label value`` fields the console shows for one step, in CONSOLE_COLUMNS order."""
+    return [
         f"{label} {_format_value(float(metrics[key]))}"
         for label, key in CONSOLE_COLUMNS
         if key in metrics
     ]
-    return " | ".join(parts)
+
+
+def fit_line(fields: Sequence[str], width: int = CONSOLE_WIDTH) -> str:
+    """``fields`` joined by `` | ``, ending before the first one that would pass ``width``."""
+    line = ""
+    for field_text in fields:
+        longer = f"{line} | {field_text}" if line else field_text
+        if len(longer) > width:
+            break
+        line = longer
+    return line
+
+
+def format_eta(seconds: float) -> str:
+    minutes, seconds = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
 
 
 class _ConsoleBackend:
-    """A rich progress bar on a terminal; one plain line per step otherwise (CI logs)."""
+    """One line per step of at most CONSOLE_WIDTH columns: ``step 46/80 | eta 3m40s | reward ...``.
+    The ETA counts the steps this process ran (a resumed run's earlier steps are not its own).
+    On a terminal a rich progress bar (steps, elapsed, remaining) stays below the lines."""
 
-    def __init__(self, console: Console, total_steps: int | None) -> None:
+    def __init__(
+        self,
+        console: Console,
+        total_steps: int | None,
+        first_step: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._console = console
+        self._clock = clock
         self._total_steps = total_steps
+        self._first_step = first_step
+        self._started: float | None = None  # when the first step after `first_step` began
         self._progress: Progress | None = None
         self._task: TaskID | None = None
 
+    def _eta(self, step: int) -> float | None:
+        if not self._total_steps or self._started is None or step <= self._first_step:
+            return None
+        per_step = (self._clock() - self._started) / (step - self._first_step)
+        return per_step * (self._total_steps - step)
+
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        summary = console_summary(metrics)
+        if self._started is None:
+            # The first record's step ran before it was logged: count from there (step 0 is the
+            # evaluation before RL, whose time is not a step's).
+            duration = metrics.get("timing/step", 0.0) if step > self._first_step else 0.0
+            self._started = self._clock() - duration
+        total = f"/{self._total_steps}" if self._total_steps else ""
+        eta = self._eta(step)
+        head = [f"step {step}{total}"] + ([f"eta {format_eta(eta)}"] if eta is not None else [])
+        width = min(CONSOLE_WIDTH, self._console.width) if self._console.is_terminal else None
+        line = fit_line(head + console_fields(metrics), width or CONSOLE_WIDTH)
         if not self._console.is_terminal:
-            total = f"/{self._total_steps}" if self._total_steps else ""
-            self._console.print(f"step {step}{total} | {summary}", highlight=False, soft_wrap=True)
+            self._console.print(line, highlight=False, soft_wrap=True)
             return
         if self._progress is None:
             self._progress = Progress(
                 TextColumn("[bold]step"),
                 MofNCompleteColumn(),
-                BarColumn(),
+                BarColumn(bar_width=30),
                 TimeElapsedColumn(),
                 TimeRemainingColumn(),
-                TextColumn("{task.fields[summary]}"),
                 console=self._console,
             )
             self._progress.start()
-            self._task = self._progress.add_task("train", total=self._total_steps, summary="")
+            self._task = self._progress.add_task(
+                "train", total=self._total_steps, completed=self._first_step
+            )
         assert self._task is not None
-        self._progress.update(self._task, completed=step, summary=summary)
+        self._progress.console.print(line, highlight=False, soft_wrap=True)
+        self._progress.update(self._task, completed=step)
 
     def close(self) -> None:
         if self._progress is not None:
@@ -220,7 +265,9 @@ class MetricsLogger:
                 config_text = json.dumps(config_dict, indent=2, default=str)
                 self._tensorboard.add_text("config", f"```\n{config_text}\n```", global_step=0)
         if "console" in backends:
-            self._console_backend = _ConsoleBackend(console or Console(), total_steps)
+            self._console_backend = _ConsoleBackend(
+                console or Console(), total_steps, first_step=resumed_from_step or 0
+            )
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         """Record ``metrics`` (scalars, or 0-d tensors) for training step ``step``."""

@@ -1,6 +1,7 @@
 import io
 import json
 import math
+import re
 import sys
 
 import pytest
@@ -9,8 +10,14 @@ from rich.console import Console
 from rlcli.errors import UserError
 from rlcli.run import metrics as metrics_module
 from rlcli.run.metrics import (
+    CONSOLE_COLUMNS,
+    CONSOLE_WIDTH,
     MetricsLogger,
     Timer,
+    _ConsoleBackend,
+    console_fields,
+    fit_line,
+    format_eta,
     read_metrics_jsonl,
 )
 
@@ -99,36 +106,66 @@ def test_tensorboard_scalars_read_back_and_resume_purges_later_steps(tmp_path):
     assert scalars == [(1, 0.5), (2, 1.0), (3, 30.0)]
 
 
+STEP_METRICS = {
+    "reward/score_mean": 0.375,
+    "reward/accuracy": 0.4,
+    "response_length/mean": 12.0,
+    "actor/pg_loss": -0.0123,
+    "actor/grad_norm": 1.5,
+    "timing/step": 2.0,
+    "perf/tokens_per_s": 2345.0,
+    "not/shown": 99.0,
+}
+
+
 def test_console_prints_one_plain_line_per_step_when_not_a_terminal(tmp_path, capsys):
     with MetricsLogger(tmp_path, backends=("console",), total_steps=10) as logger:
-        logger.log(
-            7,
-            {
-                "reward/score_mean": 0.375,
-                "reward/accuracy": 0.4,
-                "response_length/mean": 12.0,
-                "actor/pg_loss": -0.0123,
-                "actor/grad_norm": 1.5,
-                "timing/step": 0.21,
-                "perf/tokens_per_s": 2345.0,
-                "not/shown": 99.0,
-            },
-        )
+        logger.log(7, STEP_METRICS)
     line = capsys.readouterr().out.strip()
-    assert line == (
-        "step 7/10 | reward 0.375 | acc 0.4 | resp_len 12 | pg_loss -0.0123 | grad_norm 1.5 "
-        "| step_s 0.21 | tok/s 2345"
-    )
+    assert line.startswith("step 7/10 | eta ")  # the ETA's value is the wall time's
+    assert line.endswith("| reward 0.375 | acc 0.4 | resp_len 12 | step_s 2 | tok/s 2345")
+    assert len(line) <= CONSOLE_WIDTH < len(line + " | pg_loss -0.0123")
+
+
+def test_console_eta_counts_only_the_steps_this_process_ran():
+    """Resumed at step 4 of 10: step 5 took 2 s (its timing/step), step 6 was logged 4 s after
+    step 5's start: 2 s a step, 4 steps left."""
+    buffer, now = io.StringIO(), [100.0]
+    pipe = Console(file=buffer, force_terminal=False, width=80)
+    backend = _ConsoleBackend(pipe, total_steps=10, first_step=4, clock=lambda: now[0])
+    backend.log(5, {"timing/step": 2.0})
+    now[0] = 102.0
+    backend.log(6, {"timing/step": 2.0})
+    assert buffer.getvalue().splitlines() == [
+        "step 5/10 | eta 0m10s | step_s 2",
+        "step 6/10 | eta 0m08s | step_s 2",
+    ]
+    assert format_eta(3 * 3600 + 125) == "3h02m"
+
+
+def test_console_lines_fit_100_columns_most_useful_fields_first():
+    every = {key: -1.234567e-05 for _, key in CONSOLE_COLUMNS}
+    fields = console_fields(every)
+    assert len(fields) == len(CONSOLE_COLUMNS) and fields[0].startswith("reward ")
+    line = fit_line(["step 100000/100000", "eta 12h34m", *fields])
+    assert len(line) <= CONSOLE_WIDTH and line.startswith("step 100000/100000 | eta 12h34m | ")
+    assert line.endswith(fields[len(line.split(" | ")) - 3])  # whole fields, cut at a boundary
+    assert "grad_norm" not in line  # the last fields give way
 
 
 def test_console_shows_a_progress_bar_on_a_terminal(tmp_path):
     buffer = io.StringIO()
     terminal = Console(file=buffer, force_terminal=True, width=160, color_system=None)
-    with MetricsLogger(tmp_path, backends=("console",), total_steps=4, console=terminal) as logger:
-        for step in range(1, 5):
-            logger.log(step, {"reward/score_mean": step / 4})
+    with MetricsLogger(
+        tmp_path, backends=("console",), total_steps=4, console=terminal, resumed_from_step=1
+    ) as logger:
+        for step in range(2, 5):
+            logger.log(step, {**STEP_METRICS, "reward/score_mean": step / 4})
     output = buffer.getvalue()
     assert "4/4" in output and "reward 1" in output
+    lines = re.findall(r"step \d/4 \| [^\r\n]*", output)  # the step lines above the bar
+    assert [line.split(" | ")[0] for line in lines] == ["step 2/4", "step 3/4", "step 4/4"]
+    assert all(len(line) <= CONSOLE_WIDTH for line in lines)
 
 
 def test_wandb_chosen_but_missing_names_the_config_key(tmp_path, monkeypatch):
