@@ -11,6 +11,7 @@ from typing import Optional
 import typer
 
 from rlcli.commands.relaunch import run_torchrun
+from rlcli.config.schema import RLConfig
 from rlcli.errors import UserError
 from rlcli.run.launch import (
     DEFAULT_MAX_RESTARTS,
@@ -45,41 +46,26 @@ def _default_job_name(recipe: Path) -> str:
     return "rlcli-" + re.sub(r"[^A-Za-z0-9_.-]", "_", recipe.stem)
 
 
-def _configured(recipe: Path, overrides: list[str], key: str):
-    """``key`` from the recipe and overrides (the ranks check the full config when the job
-    starts; here only a few keys matter), None when neither sets it."""
-    from omegaconf import OmegaConf
+def _checked_config(recipe: Path, overrides: list[str], world_size: int) -> RLConfig:
+    """The config the ranks will load, checked now as ``rlcli config validate --world-size``
+    does: a typo or a layout the job cannot hold fails here, not after the job waited in the
+    queue. (Model folders and data files are not looked up: they may live only on the
+    cluster.)"""
+    from rlcli.validation.loader import load_config
+    from rlcli.validation.validate import validate
 
-    try:
-        merged = OmegaConf.merge(OmegaConf.load(recipe), OmegaConf.from_dotlist(overrides))
-        return OmegaConf.select(merged, key)
-    except Exception as err:  # not YAML, or an unresolvable value
-        raise UserError(f"{recipe}: cannot read {key} ({err})") from None
-
-
-def _configured_max_restarts(recipe: Path, overrides: list[str]) -> Optional[int]:
-    value = _configured(recipe, overrides, "trainer.max_restarts")
-    try:
-        return None if value is None else int(value)
-    except (TypeError, ValueError):
-        raise UserError(f"{recipe}: trainer.max_restarts={value!r} is not a number") from None
+    cfg = load_config(recipe, validate_overrides(overrides))
+    validate(cfg, world_size=world_size)
+    return cfg
 
 
-def _configured_layout(recipe: Path, overrides: list[str], job: SlurmJob) -> str:
+def _layout(cfg: RLConfig, job: SlurmJob) -> str:
     """Which ranks train and which run engines (``rollout.placement=separate``); a UserError
     naming the key when the job's processes cannot hold that layout."""
-    if _configured(recipe, overrides, "rollout.placement") != "separate":
-        return rank_layout(job.nodes * job.processes_per_node, job.processes_per_node)
-    try:
-        num_ranks = int(_configured(recipe, overrides, "rollout.num_ranks") or 0)
-        rollout_tp = int(_configured(recipe, overrides, "rollout.tp") or 1)
-    except (TypeError, ValueError) as err:
-        raise UserError(
-            f"{recipe}: rollout.num_ranks / rollout.tp must be numbers ({err})"
-        ) from None
-    return rank_layout(
-        job.nodes * job.processes_per_node, job.processes_per_node, num_ranks, rollout_tp
-    )
+    world = job.nodes * job.processes_per_node
+    if not cfg.rollout.is_separate:
+        return rank_layout(world, job.processes_per_node)
+    return rank_layout(world, job.processes_per_node, cfg.rollout.num_ranks, cfg.rollout.tp)
 
 
 @launch_app.command("slurm")
@@ -122,12 +108,16 @@ def launch_slurm(
         "--max-restarts",
         help="torchrun restarts after a rank dies (default: trainer.max_restarts, else 3).",
     ),
+    network_interface: Optional[str] = typer.Option(
+        None,
+        "--network-interface",
+        help="NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME for the job, e.g. ib0 (default: detected "
+        "on the first node).",
+    ),
 ) -> None:
-    """Render an sbatch script that runs `rlcli train` under torchrun on every node; submit it."""
+    """Render an sbatch script that runs `rlcli train` under torchrun on every node; submit it.
+    The recipe and overrides are checked first, for the job's number of ranks."""
     recipe = _checked_recipe(recipe)
-    if max_restarts is None:
-        configured = _configured_max_restarts(recipe, overrides or [])
-        max_restarts = DEFAULT_MAX_RESTARTS if configured is None else configured
     job = SlurmJob(
         job_name=job_name or _default_job_name(recipe),
         nodes=nodes,
@@ -139,11 +129,16 @@ def launch_slurm(
         cpus_per_task=cpus_per_task,
         log_dir=log_dir,
         sbatch_options=tuple(sbatch_option or ()),
-        max_restarts=max_restarts,
+        network_interface=network_interface,
     )
-    program = train_program_args(recipe, validate_overrides(overrides or []))
     job.validate()  # (before the layout counts its processes)
-    job = dataclasses.replace(job, layout=_configured_layout(recipe, overrides or [], job))
+    cfg = _checked_config(recipe, overrides or [], job.nodes * job.processes_per_node)
+    if max_restarts is None:
+        configured = cfg.trainer.max_restarts
+        max_restarts = DEFAULT_MAX_RESTARTS if configured is None else configured
+    job = dataclasses.replace(job, max_restarts=max_restarts, layout=_layout(cfg, job))
+    job.validate()
+    program = train_program_args(recipe, list(overrides or []))
     script = render_sbatch_script(job, program, template=template)
     if dry_run:
         typer.echo(script, nl=False)
@@ -167,10 +162,14 @@ def launch_local(
         0, "--max-restarts", help="Restarts of the group after a rank dies (it then resumes)."
     ),
 ) -> None:
-    """Run `rlcli train` under `torchrun --standalone` with --nproc ranks on this machine."""
+    """Run `rlcli train` under `torchrun --standalone` with --nproc ranks on this machine (the
+    recipe and overrides checked first, for --nproc ranks)."""
     recipe = _checked_recipe(recipe)
+    if nproc < 1:
+        raise UserError(f"--nproc must be at least 1, got {nproc}.")
+    _checked_config(recipe, overrides or [], nproc)
     command = local_torchrun_command(
-        nproc, train_program_args(recipe, validate_overrides(overrides or [])), max_restarts
+        nproc, train_program_args(recipe, list(overrides or [])), max_restarts
     )
     if dry_run:
         typer.echo(shlex.join(command))

@@ -21,7 +21,7 @@ import jinja2
 
 from rlcli.errors import UserError
 
-SLURM_TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "recipes" / "slurm"
+SLURM_TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "recipes" / "slurm"
 DEFAULT_SLURM_TEMPLATE = SLURM_TEMPLATE_DIR / "torchrun.sbatch.j2"
 
 # Slurm's --time forms we accept: [days-]hours:minutes:seconds.

@@ -44,9 +44,13 @@ def _bash_syntax_ok(script: str, tmp_path: Path) -> None:
     subprocess.run(["bash", "-n", str(path)], check=True)
 
 
+# What a recipe needs to pass `config validate` (the model folder lives on the cluster: not looked up).
+MINIMAL_RECIPE = "model:\n  path: /cluster/models/qwen\ntrainer:\n  total_steps: 2\n"
+
+
 def _recipe(tmp_path: Path) -> Path:
     recipe = tmp_path / "grpo tiny.yaml"  # a space, to prove the quoting
-    recipe.write_text("trainer:\n  total_steps: 2\n")
+    recipe.write_text(MINIMAL_RECIPE)
     return recipe
 
 
@@ -219,7 +223,7 @@ def test_cli_dry_run_prints_the_script_with_options_after_overrides(tmp_path):
 
 def test_cli_rejects_bad_time_and_missing_recipe(tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("{}\n")
+    recipe.write_text(MINIMAL_RECIPE)
     result = CliRunner().invoke(launch_app, ["slurm", str(recipe), "--time", "90", "--dry-run"])
     assert isinstance(result.exception, UserError) and "--time" in str(result.exception)
     result = CliRunner().invoke(launch_app, ["local", str(tmp_path / "nope.yaml"), "--nproc", "2"])
@@ -230,7 +234,7 @@ def test_cli_rejects_bad_time_and_missing_recipe(tmp_path):
 
 def test_cli_submit_without_sbatch_says_so(tmp_path, monkeypatch):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("{}\n")
+    recipe.write_text(MINIMAL_RECIPE)
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
     arguments = ["slurm", str(recipe), "--log-dir", str(tmp_path / "logs")]
     result = CliRunner().invoke(launch_app, arguments)
@@ -241,9 +245,9 @@ def test_cli_submit_without_sbatch_says_so(tmp_path, monkeypatch):
 
 def test_cli_local_dry_run_prints_the_torchrun_command(tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("{}\n")
+    recipe.write_text(MINIMAL_RECIPE)
     result = CliRunner().invoke(
-        launch_app, ["local", str(recipe), "x=1", "--nproc", "2", "--dry-run"]
+        launch_app, ["local", str(recipe), "actor.lr=1e-6", "--nproc", "2", "--dry-run"]
     )
     assert result.exit_code == 0, result.output
     assert shlex.split(result.output) == [
@@ -259,7 +263,7 @@ def test_cli_local_dry_run_prints_the_torchrun_command(tmp_path):
         "rlcli.cli",
         "train",
         str(recipe),
-        "x=1",
+        "actor.lr=1e-6",
     ]
 
 
@@ -297,4 +301,36 @@ def test_separate_placement_lays_out_trainer_and_rollout_ranks(tmp_path):
         launch_app, ["slurm", str(recipe), *everything, "--nodes", "2", "--dry-run"]
     )
     assert isinstance(result.exception, UserError)
-    assert "rollout.num_ranks=16 leaves no trainer rank" in str(result.exception)
+    assert "rollout.num_ranks=16 makes every one of the 16 processes a rollout rank" in str(
+        result.exception
+    )
+
+
+def test_launch_checks_the_recipe_and_layout_before_writing_or_submitting(tmp_path):
+    """A typo or a layout the job cannot hold fails at once (exit 2, naming the key), with no
+    script written; `rlcli config validate --world-size` gives the same verdicts."""
+    recipe = _recipe(tmp_path)
+    output = tmp_path / "job.sbatch"
+    typo = CliRunner().invoke(
+        launch_app, ["slurm", str(recipe), "actor.lrr=1", "--dry-run", "--output", str(output)]
+    )
+    assert isinstance(typo.exception, UserError) and "actor.lrr" in str(typo.exception)
+    assert not output.exists()
+    layout = CliRunner().invoke(
+        launch_app, ["slurm", str(recipe), "parallel.tp=4", "--gpus-per-node", "3", "--dry-run"]
+    )
+    assert isinstance(layout.exception, UserError) and "parallel.tp" in str(layout.exception)
+    local = CliRunner().invoke(
+        launch_app, ["local", str(recipe), "parallel.tp=4", "--nproc", "2", "--dry-run"]
+    )
+    assert isinstance(local.exception, UserError) and "parallel.tp" in str(local.exception)
+
+
+def test_cli_network_interface_sets_the_job_socket_variables(tmp_path):
+    recipe = _recipe(tmp_path)
+    result = CliRunner().invoke(
+        launch_app, ["slurm", str(recipe), "--network-interface", "ib0", "--dry-run"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "ib0" in result.output and "NCCL_SOCKET_IFNAME" in result.output
+    _bash_syntax_ok(result.output, tmp_path)
