@@ -20,7 +20,12 @@ def data_gsm8k(
     from rlcli.data.gsm8k import convert_gsm8k
 
     counts = convert_gsm8k(str(input), str(output))
-    typer.echo(f"wrote {output}: {counts}")
+    for split, rows in counts.items():
+        typer.echo(f"wrote {output / f'{split}.jsonl'} ({rows} rows)")
+    key = {"train": "data.train_files", "test": "data.val_files"}
+    settings = [f"{key[s]}=[{output / f'{s}.jsonl'}]" for s in counts if s in key]
+    if settings:
+        typer.echo("train on them with: " + " ".join(settings))
 
 
 @data_app.command("arith")

@@ -2,8 +2,9 @@
 
 Accepts the files of github.com/openai/grade-school-math (``train.jsonl``, ``test.jsonl``) or the
 Hugging Face ``openai/gsm8k`` Parquet files, or a folder holding them. Each input file becomes
-``<split>.jsonl`` in the output folder, where ``<split>`` is the file name up to the first ``-``
-(``train-00000-of-00001.parquet`` -> ``train.jsonl``).
+``<split>.jsonl`` in the output folder, where ``<split>`` is ``train`` or ``test`` when the file
+name says so (``gsm8k_train.jsonl``, ``train-00000-of-00001.parquet`` -> ``train.jsonl``), which are
+the names the GSM8K recipes read.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def convert_gsm8k(input_path: str, output_dir: str) -> dict[str, int]:
 
     counts: dict[str, int] = {}
     for path in inputs:
-        split = os.path.basename(path).split(".")[0].split("-")[0]
+        split = split_of(path)
         if split in counts:
             raise UserError(f"two input files map to the split {split!r}; convert them one by one")
         rows = [
@@ -73,6 +74,18 @@ def convert_gsm8k(input_path: str, output_dir: str) -> dict[str, int]:
             raise UserError(f"{path} has no rows")
         counts[split] = write_jsonl(os.path.join(output_dir, f"{split}.jsonl"), rows)
     return counts
+
+
+def split_of(path: str) -> str:
+    """The split a raw file holds: ``train`` or ``test`` when its name says so as a word
+    (``gsm8k_train.jsonl``, ``train-00000-of-00001.parquet``), else its name up to the first
+    ``.`` or ``-``."""
+    stem = os.path.basename(path).split(".")[0]
+    words = re.split(r"[^a-z0-9]+", stem.lower())
+    for split in ("train", "test"):
+        if split in words:
+            return split
+    return stem.split("-")[0]
 
 
 def _convert_row(location: RowLocation, row: dict[str, Any], split: str, index: int) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,9 +19,9 @@ REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
+def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "rlcli.cli", *args], cwd=REPO, capture_output=True, text=True
+        [sys.executable, "-m", "rlcli.cli", *args], cwd=cwd, capture_output=True, text=True
     )
 
 
@@ -148,3 +150,33 @@ def test_help_lists_commands():
     assert proc.returncode == 0
     for command in ("train", "sft", "config", "data"):
         assert command in proc.stdout
+
+
+def test_validate_looks_up_the_model_folder_and_data_files(tmp_path):
+    missing = run_cli("config", "validate", str(QUICKSTART), f"data.val_files=[{tmp_path}/v.jsonl]")
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert f"data.val_files: {tmp_path}/v.jsonl not found" in missing.stderr
+    model = run_cli("config", "validate", str(QUICKSTART), "model.build=false")
+    assert model.returncode == 2 and "model.path=" in model.stderr
+    skipped = run_cli("config", "validate", str(QUICKSTART), "model.build=false", "--no-files")
+    assert skipped.returncode == 0, skipped.stderr
+
+
+def test_gsm8k_data_lands_where_the_gsm8k_recipes_read_it(tmp_path):
+    """`rlcli data gsm8k` on a file named as the README's example, then `config validate` of
+    recipes/grpo_qwen7b.yaml from the same folder finds its data files."""
+    raw = tmp_path / "gsm8k_train.jsonl"
+    raw.write_text(json.dumps({"question": "1 + 1?", "answer": "1 + 1 = 2\n#### 2"}) + "\n")
+    shutil.copy(raw, tmp_path / "gsm8k_test.jsonl")
+    made = run_cli("data", "gsm8k", "--input", str(raw), "--output", "data/gsm8k", cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    assert "wrote data/gsm8k/train.jsonl (1 rows)" in made.stdout
+    assert "train on them with: data.train_files=[data/gsm8k/train.jsonl]" in made.stdout
+    test = tmp_path / "gsm8k_test.jsonl"
+    made = run_cli("data", "gsm8k", "--input", str(test), "--output", "data/gsm8k", cwd=tmp_path)
+    assert made.returncode == 0 and "data/gsm8k/test.jsonl" in made.stdout
+    recipe = REPO / "recipes" / "grpo_qwen7b.yaml"
+    ok = run_cli(
+        "config", "validate", str(recipe), "model.build=true", "--world-size", "16", cwd=tmp_path
+    )
+    assert ok.returncode == 0, ok.stderr
