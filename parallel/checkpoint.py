@@ -54,6 +54,7 @@ from megatron.core.optimizer import DistributedOptimizer, MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import unwrap_model
 
+from parallel.cpu_compat import match_saved_param_groups
 from parallel.lora import ADAPTER_SUFFIX
 from parallel.mesh import Mesh
 from parallel.optim import sub_optimizers
@@ -157,7 +158,10 @@ def load_checkpoint(
         from parallel.optim import group_hyperparameters, restore_group_hyperparameters
 
         configured = group_hyperparameters(optimizer)
+        saved_values = match_saved_param_groups(optimizer, loaded["optimizer"])
         optimizer.load_state_dict(loaded["optimizer"])
+        for group, values in zip(optimizer.param_groups, saved_values, strict=True):
+            group.update(values)  # as saved, so the report below compares like with like
         changed += restore_group_hyperparameters(optimizer, configured)
     if scheduler is not None:
         current = scheduler.state_dict()

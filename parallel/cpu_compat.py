@@ -41,9 +41,19 @@ What it redirects, and why (megatron-core 0.16 - 0.19 read as ground truth):
   CPU worker replaces `torch.cuda.Stream` by a stand-in whose events are None). Its collectives (all_to_all_single,
   all_gather_into_tensor, reduce_scatter_tensor) are in gloo.
 
-Without Transformer Engine (CPU, or `model.transformer_impl=local` on GPU) megatron-core 0.16's
-MoE router fails on a name its import guard never defines: `define_missing_te_gemm()` (also
-called by `enable_cpu_compat`) supplies it.
+Differences between megatron-core releases (0.16.1 on Python 3.11, 0.19.2 the GPU extra's pin;
+`make test-mcore19` runs the suite against the latter), each handled here and only here:
+
+* Without Transformer Engine (CPU, or `model.transformer_impl=local` on GPU) megatron-core 0.16's
+  MoE router fails on a name its import guard never defines: `define_missing_te_gemm()` (also
+  called by `enable_cpu_compat`) supplies it. 0.19.2 defines it; the call is then a no-op.
+* Optimizer param groups on load: both releases pair each saved param group with the current
+  one whose `param_group_identifier_keys` values are equal; 0.16.1's keys are
+  `wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr`, 0.19.2's add the scheduler's
+  `max_lr, min_lr, start_wd, end_wd` and the other per-group overrides, so a resume with a
+  changed `actor.lr` fails ("Could not find parameter group with key"). `match_saved_param_groups`
+  gives the saved groups the current groups' identifier values by position before the load
+  (rlcli builds the same groups in the same order; the configured hyper-parameters win anyway).
 
 Use `device()` for the torch.device that training code should place tensors on.
 """
@@ -182,6 +192,42 @@ def define_missing_te_gemm() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def match_saved_param_groups(optimizer: Any, saved: Any) -> list[dict[str, Any]]:
+    """Give the param groups of ``saved`` (a loaded optimizer state dict of ``optimizer``: one
+    part per sub-optimizer of a ChainedOptimizer) the identifier values of ``optimizer``'s
+    current groups, position by position, so megatron-core's load pairs them whatever the
+    config changed (module docstring: 0.19.2 identifies groups by their lr and weight decay too).
+    A part whose number of groups differs is left alone: megatron then names the mismatch.
+
+    Returns, for each of ``optimizer.param_groups``, the saved values it overwrote: put them
+    back after the load and the groups read as saved (what a changed-value report compares)."""
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    names = [name for key in param_group_identifier_keys for name in (key, f"pre_{key}")]
+    parts = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    if len(parts) == 1:
+        states = [saved]
+    elif isinstance(saved, dict):
+        states = [value for _, value in sorted(saved.items())]
+    else:
+        states = list(saved)
+    overwritten: list[dict[str, Any]] = []
+    for part, state in zip(parts, states, strict=True):
+        inner = state.get("optimizer") if isinstance(state, dict) else None
+        groups = (inner if isinstance(inner, dict) else state or {}).get("param_groups")
+        if groups is None or len(groups) != len(part.param_groups):
+            overwritten += [{} for _ in part.param_groups]
+            continue
+        for saved_group, current in zip(groups, part.param_groups, strict=True):
+            overwritten.append({name: saved_group[name] for name in names if name in saved_group})
+            for name in names:
+                if name in current:
+                    saved_group[name] = current[name]
+                else:
+                    saved_group.pop(name, None)
+    return overwritten
 
 
 def _in_device_mode(backward):

@@ -16,11 +16,15 @@ Marker lines (HTML comments, invisible on GitHub) right before a block adjust ho
   that does not fit exits 1);
 - ``<!-- docs-check: dist -->`` the block starts several processes (torchrun): marked
   ``@pytest.mark.dist`` so ``make test-fast`` leaves it out;
+- ``<!-- docs-check: vllm -->`` the block needs the vLLM engine (a run with the recipe's engine,
+  or one that reads such a run's output): marked ``@pytest.mark.vllm`` and skipped where vLLM is
+  not installed (``make test-mcore19``);
 - ``<!-- docs-check: skip (REASON) -->`` does not run it; the reason is required and shown.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -32,7 +36,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"^\s*<!--\s*docs-check:\s*(?P<body>.*?)\s*-->\s*$")
-DIRECTIVES = ("with", "before", "instead", "exit", "dist", "skip")
+DIRECTIVES = ("with", "before", "instead", "exit", "dist", "vllm", "skip")
 BLOCK_TIMEOUT_S = 600
 
 
@@ -116,6 +120,7 @@ def test_docs_have_command_blocks():
 
 def _param(block: DocBlock):
     marks = [pytest.mark.dist] if block.get("dist") else []
+    marks += [pytest.mark.vllm] if block.get("vllm") else []
     return pytest.param(block, id=f"{block.file}:{block.line}", marks=marks)
 
 
@@ -123,6 +128,8 @@ def _param(block: DocBlock):
 def test_doc_block_runs(block: DocBlock, workdir: Path):
     if block.get("skip"):
         pytest.skip(f"{block.file}:{block.line} {block.get('skip')[0]}")
+    if block.get("vllm") and importlib.util.find_spec("vllm") is None:
+        pytest.skip(f"{block.file}:{block.line} needs vLLM, which is not installed")
     instead = block.get("instead")
     script = "\n".join(instead) + "\n" if instead else block.script
     expected = int(block.get("exit")[0]) if block.get("exit") else 0

@@ -44,6 +44,7 @@ def _env() -> dict[str, str]:
 
 
 @needs_vllm
+@pytest.mark.vllm
 def test_vllm_replicas_are_independent_never_one_data_parallel_group():
     from rlcli.rollout.vllm_engine import replica_options
 

@@ -98,6 +98,7 @@ def judge_score(reply: str) -> float:
     return JUDGE_DEFAULT
 
 
+@pytest.mark.vllm  # the run's judge is a vLLM engine
 def test_the_rm_stage_wrote_a_reward_model_the_step_reads(run):
     config = json.loads((run["out_dir"] / "reward_model" / "config.json").read_text())
     assert config["architectures"] == ["Qwen2ForSequenceClassification"]
@@ -106,6 +107,7 @@ def test_the_rm_stage_wrote_a_reward_model_the_step_reads(run):
     assert report["steps"] == 4 and report["val_accuracy_after"] is not None
 
 
+@pytest.mark.vllm  # the run's judge is a vLLM engine
 def test_phases_residency_and_judge_sleep(run):
     for step in run["steps"].values():
         names = [p["phase"] for p in step["phases"]]
@@ -129,6 +131,7 @@ def test_phases_residency_and_judge_sleep(run):
     assert run["judge_calls"] == [["judge", "wake_up"], ["judge", "sleep"]] * 2
 
 
+@pytest.mark.vllm  # the run's judge is a vLLM engine
 def test_reward_model_scores_equal_hf_sequence_classification(run):
     """The step's reward-model scores (before normalisation: their logged spread) are HF
     transformers' AutoModelForSequenceClassification forward of the same inputs, in fp32."""
@@ -144,6 +147,7 @@ def test_reward_model_scores_equal_hf_sequence_classification(run):
         assert metrics[f"reward/model_score_{name}"] == pytest.approx(value.item(), abs=1e-5), name
 
 
+@pytest.mark.vllm  # the run's judge is a vLLM engine
 def test_judge_prompts_replies_failures_and_default(run):
     direct = run["direct"]
     expected_prompts = [
@@ -165,6 +169,7 @@ def test_judge_prompts_replies_failures_and_default(run):
     )
 
 
+@pytest.mark.vllm  # the run's judge is a vLLM engine
 def test_rewards_combine_as_configured(run):
     direct = run["direct"]
     hf = torch.tensor(direct["hf_reward_scores"], dtype=torch.float64)
@@ -205,6 +210,7 @@ def test_rewards_combine_as_configured(run):
     )
 
 
+@pytest.mark.vllm  # the run's judge is a vLLM engine
 def test_the_normaliser_is_checkpointed(run):
     assert run["checkpoint"] == {"normalizer": run["direct"]["normalizer"]}
 
