@@ -16,6 +16,7 @@ The trainer is built from the config by ``rlcli.train.build.build_trainer``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,7 +36,7 @@ from rlcli.reward_models.model_rewards import ModelRewards
 from rlcli.rollout.batch import RolloutBatch, collate, take_dp_share
 from rlcli.rollout.dynamic_sampling import keep_informative_groups
 from rlcli.rollout.placement import Rollouts
-from rlcli.run.metrics import MetricsLogger
+from rlcli.run.metrics import METRICS_FILE_NAME, TENSORBOARD_DIR_NAME, MetricsLogger
 from rlcli.run.state import RunState
 from rlcli.train.actor_update import agreement_of_actor_pass, old_log_prob_plan, update_actor
 from rlcli.train.advantages import KLController, compute_advantages
@@ -148,19 +149,32 @@ class Trainer:
                     "same command again to continue from here",
                 )
                 return {}
-        if before and after:
-            say(
-                self.mesh,
-                "held-out accuracy before RL {:.3f} -> after {:.3f} ({} steps); {} since start, "
-                "{}".format(
-                    before["val/reward/accuracy"],
-                    after["val/reward/accuracy"],
-                    self.step,
-                    format_duration(seconds_since_process_start()),
-                    device_summary(),
-                ),
-            )
+        self.say_run_end(before, after)
         return {**{f"before/{k}": v for k, v in before.items()}, **after}
+
+    def say_run_end(self, before: dict[str, float], after: dict[str, float]) -> None:
+        """The run's last lines: what it did, how well, how long, and where everything went."""
+        start = self.resumed_from or 0
+        done = f"done: step {self.step} of {self.total_steps}"
+        if start:
+            done += f" ({self.step - start} steps since the resume from step {start})"
+        say(
+            self.mesh,
+            f"{done}; {format_duration(seconds_since_process_start())} since start, "
+            f"{device_summary()}",
+        )
+        key = "val/reward/accuracy"
+        if key in after:
+            was = f"before RL {before[key]:.3f} -> " if key in before else ""
+            say(self.mesh, f"held-out accuracy {was}after {after[key]:.3f} ({self.step} steps)")
+        latest = self.checkpoints.manager.latest_dir()
+        say(self.mesh, f"checkpoint: {latest or 'none saved'}")
+        out = Path(self.cfg.trainer.output_dir)
+        backends = self.cfg.logging.backends
+        if "jsonl" in backends:
+            say(self.mesh, f"metrics: {out / METRICS_FILE_NAME} (rlcli plot {out} draws them)")
+        if "tensorboard" in backends:
+            say(self.mesh, f"TensorBoard: tensorboard --logdir {out / TENSORBOARD_DIR_NAME}")
 
     def stop_if_nonfinite(self, in_a_row: int) -> None:
         limit = self.cfg.trainer.max_nonfinite_steps

@@ -19,6 +19,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from rlcli.config.schema import RLConfig, valid_keys
 from rlcli.errors import UserError
+from rlcli.validation.peer_names import peer_name_suggestion
 from rlcli.validation.validate import validate
 
 
@@ -70,7 +71,7 @@ def _merge(base: DictConfig, update: DictConfig, source: str) -> DictConfig:
     try:
         return OmegaConf.merge(base, update)  # type: ignore[return-value]
     except ConfigKeyError as err:
-        full_key = _full_key(err)
+        full_key = _typed_key(update, _full_key(err))
         raise UserError(f"{source}: unknown config key '{full_key}'{_suggest(full_key)}") from None
     except ValidationError as err:
         raise UserError(f"{source}: {_omegaconf_message(err)}") from None
@@ -85,6 +86,21 @@ def _merge(base: DictConfig, update: DictConfig, source: str) -> DictConfig:
 
 
 _KINDS = {dict: "a mapping (key: value, e.g. '{method: strict}')", list: "a list ([a, b])"}
+
+
+def _typed_key(update: DictConfig, unknown: str) -> str:
+    """The whole key the user typed under an unknown section (``actor_rollout_ref`` ->
+    ``actor_rollout_ref.actor.optim.lr``), so the suggestion can know verl's name for it."""
+    node: Any = OmegaConf.to_container(update)
+    parts = unknown.split(".") if unknown else []
+    for part in parts:
+        if not isinstance(node, dict) or part not in node:
+            return unknown
+        node = node[part]
+    while isinstance(node, dict) and len(node) == 1:
+        ((part, node),) = node.items()
+        parts.append(str(part))
+    return ".".join(parts)
 
 
 def _container_mismatch(base: Any, update: Any, prefix: str = "") -> tuple[str, str, str] | None:
@@ -125,6 +141,9 @@ def _omegaconf_message(err: OmegaConfBaseException) -> str:
 
 def _suggest(full_key: str) -> str:
     candidates = valid_keys()
+    peer = peer_name_suggestion(full_key, set(candidates))
+    if peer is not None:
+        return f"; did you mean '{peer}'? (rlcli's name for it)"
     close = difflib.get_close_matches(full_key, candidates, n=1, cutoff=0.5)
     if not close:  # a typo in the last part: compare within the same section
         section, _, leaf = full_key.rpartition(".")

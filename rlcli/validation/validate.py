@@ -16,6 +16,7 @@ from rlcli.validation.model import (
     check_packing,
 )
 from rlcli.validation.placement import check_off_policy, check_placement
+from rlcli.validation.ranges import check_ranges
 from rlcli.validation.rewards import check_model_rewards
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ def derive_dp(cfg: ParallelConfig, world_size: int) -> int:
 
 def validate(cfg: RLConfig, world_size: int | None = None) -> None:
     """Check relations between keys; ``world_size`` also checks the parallel layout."""
+    check_ranges(cfg)
     _check_reliability(cfg)
     check_moe_settings(cfg)
     if cfg.trainer.resume not in ("auto", "none") and not cfg.trainer.resume:
@@ -251,9 +253,6 @@ def _check_multi_turn(cfg: RLConfig) -> None:
 def _check_schedules(cfg: RLConfig) -> None:
     """Step counts and controller settings that would otherwise fail deep inside megatron-core's
     LR scheduler or the KL controller, after minutes of work."""
-    total = cfg.trainer.total_steps
-    if total is not None and total < 1:
-        raise UserError(f"trainer.total_steps must be >= 1 (or null: epochs), got {total}")
     for key, value in (
         ("sft.lr_warmup_steps", cfg.sft.lr_warmup_steps),
         ("sft.steps", cfg.sft.steps),

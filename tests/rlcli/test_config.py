@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -180,3 +181,44 @@ def test_gsm8k_data_lands_where_the_gsm8k_recipes_read_it(tmp_path):
         "config", "validate", str(recipe), "model.build=true", "--world-size", "16", cwd=tmp_path
     )
     assert ok.returncode == 0, ok.stderr
+
+
+@pytest.mark.parametrize(
+    ("typed", "meant"),
+    [
+        ("actor.learning_rate", "actor.lr"),  # TRL's name, not the closest spelling
+        ("critic.learning_rate", "critic.lr"),
+        ("rollout.temp", "rollout.temperature"),
+        ("rollout.num_samples", "rollout.n"),
+        ("rollout.num_generations", "rollout.n"),
+        ("actor_rollout_ref.actor.optim.lr", "actor.lr"),  # verl's full key
+        ("trainer.test_freq", "trainer.val_freq"),
+        ("trainer.total_step", "trainer.total_steps"),  # a typo: the closest spelling
+    ],
+)
+def test_did_you_mean_knows_the_names_of_verl_and_trl(typed, meant):
+    with pytest.raises(UserError, match=f"unknown config key '{typed}'; did you mean '{meant}'"):
+        load_config(QUICKSTART, [f"{typed}=1"])
+
+
+def test_every_peer_name_leads_to_a_real_key():
+    from rlcli.validation.peer_names import LAST_PARTS, VERL_KEYS
+
+    assert set(VERL_KEYS.values()) | set(LAST_PARTS.values()) <= set(valid_keys())
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("actor.lr=-1", "actor.lr=-1 makes no sense: it must be in (0, 1)"),
+        ("actor.lr=5", "actor.lr=5 makes no sense: it must be in (0, 1)"),
+        ("algorithm.gamma=1.5", "algorithm.gamma=1.5 makes no sense: it must be in [0, 1]"),
+        ("actor.adam_beta2=1", "actor.adam_beta2=1 makes no sense: it must be in [0, 1)"),
+        ("trainer.total_steps=0", "trainer.total_steps must be >= 1"),  # not lr_warmup_steps
+        ("actor.min_lr=0.5", "actor.min_lr=0.5 is above actor.lr"),
+    ],
+)
+def test_values_no_run_can_mean_are_refused_by_name(override, message):
+    overrides = [override, "actor.lr_warmup_steps=2"] if "total_steps" in override else [override]
+    with pytest.raises(UserError, match=re.escape(message)):
+        load_config(QUICKSTART, overrides)

@@ -204,6 +204,10 @@ def _resume_equals_uninterrupted(
     code, output = finish(rlcli_train(split, *steps, env=env))
     assert code == 0, output[-3000:]
     assert f"resumed from step {stopped_at}" in output
+    # the run's last lines: what it did and where everything went (logging.backends=[jsonl])
+    assert f"[rlcli] done: step 3 of 3 ({3 - stopped_at} steps since the resume" in output
+    assert f"[rlcli] checkpoint: {split / 'checkpoints' / 'step_000003'}" in output
+    assert f"[rlcli] metrics: {split / 'metrics.jsonl'}" in output and "TensorBoard" not in output
     assert [r["step"] for r in rows(split)] == [1, 2, 3]
     assert [comparable(r) for r in rows(split)] == [comparable(r) for r in rows(whole)]
     a = checkpoint_tensors(whole / "checkpoints" / "step_000003", tmp_path)
