@@ -38,7 +38,31 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    rich_markup_mode=None,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"rlcli {version('rlcli')}")
+        except PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+            typer.echo("rlcli (not installed: run `make install`)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    show_version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print rlcli's version and exit."
+    ),
+) -> None:
+    """rlcli: Megatron-centric RL post-training for LLMs with colocated vLLM rollouts."""
+
+
 app.command()(train.train)
 app.command()(train.sft)
 app.command()(rm.rm)
@@ -63,6 +87,10 @@ def _quiet_third_party_noise() -> None:
     import warnings
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # transformers' and the hub's progress bars ("Loading weights", "Writing model shards") and
+    # advice about generation flags the HF engine passes on purpose.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     for pattern in (
         r".*(Apex|Transformer Engine).*not installed.*",
         r".*full scope is deprecated.*",

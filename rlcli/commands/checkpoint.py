@@ -34,7 +34,8 @@ _COLORS = {
 def verify(
     directory: Path = typer.Argument(
         ...,
-        help="A run's checkpoint folder (e.g. outputs/run/checkpoints) or one step_N folder.",
+        help="A run's output folder (outputs/run), its checkpoint folder (outputs/run/checkpoints) "
+        "or one step_N folder.",
     ),
 ) -> None:
     """Check checkpoints against their manifests: each is intact, damaged or unverifiable.
@@ -45,6 +46,8 @@ def verify(
     from rlcli.run.manifest import check_checkpoint
     from rlcli.run.state import TEMPORARY_PREFIX
 
+    if not (directory / COMPLETE_MARKER).is_file() and (directory / "checkpoints").is_dir():
+        directory = directory / "checkpoints"  # a run's output folder, as `rlcli plot` takes
     if (directory / COMPLETE_MARKER).is_file():
         committed, incomplete = [directory], []
     elif directory.name.startswith(("step_", TEMPORARY_PREFIX)) and directory.is_dir():

@@ -27,6 +27,8 @@ For a checkpoint written elsewhere, pass its model folder as --ckpt and the HF c
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -129,10 +131,15 @@ def mcore_to_hf(
 
 def export(
     checkpoint: Path = typer.Argument(
-        ..., help="A checkpoint folder, e.g. outputs/run/checkpoints/step_000100"
+        ...,
+        help="A checkpoint folder (outputs/run/checkpoints/step_000100), or a run's checkpoint "
+        "or output folder (its newest checkpoint).",
     ),
     out: Path = typer.Option(
         ..., "--out", help="Output HF model folder (safetensors + config + tokenizer)."
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace what --out holds (otherwise a non-empty --out stops)."
     ),
     critic: bool = typer.Option(
         False, "--critic", help="Export PPO's critic (value model) instead of the policy."
@@ -157,8 +164,15 @@ def export(
     from rlcli.run.manifest import check_checkpoint
     from rlcli.run.state import load_run_state
 
+    checkpoint = _newest_checkpoint_of(checkpoint)
     if not is_complete_checkpoint(checkpoint):
         raise UserError(f"{checkpoint} is not a complete rlcli checkpoint (no COMPLETE marker)")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise UserError(
+            f"--out {out} is not empty: give a new folder, or --overwrite to replace what it holds"
+        )
+    if overwrite and out.is_dir():
+        shutil.rmtree(out)  # no stale shard of an earlier export stays beside the new ones
     health = check_checkpoint(checkpoint)
     if not health.loadable:
         raise UserError(
@@ -173,6 +187,7 @@ def export(
         raise UserError("--critic: the critic has no LoRA adapters; drop --lora / --merge")
     if critic:  # the critic's own folder says all it needs
         export_critic(checkpoint, out)
+        readable_by_all(out)
         return
     state = load_run_state(checkpoint, rank=0, restore_rng=False)
     spec = spec_of_state(state)
@@ -188,9 +203,36 @@ def export(
                 f"{state.model_dir}): export them with --lora (a PEFT adapter folder) or "
                 "--merge (a full HF model, the adapters merged into the base)"
             )
-        export_lora(checkpoint, out, spec, Path(base_model or state.model_dir), merge=merge)
+        base = Path(base_model or state.model_dir)
+        # absolute, so the adapter's base_model_name_or_path holds from any folder
+        export_lora(checkpoint, out, spec, base.resolve() if base.exists() else base, merge=merge)
     else:
         mcore_to_hf(ckpt=checkpoint, out=out, tp=1, pp=1, hf_config_dir=None)
+    readable_by_all(out)
+
+
+def _newest_checkpoint_of(path: Path) -> Path:
+    """``path`` itself when it is a step_N checkpoint; for a run's checkpoint folder (or its
+    output folder) the newest complete checkpoint in it, said on the console."""
+    from rlcli.run.checkpoints import CheckpointManager, is_complete_checkpoint
+
+    if is_complete_checkpoint(path) or not path.is_dir():
+        return path
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    newest = CheckpointManager(root, rank=0, world_size=1).latest_dir()
+    if newest is None:
+        return path  # the caller names what is missing
+    typer.echo(f"exporting the newest checkpoint of {root}: {newest.name}")
+    return newest
+
+
+def readable_by_all(out: Path) -> None:
+    """The exported files with the modes a plain file gets here (the umask's), not the 0600
+    that atomic writes through temporary files leave."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in out.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def export_lora(checkpoint: Path, out: Path, spec, base: Path, *, merge: bool) -> None:

@@ -19,6 +19,9 @@ import typer
 from rlcli.errors import UserError
 
 # (panel title, metric keys drawn in it, log-scale y axis)
+# Panels whose curves are exactly zero at every step when their term is not used (no KL in the
+# loss or the reward, no KL loss): such a curve is left out, and the panel with it when it is empty.
+ZERO_MEANS_UNUSED = ("losses", "KL")
 PANELS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
     ("reward (training rollouts)", ("reward/score_mean", "reward/accuracy"), False),
     ("held-out accuracy", ("val/reward/accuracy", "val/reward/score_mean"), False),
@@ -102,6 +105,8 @@ def plot_metrics(records: list[dict], output: Path, title: str) -> list[str]:
     for name, keys, log_y in PANELS:
         lines = [(key, *_series(records, key)) for key in keys]
         lines = [line for line in lines if line[1]]
+        if name in ZERO_MEANS_UNUSED:
+            lines = [line for line in lines if any(v != 0 for v in line[2])]
         if lines:
             panels.append((name, lines, log_y))
     if not panels:

@@ -132,8 +132,9 @@ def _check_process_count(cfg: RLConfig, nproc: int) -> None:
 
 
 def check_model_dir(cfg: RLConfig) -> None:
-    """model.path must be an HF folder rlcli can load, and the settings that depend on the model
-    must fit its config.json. With model.build the builder writes it (and under torchrun rank 0
+    """model.path must be an HF folder rlcli can load (or a Hugging Face Hub id, resolved to its
+    local snapshot: ``rlcli.model.hub``), and the settings that depend on the model must fit its
+    config.json. With model.build the builder writes it (and under torchrun rank 0
     may be writing it right now): it is a dense model of model.spec."""
     import json
 
@@ -142,6 +143,14 @@ def check_model_dir(cfg: RLConfig) -> None:
     if cfg.model.build:
         validate_against_model(cfg, {"model_type": cfg.model.spec.architecture})
         return
+    from rlcli.model.hub import resolve_model_path
+
+    # A Hugging Face Hub id becomes its local snapshot folder here, for everything after.
+    cfg.model.path = resolve_model_path(cfg.model.path)
+    if cfg.model.tokenizer_path:
+        cfg.model.tokenizer_path = resolve_model_path(
+            cfg.model.tokenizer_path, "model.tokenizer_path"
+        )
     path = Path(cfg.model.path)
     from parallel.convert import hf_model_dir_problem
 

@@ -45,15 +45,15 @@ class DataConfig:
 class ModelBuildConfig:
     """A small random model built locally when ``model.build`` is true (quickstart, tests)."""
 
-    architecture: Literal["qwen2", "llama"] = "qwen2"
-    hidden_size: int = 256
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 704
+    architecture: Literal["qwen2", "llama"] = "qwen2"  # the HF model family built
+    hidden_size: int = 256  # width of the residual stream
+    num_layers: int = 4  # transformer layers
+    num_heads: int = 4  # attention heads (head size: hidden_size / num_heads)
+    num_kv_heads: int = 2  # key/value heads (grouped-query attention when < num_heads)
+    intermediate_size: int = 704  # width of the MLP
     vocab_size: int = 512  # of the byte-level BPE tokenizer trained on the task's text
-    tie_word_embeddings: bool = True
-    max_position_embeddings: int = 512
+    tie_word_embeddings: bool = True  # the output layer shares the input embedding's weights
+    max_position_embeddings: int = 512  # longest sequence the rotary embedding covers
     # chatml: the tokenizer gets ChatML tokens and a chat template with tool messages (for
     # rollout.multi_turn; rlcli/model/chat_template.py), EOS <|im_end|>; none: no chat template
     chat_template: Literal["none", "chatml"] = "none"
@@ -61,7 +61,9 @@ class ModelBuildConfig:
 
 @dataclass
 class ModelConfig:
-    path: str = ""  # HuggingFace model directory (safetensors + config.json + tokenizer)
+    # HuggingFace model directory (safetensors + config.json + tokenizer), or a Hub id such as
+    # Qwen/Qwen2.5-7B-Instruct (downloaded when online, from the local cache when offline)
+    path: str = ""
     tokenizer_path: Optional[str] = None  # defaults to model.path
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights and compute
     build: bool = False  # build model.spec locally into model.path when it does not exist yet
@@ -149,8 +151,8 @@ class RolloutConfig(EngineConfig):
     # Trainer-vs-engine agreement on the sampled tokens' log-probs (a broken weight sync shows
     # here): largest allowed MEAN |difference| per token (typically ~1e-7 in fp32 on CPU, ~0.01
     # in bf16; unsynced weights give whole nats), and what to do beyond it: warn | stop (exit 2).
-    max_logprob_diff: float = 0.5
-    logprob_diff_action: Literal["warn", "stop"] = "warn"
+    max_logprob_diff: float = 0.5  # largest allowed mean |difference| per token
+    logprob_diff_action: Literal["warn", "stop"] = "warn"  # beyond it: warn | stop (exit 2)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
     @property
@@ -182,8 +184,8 @@ class TrainedModelConfig:
     # rollout.max_tokens): micro-batches of similar lengths whose padded size (rows x longest
     # row) stays within the budget; the no-grad passes (old log-probs, reference, values) use
     # max_tokens_per_forward (0: the training setting).
-    max_tokens_per_micro_batch: int = 0
-    max_tokens_per_forward: int = 0
+    max_tokens_per_micro_batch: int = 0  # token budget of a training micro-batch (0: rows)
+    max_tokens_per_forward: int = 0  # token budget of a no-grad pass (0: the training one)
     # Packed sequences: every micro-batch is ONE row of whole sequences end to end, filled up to
     # the token budget above (0: micro_batch_size x the batch's longest sequence), so no padding
     # is computed (actor.*: also the reference's passes). Needs model.attention_backend sdpa or te.

@@ -58,3 +58,17 @@ def test_missing_or_empty_metrics_is_a_user_error(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
     bad = _rlcli("plot", str(tmp_path))
     assert bad.returncode == 2 and "metrics.jsonl:2" in bad.stderr
+
+
+def test_a_kl_that_is_zero_at_every_step_gets_no_panel(tmp_path):
+    """No KL term (GRPO without use_kl_loss): its curves are exactly 0, a flat line that says
+    nothing; the panel is left out. A reward of 0 at every step is a result and stays."""
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step in range(1, 6):
+            record = {"step": step, "reward/accuracy": 0.0, "actor/pg_loss": 0.1}
+            record.update({"algorithm/kl": 0.0, "algorithm/kl_coef": 0.0, "actor/kl_loss": 0.0})
+            f.write(json.dumps(record) + "\n")
+    result = _rlcli("plot", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    panels = result.stdout.split("; ", 1)[1]
+    assert "reward (training rollouts)" in panels and "losses" in panels and "KL" not in panels

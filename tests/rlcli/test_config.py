@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -20,9 +21,13 @@ REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 
 
-def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+def run_cli(*args: str, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "rlcli.cli", *args], cwd=cwd, capture_output=True, text=True
+        [sys.executable, "-m", "rlcli.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -222,3 +227,31 @@ def test_values_no_run_can_mean_are_refused_by_name(override, message):
     overrides = [override, "actor.lr_warmup_steps=2"] if "total_steps" in override else [override]
     with pytest.raises(UserError, match=re.escape(message)):
         load_config(QUICKSTART, overrides)
+
+
+def test_a_hub_id_resolves_from_the_local_cache_offline(tmp_path):
+    """model.path=org/name with no network (HF_HUB_OFFLINE=1): the snapshot the Hugging Face
+    cache holds (laid out as huggingface_hub lays it out) is the model; an id the cache does not
+    hold says how to get it."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf" / "hub" / "models--tiny-org--tiny-qwen"
+    config = Qwen2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, vocab_size=128,
+    )  # fmt: skip
+    Qwen2ForCausalLM(config).save_pretrained(repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    offline = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    hub = ["model.build=false", "model.path=tiny-org/tiny-qwen"]
+    found = run_cli("config", "validate", str(QUICKSTART), *hub, env=offline)
+    assert found.returncode == 0, found.stderr
+    missing = run_cli(
+        "config", "validate", str(QUICKSTART), "model.build=false", "model.path=tiny-org/other",
+        env=offline,
+    )  # fmt: skip
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert "model.path=tiny-org/other is not a local folder" in missing.stderr
+    assert "huggingface-cli download tiny-org/other" in missing.stderr
