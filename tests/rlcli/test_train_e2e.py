@@ -151,22 +151,21 @@ def test_export_checkpoint_as_hf_model(tmp_path):
     out = tmp_path / "run"
     train(out, "parallel.tp=2", "rollout.engine=hf", "trainer.total_steps=1")
     exported = tmp_path / "exported"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlcli.cli",
-            "export",
-            str(out / "checkpoints" / "step_000001"),
-            "--out",
-            str(exported),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+
+    def rlcli(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "rlcli.cli", *args]
+        return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    proc = rlcli("export", str(out), "--out", str(exported))  # the run's folder: its newest
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "exporting the newest checkpoint of" in proc.stdout and "step_000001" in proc.stdout
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (exported / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
+    again = rlcli("export", str(out / "checkpoints" / "step_000001"), "--out", str(exported))
+    assert again.returncode == 2 and "--overwrite" in again.stderr
+    verified = rlcli("checkpoint", "verify", str(out))  # a run's folder, as `rlcli plot` takes
+    assert verified.returncode == 0 and "1 checkpoint: 1 intact" in verified.stdout
     before = load_file(out / "model" / "model.safetensors")
     after = load_file(exported / "model.safetensors")
     assert set(after) == set(before)
