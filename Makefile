@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.install-stamp
 EXTRAS ?= cpu,dev
 
-.PHONY: install install-sandbox install-slurm install-mcore19 test test-serial test-fast test-mcore19 demo demo-sweep lint format benchmark gpu-check clean
+.PHONY: install install-sandbox install-slurm install-mcore19 test test-serial test-fast test-mcore19 demo demo-sweep lint format benchmark benchmark-full gpu-check clean
 
 install: $(STAMP) install-sandbox
 
@@ -92,8 +92,15 @@ format: install
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# The quick set of sections (about 4 min on 2 CPU cores); benchmark-full runs every section (about
+# 18 min there). Each says first which sections run and about how long; BENCH_ARGS adds options
+# (--smoke, --section NAME, --output-dir DIR). Stopping make (timeout, Ctrl-C, kill) stops them all.
+BENCH_ARGS ?=
 benchmark: install
-	$(BIN)/python -m benchmarks
+	$(BIN)/python -m benchmarks --stop-with-parent $(BENCH_ARGS)
+
+benchmark-full: install
+	$(BIN)/python -m benchmarks --stop-with-parent --full $(BENCH_ARGS)
 
 # One GPU, under 8 minutes (tests/gpu/gpu_check.py): one numbered PASS / FAIL line per check.
 # Without CUDA it says so and checks nothing. Runs with the venv's python when there is one,

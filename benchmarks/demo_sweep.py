@@ -35,7 +35,8 @@ import typer
 
 from benchmarks.demo_sweep_report import sweep_markdown
 from benchmarks.hardware import load_average
-from benchmarks.run import REPO_ROOT, RESULTS_DIR, child_env, last_lines, stop_child
+from benchmarks.lifetime import stop_group
+from benchmarks.run import REPO_ROOT, RESULTS_DIR, child_env, last_lines
 from rlcli.machine import cpu_model
 
 DEFAULT_RECIPE = REPO_ROOT / "recipes" / "quickstart.yaml"
@@ -72,7 +73,7 @@ def run_demo(
     # Own session: a timeout stops the run and everything it started (the engine's processes).
     child = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
-    timer = threading.Timer(RUN_TIMEOUT_S, stop_child, args=(child,))
+    timer = threading.Timer(RUN_TIMEOUT_S, stop_group, args=(child,))
     timer.start()
     try:
         assert child.stdout is not None
@@ -83,7 +84,7 @@ def run_demo(
                     marks[name] = time.perf_counter() - start
         returncode = child.wait()
     except BaseException:  # Ctrl-C reaches only this process (the run has its own session)
-        stop_child(child)
+        stop_group(child)
         raise
     finally:
         timer.cancel()

@@ -2,6 +2,9 @@
 
     run_benchmark(smoke=False, output_dir=RESULTS_DIR, sections=SECTIONS, log=print) -> Outputs
 
+It first says which sections run and about how long they take (plan.py). Each section's process
+ends with this one, however this one ends (lifetime.py).
+
 The mode follows the hardware (GPU when CUDA is present, else CPU) unless `smoke` asks for the
 tiny workload that only checks the code paths. A section that fails is recorded under
 `errors` with the tail of its log; the others still run and the report is still written.
@@ -12,9 +15,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,12 +24,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.hardware import detect_hardware, load_average
+from benchmarks.lifetime import run_in_own_group
+from benchmarks.plan import plan_lines
 from benchmarks.report import write_report
 from benchmarks.workload import Workload, workload_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 SECTIONS = ("device", "rollout", "sync", "train", "lora", "grpo", "placement")
+# What `make benchmark` runs (about 4 min on 2 CPU cores): the rollout engines, weight sync, LoRA
+# and a GRPO step's phases. The train section's attention / packing comparisons and the placement
+# runs (about 14 min more there) need `--full` (`make benchmark-full`).
+QUICK_SECTIONS = ("device", "rollout", "sync", "lora", "grpo")
 SECTION_TIMEOUT_S = {"smoke": 600, "cpu": 900, "gpu": 1800}
 LOG_TAIL_LINES = 30
 
@@ -76,6 +83,8 @@ def run_benchmark(
         "workload": workload.to_dict(),
         "errors": {},
     }
+    for line in plan_lines(mode, sections, SECTIONS, [Path(output_dir), RESULTS_DIR]):
+        log(line)
     threads = None if mode == "gpu" else cpu_threads(results["load_average"]["start"][0])
     results["cpu_threads"] = threads
     # A smoke run only checks the code: one child for every section saves the start-ups.
@@ -109,12 +118,14 @@ def run_benchmark(
 
 
 def report_stem(date: str, host: str, smoke: bool, sections: Sequence[str]) -> str:
-    """`<date>-<host>`, then `-smoke` for a smoke run, or the sections of a partial run (so it
-    never overwrites the day's full report)."""
+    """`<date>-<host>`, then `-smoke` for a smoke run, `-quick` for the quick set, or the sections
+    of another partial run (so it never overwrites the day's full report)."""
     if smoke:
         return f"{date}-{host}-smoke"
     if set(sections) == set(SECTIONS):
         return f"{date}-{host}"
+    if list(sections) == list(QUICK_SECTIONS):
+        return f"{date}-{host}-quick"
     return f"{date}-{host}-" + "-".join(sections)
 
 
@@ -139,21 +150,9 @@ def _run_child(
     env = child_env(threads)
     command = [sys.executable, "-m", "benchmarks.sections", ",".join(names), str(workload_file),
                str(work_dir), str(result_file)]  # fmt: skip
-    failure = None
-    with open(log_file, "w", encoding="utf-8") as log_handle:
-        # Own session: on timeout the child and anything it started are stopped together.
-        child = subprocess.Popen(command, cwd=work_dir, env=env, stdout=log_handle,
-                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-        try:
-            returncode = child.wait(timeout=timeout_s)
-            if returncode != 0:
-                failure = f"the benchmark process exited with code {returncode}"
-        except subprocess.TimeoutExpired:
-            stop_child(child)
-            failure = f"the benchmark process timed out after {timeout_s} s"
-        except BaseException:  # Ctrl-C reaches only this process (the child has its own session)
-            stop_child(child)
-            raise
+    failure = run_in_own_group(
+        command, cwd=work_dir, env=env, log_file=log_file, timeout_s=timeout_s
+    )
     outcomes = json.loads(result_file.read_text()) if result_file.is_file() else {}
     finished: dict[str, tuple[dict | None, str | None]] = {}
     for name in names:
@@ -179,12 +178,6 @@ def child_env(threads: int | None) -> dict[str, str]:
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     return env
-
-
-def stop_child(child: subprocess.Popen) -> None:
-    """Kill the child and everything it started (its session's process group)."""
-    os.killpg(child.pid, signal.SIGKILL)
-    child.wait()
 
 
 def _tail(path: Path) -> str:

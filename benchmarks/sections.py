@@ -33,6 +33,7 @@ import torch
 from benchmarks.common import SEED, device, free_memory, random_token_ids, synchronize
 from benchmarks.grpo import grpo_section
 from benchmarks.hardware import detect_hardware, measure_matmul_flops
+from benchmarks.lifetime import take_group_down_with_parent
 from benchmarks.lora_section import lora_section
 from benchmarks.memory import measure_peak_memory
 from benchmarks.placement import placement_section
@@ -132,7 +133,9 @@ SECTIONS: dict[str, Callable[[Workload, Path], dict]] = {
 
 def main(argv: list[str]) -> None:
     """Run the comma-separated sections in order; after each, rewrite the result file with
-    {name: {"result": ...} or {"error": traceback}}, so a crash keeps what finished."""
+    {name: {"result": ...} or {"error": traceback}}, so a crash keeps what finished. Whatever ends
+    the parent (`python -m benchmarks`) ends this process and all it started (lifetime.py)."""
+    take_group_down_with_parent()
     names, workload_file, work_dir, result_file = argv
     workload = Workload.from_dict(json.loads(Path(workload_file).read_text()))
     outcomes: dict[str, dict] = {}

@@ -13,7 +13,7 @@ import torch
 from benchmarks.formatting import PHASE_LABELS
 from benchmarks.hardware import peak_bf16_flops
 from benchmarks.memory import measure_peak_memory
-from benchmarks.run import SECTIONS, report_stem, run_benchmark
+from benchmarks.run import QUICK_SECTIONS, SECTIONS, report_stem, run_benchmark
 from benchmarks.workload import QWEN2_05B, QWEN2_15B, SMOKE, ensure_model, workload_for
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="no vLLM")
@@ -174,3 +174,4 @@ def test_only_a_full_run_takes_the_days_report_name():
     assert report_stem("2026-12-02", "vm", False, SECTIONS) == "2026-12-02-vm"
     assert report_stem("2026-12-02", "vm", False, ["placement"]) == "2026-12-02-vm-placement"
     assert report_stem("2026-12-02", "vm", True, ["device"]) == "2026-12-02-vm-smoke"
+    assert report_stem("2026-12-02", "vm", False, QUICK_SECTIONS) == "2026-12-02-vm-quick"
