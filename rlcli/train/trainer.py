@@ -197,7 +197,7 @@ class Trainer:
             f"{self.cfg.algorithm.dynamic_sampling.metric} varies), fewer than the "
             f"{self.mesh.dp} data-parallel ranks"
         )
-        say(self.mesh, f"step {self.step}: no update: {why} ({in_a_row} such steps in a row)")
+        say(self.mesh, f"step {self.step}: no update: {why} ({in_a_row} in a row)")
         limit = self.cfg.trainer.max_skipped_steps
         if limit and in_a_row >= limit:
             raise UserError(

@@ -126,7 +126,7 @@ def test_steps_without_an_update_are_said_and_stop_the_run(tmp_path):
     assert code == 2, output[-3000:]
     assert "Traceback" not in output
     why = "DAPO's filter kept 0 of the 4 groups drawn (those whose score varies)"
-    assert f"step 1: no update: {why}, fewer than the 1 data-parallel ranks (1 such" in output
+    assert f"step 1: no update: {why}, fewer than the 1 data-parallel ranks (1 in a row)" in output
     assert "step 2: 2 steps in a row applied no update (trainer.max_skipped_steps=2)" in output
     logged = rows(out)
     assert [r["step"] for r in logged] == [1, 2]
