@@ -111,7 +111,8 @@ def run_benchmark(
     results.setdefault("device", {"hardware": detect_hardware().to_dict()})
     add_derived_figures(results)
     stem = report_stem(date, host, smoke, sections)
-    # latest.md / latest.png are the README's table: only a full run replaces them.
+    # latest.md / latest.png are the published table (docs/performance.md): only a full run
+    # replaces them.
     whole = not smoke and set(sections) == set(SECTIONS)
     files = write_report(results, Path(output_dir), stem, update_latest=whole)
     return Outputs(results=results, files=files)
