@@ -58,9 +58,10 @@ def config_validate(
 def check_files_exist(cfg: RLConfig) -> None:
     """The model folder (unless ``model.build`` makes it) and every data file the config names
     must be there; a UserError names the key and the path."""
-    from rlcli.commands.train import check_model_dir
+    from rlcli.commands.train import check_model_dir, resolve_hub_data
 
     check_model_dir(cfg)
+    resolve_hub_data(cfg)
     named = {
         "data.train_files": cfg.data.train_files,
         "data.val_files": cfg.data.val_files,

@@ -80,6 +80,7 @@ def _load_for_run(
 
     validate(cfg, world_size=world_size)
     check_model_dir(cfg)
+    resolve_hub_data(cfg)
     check_reward_model_dirs(cfg)
     if cfg.rm.before_rl:
         check_reward_model_training(cfg, derive_dp(cfg.parallel, world_size))
@@ -158,3 +159,17 @@ def check_model_dir(cfg: RLConfig) -> None:
     if problem is not None:
         raise UserError(f"model.path={cfg.model.path}: {problem}")
     validate_against_model(cfg, json.loads((path / "config.json").read_text()))
+
+
+def resolve_hub_data(cfg: RLConfig) -> None:
+    """Data entries given as Hugging Face Hub dataset ids (``org/name:split``) become the local
+    files of that split (``rlcli.data.hub``), for everything after."""
+    from rlcli.data.hub import dataset_files
+
+    for key, section, name in (
+        ("data.train_files", cfg.data, "train_files"),
+        ("data.val_files", cfg.data, "val_files"),
+        ("sft.train_files", cfg.sft, "train_files"),
+    ):
+        entries = getattr(section, name)
+        setattr(section, name, [f for entry in entries for f in dataset_files(entry, key)])

@@ -25,7 +25,8 @@ from rlcli.config.rewards import (
 
 @dataclass
 class DataConfig:
-    train_files: list[str] = field(default_factory=list)  # JSONL / Parquet, verl's schema
+    # JSONL / Parquet files in verl's schema, or Hugging Face Hub datasets as org/name:split
+    train_files: list[str] = field(default_factory=list)
     # held-out prompts for val/reward/accuracy (same schema)
     val_files: list[str] = field(default_factory=list)
     prompt_key: str = "prompt"  # the row key holding the chat messages

@@ -253,5 +253,30 @@ def test_a_hub_id_resolves_from_the_local_cache_offline(tmp_path):
         env=offline,
     )  # fmt: skip
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
-    assert "model.path=tiny-org/other is not a local folder" in missing.stderr
+    assert "model.path=tiny-org/other is not a local path" in missing.stderr
     assert "huggingface-cli download tiny-org/other" in missing.stderr
+
+
+def test_a_hub_dataset_id_resolves_to_its_split_files_from_the_cache_offline(tmp_path):
+    """data.train_files=[org/name:train] with no network: the split's files of the dataset
+    snapshot the Hugging Face cache holds; without a split, a dataset of two splits asks for one."""
+    from rlcli.data import write_arith_dataset
+
+    commit = "89abcdef0123456789abcdef0123456789abcdef"
+    repo = tmp_path / "hf" / "hub" / "datasets--tiny-org--arith"
+    data = repo / "snapshots" / commit / "data"
+    written = write_arith_dataset(str(tmp_path / "arith"))
+    data.mkdir(parents=True)
+    shutil.copy(written["train"], data / "train.jsonl")
+    shutil.copy(written["val"], data / "test.jsonl")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    offline = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    splits = ["data.train_files=[tiny-org/arith:train]", "data.val_files=[tiny-org/arith:test]"]
+    found = run_cli("config", "validate", str(QUICKSTART), *splits, env=offline)
+    assert found.returncode == 0, found.stderr
+    unsplit = run_cli(
+        "config", "validate", str(QUICKSTART), "data.train_files=[tiny-org/arith]", env=offline
+    )
+    assert unsplit.returncode == 2 and "Traceback" not in unsplit.stderr
+    assert "tiny-org/arith has the splits test, train: name one" in unsplit.stderr
