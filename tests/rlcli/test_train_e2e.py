@@ -99,11 +99,19 @@ def check_step_metrics(record: dict) -> None:
     assert record["rollout/logprob_diff_max"] < 1e-3, record["rollout/logprob_diff_max"]
 
 
+@pytest.fixture(scope="module")
+def tp2_run(tmp_path_factory) -> Path:
+    """A 2-step TP2 run on vLLM, saving every step: the resume test continues it, the export test
+    exports its step 2 (kept: checkpoint.keep_last is 2)."""
+    out = tmp_path_factory.mktemp("tp2") / "run"
+    train(out, "parallel.tp=2", "rollout.engine=vllm", "trainer.total_steps=2")
+    return out
+
+
 @pytest.mark.dist
 @pytest.mark.vllm
-def test_tp2_vllm_train_checkpoint_and_resume(tmp_path):
-    out = tmp_path / "run"
-    train(out, "parallel.tp=2", "rollout.engine=vllm", "trainer.total_steps=2")
+def test_tp2_vllm_train_checkpoint_and_resume(tp2_run):
+    out = tp2_run
     first = records(out)
     assert [r["step"] for r in first] == [1, 2]
     for record in first:
@@ -142,14 +150,14 @@ def test_pp2_hf_engine(tmp_path, packed):
 
 
 @pytest.mark.dist
-def test_export_checkpoint_as_hf_model(tmp_path):
+@pytest.mark.vllm
+def test_export_checkpoint_as_hf_model(tp2_run, tmp_path):
     """A TP2 training checkpoint exports (at TP1) to a HF model that transformers loads."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "run"
-    train(out, "parallel.tp=2", "rollout.engine=hf", "trainer.total_steps=1")
+    out = tp2_run
     exported = tmp_path / "exported"
     proc = subprocess.run(
         [
@@ -157,7 +165,7 @@ def test_export_checkpoint_as_hf_model(tmp_path):
             "-m",
             "rlcli.cli",
             "export",
-            str(out / "checkpoints" / "step_000001"),
+            str(out / "checkpoints" / "step_000002"),
             "--out",
             str(exported),
         ],
