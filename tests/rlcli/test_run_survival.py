@@ -131,15 +131,19 @@ def test_lr_schedule_counts_rl_steps_and_resume_takes_the_new_lr(tmp_path):
     assert last["actor/lr"] == pytest.approx(lr_at(4, 2e-3, 1e-4, warmup=2, total=5), rel=1e-9)
 
 
-def _resume_equals_uninterrupted(tmp_path: Path, *overrides: str, sigterm: bool) -> None:
-    """An uninterrupted 3-step run against one stopped after a step (SIGTERM, or the stop file
-    the sbatch script uses) and started again: same weights, optimizer state, metrics and
-    loader positions; the stopped run leaves no process behind (its checkpoint writer
-    included)."""
-    steps = ["trainer.total_steps=3", *overrides]
-    whole = tmp_path / "whole"
-    code, output = finish(rlcli_train(whole, *steps))
-    assert code == 0, output[-3000:]
+def _resume_equals_uninterrupted(
+    tmp_path: Path, *overrides: str, sigterm: bool, whole: Path | None = None
+) -> None:
+    """An uninterrupted run (``total_steps(sigterm)`` steps) against one stopped after a step
+    (SIGTERM, or the stop file the sbatch script uses) and started again: same weights, optimizer
+    state, metrics and loader positions; the stopped run leaves no process behind (its checkpoint
+    writer included). ``whole``: the uninterrupted run, already made with these overrides."""
+    total = total_steps(sigterm)
+    steps = [f"trainer.total_steps={total}", *overrides]
+    if whole is None:
+        whole = tmp_path / "whole"
+        code, output = finish(rlcli_train(whole, *steps))
+        assert code == 0, output[-3000:]
 
     split = tmp_path / "split"
     stop_file = tmp_path / "stop"
@@ -158,30 +162,51 @@ def _resume_equals_uninterrupted(tmp_path: Path, *overrides: str, sigterm: bool)
     assert "checkpoint saved: run the same command again" in output
     assert processes_left(tag) == {}
     stopped_at = max(r["step"] for r in rows(split))
-    assert stopped_at < 3
+    assert stopped_at < total
     assert (split / "checkpoints" / f"step_{stopped_at:06d}" / "COMPLETE").is_file()
 
     stop_file.unlink(missing_ok=True)
     code, output = finish(rlcli_train(split, *steps, env=env))
     assert code == 0, output[-3000:]
     assert f"resumed from step {stopped_at}" in output
-    assert [r["step"] for r in rows(split)] == [1, 2, 3]
+    assert [r["step"] for r in rows(split)] == list(range(1, total + 1))
     assert [comparable(r) for r in rows(split)] == [comparable(r) for r in rows(whole)]
-    a = checkpoint_tensors(whole / "checkpoints" / "step_000003", tmp_path)
-    b = checkpoint_tensors(split / "checkpoints" / "step_000003", tmp_path)
+    last = f"step_{total:06d}"
+    a = checkpoint_tensors(whole / "checkpoints" / last, tmp_path)
+    b = checkpoint_tensors(split / "checkpoints" / last, tmp_path)
     assert a.keys() == b.keys()
     for key in a:
         assert torch.allclose(a[key].double(), b[key].double(), rtol=0, atol=1e-6), key
     whole_state, split_state = (
-        json.loads((run / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
+        json.loads((run / "checkpoints" / last / "trainer_state.json").read_text())
         for run in (whole, split)
     )
-    assert split_state["step"] == whole_state["step"] == 3
+    assert split_state["step"] == whole_state["step"] == total
     assert split_state["loader"] == whole_state["loader"]
 
 
-def test_sigterm_checkpoints_and_grpo_resume_equals_uninterrupted(tmp_path):
-    _resume_equals_uninterrupted(tmp_path, sigterm=True)
+def total_steps(sigterm: bool) -> int:
+    """The stop file stops a run after its first step: 2 steps leave one to resume. A SIGTERM
+    lands during step 1 or step 2 (the test sends it once step 1 is logged): 3 steps."""
+    return 3 if sigterm else 2
+
+
+# The GRPO run the SIGTERM test stops and resumes, with a log-prob limit no run meets: its warning
+# changes nothing the run computes, so one uninterrupted run serves both tests.
+WARN = ["rollout.max_logprob_diff=1e-12"]
+
+
+@pytest.fixture(scope="module")
+def grpo_whole(tmp_path_factory) -> tuple[Path, str]:
+    """The uninterrupted GRPO run (``WARN``) and its output."""
+    out = tmp_path_factory.mktemp("grpo") / "whole"
+    code, output = finish(rlcli_train(out, f"trainer.total_steps={total_steps(True)}", *WARN))
+    assert code == 0, output[-3000:]
+    return out, output
+
+
+def test_sigterm_checkpoints_and_grpo_resume_equals_uninterrupted(tmp_path, grpo_whole):
+    _resume_equals_uninterrupted(tmp_path, *WARN, sigterm=True, whole=grpo_whole[0])
 
 
 def test_dapo_resume_equals_uninterrupted(tmp_path):
@@ -324,14 +349,13 @@ def test_a_user_error_under_torchrun_by_hand_is_printed_and_not_retried(tmp_path
     assert output.count("nonsense_section") <= 2, output[-3000:]
 
 
-def test_logprob_diff_over_the_limit_warns_or_stops(tmp_path):
-    """fp32 on CPU agrees to ~1e-7 per token; a limit below that trips the check."""
-    limit = ["rollout.max_logprob_diff=1e-12", "trainer.total_steps=1"]
-    code, output = finish(rlcli_train(tmp_path / "warn", *limit))
-    assert code == 0, output[-3000:]
+def test_logprob_diff_over_the_limit_warns_or_stops(tmp_path, grpo_whole):
+    """fp32 on CPU agrees to ~1e-7 per token; a limit below that trips the check (the warning:
+    in the uninterrupted GRPO run, which finished with exit 0)."""
+    _, output = grpo_whole
     assert "warning: step 1: the trainer's and the engine's log-probs" in output
     assert "rollout.max_logprob_diff=1e-12" in output
-    stop = [*limit, "rollout.logprob_diff_action=stop"]
+    stop = [*WARN, "trainer.total_steps=1", "rollout.logprob_diff_action=stop"]
     code, output = finish(rlcli_train(tmp_path / "stop", *stop))
     assert code == 2, output[-3000:]
     assert "step 1:" in output and "rollout.logprob_diff_action=stop" in output
