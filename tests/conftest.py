@@ -21,8 +21,8 @@ TESTS = Path(__file__).parent
 SANDBOX_GROUP = "sandbox"
 SANDBOX_USERS = (TESTS / "rlcli" / "tools", TESTS / "docs")  # docs/agentic.md calls `python`
 
-# The groups that take longest, longest first: seconds in one run of `make test` on a 2-core
-# machine, rounded (update from its --durations when one of them changes much).
+# The groups that take longest, longest first, from the --durations of `make test` on a 2-core
+# machine (update the order when one of them changes much).
 LONGEST = (
     SANDBOX_GROUP,  # the docs' command blocks and the tool / sandbox tests
     "rlcli/test_run_survival.py",
@@ -32,9 +32,9 @@ LONGEST = (
     "gpu/test_gpu_path_on_cpu.py",
     "rlcli/test_ppo.py",
     "parallel/test_reshard.py",
-    "parallel/test_convert_parity.py",
     "parallel/test_convert_cli.py",
     "benchmarks/test_benchmark_smoke.py",
+    "parallel/test_convert_parity.py",
 )
 
 
