@@ -4,6 +4,11 @@ Each test module is one group, so a module's shared fixtures (a built model, a s
 made once, on one worker. The modules that look for leftover sandbox processes machine-wide, and
 those that start sandboxed tool calls, share one group: run side by side, one module's live
 sandbox would read as another's leftover.
+
+xdist hands the groups out in the order of the collected tests, the next one to whichever worker
+runs short. The longest groups come first (``LONGEST``, longest first: the longest-processing-time
+rule), so that no long group starts near the end while the other worker has nothing left to do;
+the many short groups that follow fill the gaps. Within a group the tests keep their order.
 """
 
 from __future__ import annotations
@@ -16,6 +21,22 @@ TESTS = Path(__file__).parent
 SANDBOX_GROUP = "sandbox"
 SANDBOX_USERS = (TESTS / "rlcli" / "tools", TESTS / "docs")  # docs/agentic.md calls `python`
 
+# The groups that take longest, longest first, from the --durations of `make test` on a 2-core
+# machine (update the order when one of them changes much).
+LONGEST = (
+    SANDBOX_GROUP,  # the docs' command blocks and the tool / sandbox tests
+    "rlcli/test_run_survival.py",
+    "rlcli/test_separate_placement.py",
+    "rlcli/test_lora_train.py",
+    "rlcli/test_train_e2e.py",
+    "gpu/test_gpu_path_on_cpu.py",
+    "rlcli/test_ppo.py",
+    "parallel/test_reshard.py",
+    "parallel/test_convert_cli.py",
+    "benchmarks/test_benchmark_smoke.py",
+    "parallel/test_convert_parity.py",
+)
+
 
 def _group_of(path: Path) -> str:
     if any(path.is_relative_to(folder) for folder in SANDBOX_USERS):
@@ -23,8 +44,18 @@ def _group_of(path: Path) -> str:
     return str(path.relative_to(TESTS))
 
 
+def _rank(group: str) -> int:
+    return LONGEST.index(group) if group in LONGEST else len(LONGEST)
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    groups = {}
     for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(_group_of(Path(item.path))))
+        marker = item.get_closest_marker("xdist_group")
+        if marker is None:
+            groups[item] = _group_of(Path(item.path))
+            item.add_marker(pytest.mark.xdist_group(groups[item]))
+        else:
+            groups[item] = marker.args[0] if marker.args else marker.kwargs.get("name", "")
+    items.sort(key=lambda item: _rank(groups[item]))  # stable: each group keeps its order

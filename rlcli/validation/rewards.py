@@ -82,13 +82,16 @@ def _check_judge(cfg: RLConfig, world_size: int | None) -> None:
 
 def check_reward_model_dirs(cfg: RLConfig) -> None:
     """The model folders of ``reward.model.path`` (a one-label sequence-classification model,
-    unless ``rm.before_rl`` will write it) and ``reward.judge.path`` (an HF model folder)."""
-    from parallel.convert import hf_model_dir_problem
-    from rlcli.reward_models.reward_model import check_reward_model_path
-
+    unless ``rm.before_rl`` will write it) and ``reward.judge.path`` (an HF model folder).
+    The checks import megatron-core: only when there is a folder to check (``rlcli train --nproc
+    N`` runs this before it starts torchrun, and needs megatron-core for nothing else)."""
     if cfg.reward.model.path and not cfg.rm.before_rl:
+        from rlcli.reward_models.reward_model import check_reward_model_path
+
         check_reward_model_path(cfg.reward.model.path)
     if cfg.reward.judge.path:
+        from parallel.convert import hf_model_dir_problem
+
         problem = hf_model_dir_problem(cfg.reward.judge.path)
         if problem is not None:
             raise UserError(f"reward.judge.path={cfg.reward.judge.path}: {problem}")

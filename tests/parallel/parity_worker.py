@@ -2,6 +2,12 @@
 
     torchrun --nproc_per_node N tests/parallel/parity_worker.py --tp T --pp P [--vpp V]
         [--ep E --etp T2] --models DIR[,DIR...] --result FILE.json --export-dir DIR
+    torchrun --nproc_per_node N tests/parallel/parity_worker.py --plan FILE.json
+
+``--plan``: a JSON list of layouts (each the options above as keys: tp, pp, vpp, ep, etp,
+models, result, export_dir) checked one after the other in one launch, on the same process
+group: megatron's parallel state is torn down and set up again (and the RNGs seeded again)
+between layouts, so each layout sees what a launch of its own would.
 
 For each HF model directory: build the Megatron chunks, load the HF weights, run a forward
 through megatron's pipeline schedule and compare the (TP-gathered, unpadded) logits with HF
@@ -25,6 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.parallel_state import get_expert_data_parallel_group as expert_dp_group
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -230,6 +237,23 @@ def _check_variants(hf_dir: Path, hf_config, mesh: Mesh, tokens, positions) -> d
     return report
 
 
+def check_layout(layout: dict) -> None:
+    """Every check of ``layout`` (keys: tp, pp, vpp, ep, etp, models, result, export_dir); rank 0
+    writes the summary to ``layout["result"]``. Leaves megatron's parallel state torn down."""
+    mesh = init_parallel(
+        tp=layout["tp"], pp=layout["pp"], vpp=layout["vpp"], ep=layout["ep"], etp=layout["etp"]
+    )
+    reports = {}
+    for index, hf_dir in enumerate(layout["models"].split(",")):
+        export_dir = Path(layout["export_dir"]) if layout["export_dir"] and index == 0 else None
+        reports[Path(hf_dir).name] = check_model(Path(hf_dir), mesh, export_dir)
+    summary = {"layout": layout, "world_size": mesh.world_size, "dp": mesh.dp, **reports}
+    summary["ep"], summary["etp"] = mesh.ep, mesh.etp
+    if mesh.rank == 0:
+        Path(layout["result"]).write_text(json.dumps(summary, indent=2))
+    parallel_state.destroy_model_parallel()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1)
@@ -237,20 +261,17 @@ def main() -> None:
     parser.add_argument("--vpp", type=int, default=None)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--etp", type=int, default=None)
-    parser.add_argument("--models", required=True)
-    parser.add_argument("--result", required=True)
+    parser.add_argument("--models")
+    parser.add_argument("--result")
     parser.add_argument("--export-dir", default=None)
+    parser.add_argument("--plan", default=None)
     args = parser.parse_args()
-
-    mesh = init_parallel(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
-    reports = {}
-    for index, hf_dir in enumerate(args.models.split(",")):
-        export_dir = Path(args.export_dir) if args.export_dir and index == 0 else None
-        reports[Path(hf_dir).name] = check_model(Path(hf_dir), mesh, export_dir)
-    summary = {"layout": vars(args), "world_size": mesh.world_size, "dp": mesh.dp, **reports}
-    summary["ep"], summary["etp"] = mesh.ep, mesh.etp
-    if mesh.rank == 0:
-        Path(args.result).write_text(json.dumps(summary, indent=2))
+    if args.plan is not None:
+        layouts = json.loads(Path(args.plan).read_text())
+    else:
+        layouts = [{key: value for key, value in vars(args).items() if key != "plan"}]
+    for layout in layouts:
+        check_layout(layout)
     destroy_parallel()
 
 

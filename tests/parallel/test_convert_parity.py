@@ -1,7 +1,8 @@
 """Megatron <-> HF parity per parallel layout (torchrun, gloo, tiny fp32 Qwen2 / Llama / Qwen3 /
 Qwen3-MoE / Qwen2-MoE).
 
-One torchrun launch per layout runs every check (see parity_worker.py): Megatron logits vs HF
+One torchrun launch per process count runs every check of its layouts, one layout after the
+other (see parity_worker.py): Megatron logits vs HF
 transformers logits, HF -> Megatron -> HF bit-exact round trip (iter_hf_weights and
 save_hf_checkpoint), equal random weights on data-parallel replicas, and for MoE models the
 same top-k expert choice as HF's router for every token in every layer (at TP1 x PP1, EP1 and
@@ -43,20 +44,38 @@ LAYOUTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def summaries(request, tmp_path_factory) -> dict[str, dict]:
+    """The summary of every selected layout, by id: one torchrun launch per process count (a
+    launch's startup, imports and process group serve all its layouts)."""
+    selected = {
+        item.callspec.id: item.callspec.params
+        for item in request.session.items
+        if item.originalname == "test_megatron_matches_hf" and hasattr(item, "callspec")
+    }
+    by_nproc: dict[int, list[dict]] = {}
+    results = {}
+    for layout_id, params in selected.items():
+        folder = tmp_path_factory.mktemp(layout_id)
+        models = [request.getfixturevalue(name) for name in params["fixtures"]]
+        layout = {key: params[key] for key in ("tp", "pp", "vpp", "ep", "etp")}
+        layout["models"] = ",".join(map(str, models))
+        layout["result"] = str(folder / "result.json")
+        layout["export_dir"] = str(folder / "export")
+        by_nproc.setdefault(params["nproc"], []).append(layout)
+        results[layout_id] = Path(layout["result"])
+    for nproc, layouts in by_nproc.items():
+        plan = tmp_path_factory.mktemp("plan") / f"nproc{nproc}.json"
+        plan.write_text(json.dumps(layouts))
+        run_torchrun(WORKER, nproc, "--plan", plan)
+    return {layout_id: json.loads(path.read_text()) for layout_id, path in results.items()}
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("tp, pp, vpp, ep, etp, nproc, fixtures", LAYOUTS)
-def test_megatron_matches_hf(tp, pp, vpp, ep, etp, nproc, fixtures, request, tmp_path):
+def test_megatron_matches_hf(tp, pp, vpp, ep, etp, nproc, fixtures, request, summaries):
     models = [request.getfixturevalue(name) for name in fixtures]
-    result = tmp_path / "result.json"
-    args = ["--tp", tp, "--pp", pp, "--ep", ep, "--models", ",".join(map(str, models))]
-    args += ["--result", result, "--export-dir", tmp_path / "export"]
-    if vpp:
-        args += ["--vpp", vpp]
-    if etp:
-        args += ["--etp", etp]
-    run_torchrun(WORKER, nproc, *args)
-
-    summary = json.loads(result.read_text())
+    summary = summaries[request.node.callspec.id]
     print(json.dumps(summary, indent=1))  # parity numbers, visible with -s
     assert summary["dp"] == nproc // (tp * pp)
     assert (summary["ep"], summary["etp"]) == (ep, etp or tp)

