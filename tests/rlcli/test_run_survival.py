@@ -227,7 +227,7 @@ def _resume_equals_uninterrupted(
     )
     assert split_state["step"] == whole_state["step"] == total
     assert split_state["loader"] == whole_state["loader"]
-    assert split_state["settings"]["trainer.total_steps"] == 3
+    assert split_state["settings"]["trainer.total_steps"] == total
     assert split_state["settings"]["data.train_files"] == []  # as given, not as filled in
 
 
