@@ -209,9 +209,9 @@ def _resume_equals_uninterrupted(
     assert code == 0, output[-3000:]
     assert f"resumed from step {stopped_at}" in output
     # the run's last lines: what it did and where everything went (logging.backends=[jsonl])
-    last = split / "checkpoints" / f"step_{total:06d}"
+    saved = split / "checkpoints" / f"step_{total:06d}"
     assert f"[rlcli] done: step {total} of {total} ({total - stopped_at} steps since" in output
-    assert f"[rlcli] checkpoint: {last}" in output
+    assert f"[rlcli] checkpoint: {saved}" in output
     assert f"[rlcli] metrics: {split / 'metrics.jsonl'}" in output and "TensorBoard" not in output
     assert [r["step"] for r in rows(split)] == list(range(1, total + 1))
     assert [comparable(r) for r in rows(split)] == [comparable(r) for r in rows(whole)]
