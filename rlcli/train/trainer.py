@@ -197,7 +197,12 @@ class Trainer:
             f"{self.cfg.algorithm.dynamic_sampling.metric} varies), fewer than the "
             f"{self.mesh.dp} data-parallel ranks"
         )
-        say(self.mesh, f"step {self.step}: no update: {why} ({in_a_row} in a row)")
+        metric = self.cfg.algorithm.dynamic_sampling.metric
+        say(
+            self.mesh,
+            f"step {self.step}: no update: DAPO kept {kept}/{drawn} groups (varying {metric}) "
+            f"< {self.mesh.dp} DP ranks; {in_a_row} in a row",
+        )
         limit = self.cfg.trainer.max_skipped_steps
         if limit and in_a_row >= limit:
             raise UserError(

@@ -125,9 +125,14 @@ def test_steps_without_an_update_are_said_and_stop_the_run(tmp_path):
     )
     assert code == 2, output[-3000:]
     assert "Traceback" not in output
-    why = "DAPO's filter kept 0 of the 4 groups drawn (those whose score varies)"
-    assert f"step 1: no update: {why}, fewer than the 1 data-parallel ranks (1 in a row)" in output
+    said = [s for s in output.splitlines() if "no update: DAPO kept" in s]
+    assert (
+        said[0]
+        == "[rlcli] step 1: no update: DAPO kept 0/4 groups (varying score) < 1 DP ranks; 1 in a row"
+    )
+    assert len(said) == 2 and all(len(s) <= 100 for s in said)
     assert "step 2: 2 steps in a row applied no update (trainer.max_skipped_steps=2)" in output
+    assert "DAPO's filter kept 0 of the 4 groups drawn (those whose score varies)" in output
     logged = rows(out)
     assert [r["step"] for r in logged] == [1, 2]
     assert all(r["actor/skipped_update"] == 1.0 and r["dapo/kept_groups"] == 0 for r in logged)
