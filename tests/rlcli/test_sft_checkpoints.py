@@ -24,9 +24,13 @@ def rlcli_sft(out: Path) -> str:
         "sft.micro_batch_size=8",
         f"trainer.output_dir={out}",
     ]
+    return rlcli("sft", str(REPO / "recipes" / "quickstart.yaml"), *overrides)
+
+
+def rlcli(*args: str) -> str:
+    """The command's output; it must succeed."""
     proc = subprocess.run(
-        [sys.executable, "-m", "rlcli.cli", "sft", str(REPO / "recipes" / "quickstart.yaml")]
-        + overrides,
+        [sys.executable, "-m", "rlcli.cli", *args],
         cwd=REPO,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
         capture_output=True,
@@ -75,17 +79,9 @@ def test_the_warm_start_is_reused_only_with_the_settings_it_was_made_with(tmp_pa
     same = run_settings(load_config(recipe, [*given, "sft.steps=4"]))
     assert warm_start_changes(out / "sft_model", same) is None
     before = weights(out / "sft_model")
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlcli.cli", "train", str(recipe), *given, "sft.steps=2"]
-        + ["trainer.total_steps=1", "rollout.engine=hf"],
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=600,
+    output = rlcli(
+        "train", str(recipe), *given, "sft.steps=2", "trainer.total_steps=1", "rollout.engine=hf"
     )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-4000:]
     assert f"training {out / 'sft_model'} again, from scratch: sft.steps 4 -> 2" in output
     assert "resumed the SFT warm start" not in output  # not from the old settings' checkpoints
     after = weights(out / "sft_model")
