@@ -5,7 +5,8 @@ config as dotted keys). Started again on the same folder (``trainer.resume=auto`
 rlcli compares them with the current config first:
 
 - settings a resumed run cannot take (another start model, estimator, SFT warm start, training
-  data) are refused with exit 2, naming each key and both values;
+  data) are refused with exit 2, naming each key and both values (a checkpoint named by
+  ``trainer.resume=PATH`` is asked for: there they are listed, not refused);
 - the run is already at ``trainer.total_steps``: "nothing to do", exit 0;
 - otherwise it resumes and lists the settings that differ (the current config wins).
 
@@ -103,15 +104,28 @@ class ResumePlan:
     nothing_to_do: bool
 
 
-def _checkpoint_to_resume(cfg: RLConfig) -> Path | None:
+def _loadable(path: Path) -> bool:
+    """The manifest's sizes hold (the resume itself also checks the checksums)."""
+    from rlcli.run.manifest import check_checkpoint
+
+    return check_checkpoint(path, checksums=False).loadable
+
+
+def _checkpoint_to_resume(cfg: RLConfig) -> tuple[Path | None, bool]:
+    """The checkpoint a resume will load (by its sizes: the newest intact one for ``auto``), and
+    whether ``trainer.resume`` named it explicitly."""
     resume = cfg.trainer.resume
     if resume is None or str(resume).lower() in ("none", "null", ""):
-        return None
+        return None, False
     if str(resume).lower() != "auto":
         path = Path(resume)
-        return path if is_complete_checkpoint(path) else None  # the resume itself says why not
+        # a damaged or missing one: the resume itself says why
+        return (path if is_complete_checkpoint(path) and _loadable(path) else None), True
     root = checkpoint_root(cfg.checkpoint.dir, cfg.trainer.output_dir)
-    return CheckpointManager(root, rank=0, world_size=1).latest_dir()
+    for path in CheckpointManager(root, rank=0, world_size=1).complete_dirs():
+        if _loadable(path):
+            return path, False
+    return None, False
 
 
 def plan_resume(cfg: RLConfig) -> ResumePlan | None:
@@ -120,7 +134,7 @@ def plan_resume(cfg: RLConfig) -> ResumePlan | None:
     change."""
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return None
-    path = _checkpoint_to_resume(cfg)
+    path, named = _checkpoint_to_resume(cfg)
     if path is None:
         return None
     try:
@@ -135,8 +149,10 @@ def plan_resume(cfg: RLConfig) -> ResumePlan | None:
     else:
         changes = changed_settings(state.settings, run_settings(cfg))
         note = ""
+    # A checkpoint named by trainer.resume is asked for (fine-tuning on from another run's step,
+    # in a folder of its own): what differs is listed, not refused.
     fixed = {key: change for key, change in changes.items() if _under(key, FIXED_FOR_A_RUN)}
-    if fixed:
+    if fixed and not named:
         raise UserError(
             f"{path} holds a run at step {state.step} with settings a resume cannot change: "
             f"{_describe(fixed)}. To train with the new settings start a new run "

@@ -27,7 +27,7 @@ def run_cli(*args: str, cwd: Path = REPO, env: dict | None = None) -> subprocess
         cwd=cwd,
         capture_output=True,
         text=True,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
     )
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from rlcli.errors import UserError
 from rlcli.run.checkpoints import COMPLETE_MARKER, step_dir_name
+from rlcli.run.manifest import write_manifest
 from rlcli.run.resume_plan import changed_settings, plan_resume, run_settings
 from rlcli.run.state import TRAINER_STATE_FILE, RunState
 from rlcli.validation.loader import load_config
@@ -113,3 +114,24 @@ def test_the_cli_says_nothing_to_do_with_exit_0_and_refuses_with_exit_2(tmp_path
     assert refused.returncode == 2
     assert "algorithm.adv_estimator 'grpo' -> 'rloo'" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def test_a_named_checkpoint_lists_differences_and_a_damaged_newest_is_passed_over(tmp_path):
+    """trainer.resume=PATH from another run into a new folder (its model.path differs) resumes;
+    with trainer.resume=auto a newest checkpoint whose files fail the manifest is passed over,
+    as the resume itself passes it over."""
+    first = tmp_path / "first"
+    step = _checkpoint(first, 2, run_settings(_config(first, "model.path=/m1")))
+    named = _config(tmp_path / "second", "model.path=/m2", f"trainer.resume={step}")
+    plan = plan_resume(named)
+    assert (
+        plan is not None and not plan.nothing_to_do and "model.path '/m1' -> '/m2'" in plan.message
+    )
+    out = tmp_path / "run"
+    _checkpoint(out, 1, run_settings(_config(out)))
+    newest = _checkpoint(out, 5, run_settings(_config(out)))
+    (newest / "shard.bin").write_bytes(b"x" * 100)
+    write_manifest(newest)
+    (newest / "shard.bin").write_bytes(b"x" * 10)  # truncated after the save
+    plan = plan_resume(_config(out))
+    assert plan is not None and plan.step == 1 and not plan.nothing_to_do
