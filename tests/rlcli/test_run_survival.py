@@ -256,17 +256,10 @@ def grpo_whole(tmp_path_factory) -> tuple[Path, str]:
     return out, output
 
 
-def test_ctrl_c_checkpoints_and_grpo_resume_equals_uninterrupted(tmp_path, grpo_whole):
-    """Ctrl-C (SIGINT) stops like SIGTERM: after the step, with a checkpoint (checkpoint.save_freq
-    is 0 for the stopped run: the stop saves one anyway); the finished run has nothing to do."""
+def test_sigterm_checkpoints_and_grpo_resume_equals_uninterrupted(tmp_path, grpo_whole):
+    """SIGTERM stops after the step with a checkpoint; the finished run has nothing to do."""
     _resume_equals_uninterrupted(
-        tmp_path,
-        *WARN,
-        "checkpoint.save_freq=0",
-        sigterm=True,
-        stop_signal=signal.SIGINT,
-        whole=grpo_whole[0],
-        rerun_finished=True,
+        tmp_path, *WARN, sigterm=True, whole=grpo_whole[0], rerun_finished=True
     )
 
 
