@@ -22,9 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
-from rlcli.config.schema import RLConfig
+from rlcli.config.schema import RLConfig, to_dict
 from rlcli.errors import UserError
 from rlcli.run.checkpoints import CheckpointManager, checkpoint_root, is_complete_checkpoint
 from rlcli.run.state import TRAINER_STATE_FILE, RunState
@@ -64,7 +62,7 @@ NOT_COMPARED = ("trainer.resume",)
 
 def run_settings(cfg: RLConfig) -> dict[str, Any]:
     """The resolved config as ``{"section.key": value}`` (JSON values), what a checkpoint keeps."""
-    nested = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    nested = to_dict(cfg)
     flat: dict[str, Any] = {}
 
     def walk(prefix: str, value: Any) -> None:
