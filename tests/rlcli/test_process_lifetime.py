@@ -87,3 +87,53 @@ def test_a_killed_torchrun_agent_takes_its_rank_and_the_helpers(tmp_path):
     agent.kill()
     agent.wait(timeout=30)
     assert _still_running(processes) == []
+
+
+# A process that holds a StopRequest, then waits for signals the test sends it; it prints what the
+# request recorded after each one.
+_STOP_REQUEST_PROGRAM = """
+import signal, sys, time
+from rlcli.process_lifetime import StopRequest
+request = StopRequest()
+print("ready", flush=True)
+seen = None
+deadline = time.monotonic() + 60  # a signal never acted on fails the test instead of hanging it
+while time.monotonic() < deadline:
+    time.sleep(0.01)
+    if request.reason != seen:
+        seen = request.reason
+        print("reason", seen, flush=True)
+print("no second signal", flush=True)
+"""
+
+
+@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1])
+def test_a_stop_signal_asks_for_a_stop_and_a_second_one_stops_at_once(number):
+    """Ctrl-C, SIGTERM and SIGUSR1 ask to stop after the step (the process goes on); the same
+    signal again ends the process by that signal, saying which checkpoint is kept. The process
+    starts with SIGINT ignored, as a background job of a shell does."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STOP_REQUEST_PROGRAM],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(number)
+        name = signal.Signals(number).name
+        assert proc.stdout.readline() == (
+            f"[rlcli] {name}: stopping after this step with a checkpoint "
+            f"({'Ctrl-C' if number == signal.SIGINT else name} again stops at once)\n"
+        )
+        assert proc.stdout.readline() == f"reason {name}\n"
+        assert proc.poll() is None
+        proc.send_signal(number)
+        assert proc.wait(timeout=30) == -number
+        rest = proc.stdout.read()
+        assert f"{name} again: stopping now without a checkpoint; kept: no checkpoint yet" in rest
+    finally:
+        proc.kill()
+        proc.wait()

@@ -1,5 +1,5 @@
 """Runs that survive: non-finite steps, the LR schedule in RL steps, resume with a changed config,
-SIGTERM, exact resume (GRPO and DAPO), and a rank killed mid-run under torchrun restarts (which
+Ctrl-C, exact resume (GRPO and DAPO), and a rank killed mid-run under torchrun restarts (which
 leaves no process behind).
 
 Single-process runs use the HF engine and a tiny Qwen2 (the end-to-end tests' settings); weights
@@ -242,7 +242,7 @@ def total_steps(sigterm: bool) -> int:
     return 3 if sigterm else 2
 
 
-# The GRPO run the SIGTERM test stops and resumes, with a log-prob limit no run meets: its warning
+# The GRPO run the Ctrl-C test stops and resumes, with a log-prob limit no run meets: its warning
 # changes nothing the run computes, so one uninterrupted run serves both tests.
 WARN = ["rollout.max_logprob_diff=1e-12"]
 
@@ -256,10 +256,16 @@ def grpo_whole(tmp_path_factory) -> tuple[Path, str]:
     return out, output
 
 
-def test_sigterm_checkpoints_and_grpo_resume_equals_uninterrupted(tmp_path, grpo_whole):
-    """SIGTERM stops after the step with a checkpoint; the finished run has nothing to do."""
+def test_ctrl_c_checkpoints_and_grpo_resume_equals_uninterrupted(tmp_path, grpo_whole):
+    """Ctrl-C (SIGINT) stops after the step with a checkpoint; the finished run has nothing to do.
+    (SIGTERM and SIGUSR1 take the same handler: test_process_lifetime.py.)"""
     _resume_equals_uninterrupted(
-        tmp_path, *WARN, sigterm=True, whole=grpo_whole[0], rerun_finished=True
+        tmp_path,
+        *WARN,
+        sigterm=True,
+        stop_signal=signal.SIGINT,
+        whole=grpo_whole[0],
+        rerun_finished=True,
     )
 
 

@@ -99,19 +99,34 @@ def test_sbatch_script_runs_torchrun_ranks_that_all_reduce(slurm_env, tmp_path):
     assert ranks == [("0", "2", "3", "0"), ("1", "2", "3", "1")]
 
 
-def test_cli_submitted_train_job_reports_a_bad_recipe_as_a_failed_job(
+def test_cli_refuses_an_unknown_key_before_submitting(slurm_env, tmp_path, monkeypatch):
+    """`rlcli launch slurm` checks the recipe first: a typo costs no queue wait and no job."""
+    monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])
+    recipe = tmp_path / "typo.yaml"
+    recipe.write_text("nonsense_section:\n  value: 1\n")
+    arguments = ["slurm", str(recipe), "--gpus-per-node", "0", "--nproc-per-node", "2"]
+    arguments += ["--log-dir", str(tmp_path / "logs")]
+    result = CliRunner().invoke(launch_app, arguments)
+    assert result.exit_code != 0
+    assert "unknown config key 'nonsense_section.value'" in str(result.exception)
+    assert not (tmp_path / "logs").exists()  # no script written, nothing submitted
+
+
+def test_cli_submitted_train_job_reports_a_rank_error_as_a_failed_job(
     slurm_env, tmp_path, monkeypatch
 ):
     """The real `rlcli launch slurm` path: sbatch -> srun -> torchrun -> python -m rlcli.cli train.
 
-    The recipe has an unknown section, so every rank stops at config loading with the CLI's
-    error message, and Slurm must see the job fail (not complete).
+    The recipe is well formed, so the launch submits it, but its model folder does not exist on
+    the node: every rank stops with the CLI's error message, and Slurm must see the job fail
+    (not complete).
     """
     for key in ("SLURM_CONF", "OMP_NUM_THREADS"):
         monkeypatch.setenv(key, slurm_env[key])
     monkeypatch.chdir(tmp_path)
     recipe = tmp_path / "broken.yaml"
-    recipe.write_text("nonsense_section:\n  value: 1\n")
+    missing_model = tmp_path / "no-such-model"
+    recipe.write_text(f"data:\n  synthetic: arith\nmodel:\n  path: {missing_model}\n")
     arguments = ["slurm", str(recipe), "--gpus-per-node", "0", "--nproc-per-node", "2"]
     arguments += ["--time", "00:05:00", "--log-dir", str(tmp_path / "logs")]
     result = CliRunner().invoke(launch_app, arguments)
@@ -120,4 +135,4 @@ def test_cli_submitted_train_job_reports_a_bad_recipe_as_a_failed_job(
     fields = _wait_for_job(job_id, slurm_env)
     log = (tmp_path / "logs" / f"rlcli-broken-{job_id}.out").read_text()  # exists: job started
     assert fields["JobState"] == "FAILED" and fields["ExitCode"] != "0:0", log
-    assert "nonsense_section" in log
+    assert f"model.path={missing_model}" in log
