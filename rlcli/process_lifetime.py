@@ -100,7 +100,9 @@ class StopRequest:
 
     def _handle(self, number: int, frame: Any) -> None:
         name = signal.Signals(number).name
-        if self.reason is not None:  # asked twice: stop now
+        # Asked twice: stop now. The stop file counts as the first ask: a parent that forwarded a
+        # Ctrl-C through it signals the ranks only for the second one (``run_torchrun``).
+        if self.reason is not None or self._stop_file_reason() is not None:
             print(
                 f"[rlcli] {name} again: stopping now without a checkpoint; kept: {self.kept}",
                 flush=True,
@@ -121,8 +123,8 @@ class StopRequest:
         import torch  # not at import: rlcli.cli imports this module in every spawned helper
         import torch.distributed as dist
 
-        if self.reason is None and self.stop_file and os.path.exists(self.stop_file):
-            self.reason = f"stop file {self.stop_file}"
+        if self.reason is None:
+            self.reason = self._stop_file_reason()
         if self.reason is None and elsewhere:
             self.reason = elsewhere
         wanted = torch.tensor([1.0 if self.reason else 0.0])
@@ -132,6 +134,19 @@ class StopRequest:
         if wanted.item() > 0 and self.reason is None:
             self.reason = "another rank was asked to stop"
         return wanted.item() > 0
+
+    def _stop_file_reason(self) -> str | None:
+        """Why the stop file asks to stop (its text, else its name); None without one."""
+        if not self.stop_file:
+            return None
+        try:
+            with open(self.stop_file, encoding="utf-8", errors="replace") as handle:
+                text = handle.read(200).strip()
+        except FileNotFoundError:
+            return None
+        except OSError:
+            text = ""
+        return text or f"stop file {self.stop_file}"
 
     def uninstall(self) -> None:
         for number, handler in self._previous.items():

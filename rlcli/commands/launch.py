@@ -174,4 +174,4 @@ def launch_local(
     if dry_run:
         typer.echo(shlex.join(command))
         return
-    raise typer.Exit(run_torchrun(command))
+    raise typer.Exit(run_torchrun(command, stop_after_step=True))

@@ -25,6 +25,7 @@ from typing import NoReturn
 import typer
 
 from rlcli.errors import USER_ERROR_EXIT_CODE
+from rlcli.process_lifetime import STOP_FILE_ENV, StopRequest
 from rlcli.run.launch import local_torchrun_command, torchrun_prefix
 
 USER_ERROR_DIR_ENV = "RLCLI_USER_ERROR_DIR"
@@ -35,17 +36,25 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
-def relaunch_under_torchrun(nproc: int, cli_args: list[str], max_restarts: int = 0) -> NoReturn:
+def relaunch_under_torchrun(
+    nproc: int, cli_args: list[str], max_restarts: int = 0, stop_after_step: bool = False
+) -> NoReturn:
     """Run ``rlcli CLI_ARGS`` on `nproc` local processes under torchrun (restarting the group up
     to `max_restarts` times after a rank dies), then exit with the code `run_torchrun` gives.
     `cli_args` must not contain ``--nproc`` (see `without_nproc`)."""
     command = local_torchrun_command(nproc, ["-m", "rlcli.cli", *cli_args], max_restarts)
-    raise SystemExit(run_torchrun(command))
+    raise SystemExit(run_torchrun(command, stop_after_step))
 
 
-def run_torchrun(command: list[str]) -> int:
+def run_torchrun(command: list[str], stop_after_step: bool = False) -> int:
     """Run a torchrun command line (``rlcli.run.launch`` builds them) in this process; the exit code:
-    0, 2 after printing the ranks' user errors, or 1 after naming the ranks that failed."""
+    0, 2 after printing the ranks' user errors, or 1 after naming the ranks that failed.
+
+    ``stop_after_step`` (the ranks run the RL trainer, which holds a ``StopRequest``): a first
+    Ctrl-C or SIGTERM to this process asks the ranks to stop after their step with a checkpoint,
+    through the stop file; only a second one lets torchrun's agent end them. (The ranks run in
+    sessions of their own, so a terminal's Ctrl-C reaches this process alone; left to torchrun,
+    the first one would end them at once and lose the steps since the last checkpoint.)"""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -61,8 +70,13 @@ def run_torchrun(command: list[str]) -> int:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     with tempfile.TemporaryDirectory(prefix="rlcli-errors-") as error_dir:
         os.environ[USER_ERROR_DIR_ENV] = error_dir
+        torchrun_args = command[len(prefix) :]
+        if stop_after_step:
+            _forward_stop_signals(os.environ.setdefault(STOP_FILE_ENV, f"{error_dir}/stop"))
+            # torchrun's agent would end the group on these itself; it keeps SIGHUP and SIGQUIT.
+            torchrun_args = ["--signals-to-handle=SIGHUP,SIGQUIT", *torchrun_args]
         try:
-            run(parse_args(command[len(prefix) :]))
+            run(parse_args(torchrun_args))
         except ChildFailedError as failed:
             messages = _user_errors(Path(error_dir))
             codes = {rank: failure.exitcode for rank, failure in failed.failures.items()}
@@ -73,10 +87,12 @@ def run_torchrun(command: list[str]) -> int:
             shown = ", ".join(f"rank {rank} (exit code {code})" for rank, code in codes.items())
             typer.secho(f"error: {shown} failed; see the output above", err=True)
             return 1
-        except SignalException:
+        except SignalException as signalled:
             # A rank's user error stopped the agent (no restarts for it), or we were signalled.
             messages = _user_errors(Path(error_dir))
             if not messages:
+                if stop_after_step:  # a second Ctrl-C: the ranks said what they kept
+                    return 128 + int(signalled.sigval)
                 raise
             for message in messages:
                 typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
@@ -84,6 +100,28 @@ def run_torchrun(command: list[str]) -> int:
         finally:
             del os.environ[USER_ERROR_DIR_ENV]
     return 0
+
+
+def _forward_stop_signals(stop_file: str) -> None:
+    """Ctrl-C / SIGTERM / SIGUSR1 to this process: the first writes the stop file (the ranks'
+    ``StopRequest`` reads it after each step), the second is torchrun's (it ends the group)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def handle(number: int, frame: object) -> None:
+        name = signal.Signals(number).name
+        if os.path.exists(stop_file):
+            print(f"[rlcli] {name} again: stopping the ranks now", flush=True)
+            raise SignalException(f"got {name} twice", sigval=signal.Signals(number))
+        Path(stop_file).write_text(name)
+        again = "Ctrl-C" if number == signal.SIGINT else name
+        print(
+            f"[rlcli] {name}: the ranks stop after this step with a checkpoint "
+            f"({again} again stops them at once)",
+            flush=True,
+        )
+
+    for number in StopRequest.SIGNALS:
+        signal.signal(number, handle)
 
 
 def report_user_error_to_parent(message: str) -> bool:

@@ -91,7 +91,8 @@ def _load_for_run(
         restarts = max_restarts if max_restarts is not None else cfg.trainer.max_restarts or 0
         if restarts < 0:
             raise UserError(f"--max-restarts must be >= 0, got {restarts}")
-        relaunch_under_torchrun(nproc, without_nproc(sys.argv[1:]), restarts)
+        # (`rlcli train`'s ranks stop after a step when asked: `resumes` is true for it alone)
+        relaunch_under_torchrun(nproc, without_nproc(sys.argv[1:]), restarts, resumes)
     return cfg
 
 

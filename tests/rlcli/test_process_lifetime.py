@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -137,3 +138,54 @@ def test_a_stop_signal_asks_for_a_stop_and_a_second_one_stops_at_once(number):
     finally:
         proc.kill()
         proc.wait()
+
+
+# `rlcli train --nproc N` in small: run_torchrun over ranks that hold a StopRequest.
+_TORCHRUN_PARENT = """
+import sys
+from rlcli.commands.relaunch import run_torchrun
+from rlcli.run.launch import local_torchrun_command
+sys.exit(run_torchrun(local_torchrun_command(2, [sys.argv[1]]), stop_after_step=True))
+"""
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_to_torchrun_stops_the_ranks_after_their_step_and_twice_at_once(tmp_path, presses):
+    """The ranks run in sessions of their own, so a terminal's Ctrl-C reaches the parent alone:
+    once, the ranks agree to stop after a step (exit 0, each names SIGINT); twice, torchrun's
+    agent ends them at once (exit 130, each says it kept nothing)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("RLCLI_STOP_FILE", None)
+    log = open(tmp_path / "run.log", "w+")
+    worker = str(Path(__file__).with_name("stop_request_worker.py"))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _TORCHRUN_PARENT, worker],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while "rank 1 step 2" not in (tmp_path / "run.log").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read()
+            time.sleep(0.1)
+        for _ in range(presses):  # both within one 0.5 s step
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.1)
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    output = (tmp_path / "run.log").read_text()
+    assert "[rlcli] SIGINT: the ranks stop after this step with a checkpoint" in output
+    if presses == 1:
+        assert code == 0, output[-3000:]
+        stopped = re.findall(r"rank (\d) stopped after step (\d+) \(SIGINT\)", output)
+        assert sorted(rank for rank, _ in stopped) == ["0", "1"], output[-3000:]
+        assert len({step for _, step in stopped}) == 1  # together, after the same step
+    else:
+        assert code == 128 + signal.SIGINT, output[-3000:]
+        assert "[rlcli] SIGINT again: stopping the ranks now" in output
+        assert output.count("SIGINT again: stopping now without a checkpoint") == 2, output[-3000:]
+        assert "stopped after step" not in output
