@@ -1,5 +1,6 @@
 """Pure tensor RL math for rlcli: advantage estimators, policy / value / KL losses, loss
-aggregation, KL controllers, DAPO helpers, off-policy corrections, the Bradley-Terry loss of
+aggregation, KL controllers, DAPO helpers, off-policy and rollout corrections (with the
+trainer-vs-engine mismatch measures), the Bradley-Terry loss of
 reward-model training and reward normalisation / combination. No process groups, no config
 objects: tensors in, tensors out, ``[batch, response_len]`` with a ``response_mask``;
 algorithms are chosen by name through ``get_advantage_estimator``, ``get_policy_loss`` and
@@ -33,6 +34,7 @@ from algorithms.policy_losses import POLICY_LOSSES, get_policy_loss, register_po
 from algorithms.registry import Registry
 from algorithms.reward_model import bradley_terry_loss
 from algorithms.reward_shaping import COMBINE_MODES, RunningMeanStd, combine_rewards
+from algorithms.rollout_correction import MISMATCH_SUMS, mismatch_metrics, mismatch_sums
 from algorithms.utils import (
     group_ids_to_tensor,
     masked_mean,
@@ -46,6 +48,7 @@ __all__ = [
     "COMBINE_MODES",
     "KL_PENALTY_KINDS",
     "LOSS_AGG_MODES",
+    "MISMATCH_SUMS",
     "OFF_POLICY_CORRECTIONS",
     "POLICY_LOSSES",
     "Registry",
@@ -70,6 +73,8 @@ __all__ = [
     "masked_mean",
     "masked_sum",
     "masked_whiten",
+    "mismatch_metrics",
+    "mismatch_sums",
     "overlong_penalty",
     "register_advantage_estimator",
     "register_off_policy_correction",

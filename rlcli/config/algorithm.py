@@ -44,10 +44,13 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
-    # Off-policy correction with the engine's log-probs as the behaviour policy (see
-    # algorithms.get_off_policy_correction): none | decoupled_ppo | tis
+    # Off-policy / rollout correction with the engine's log-probs as the behaviour policy (see
+    # algorithms.get_off_policy_correction): none | decoupled_ppo | tis | seq_is | seq_is_geo |
+    # token_mis | seq_mis
     off_policy_correction: str = "none"
-    tis_cap: float = 2.0  # truncation of the importance weights (decoupled_ppo, tis)
+    tis_cap: float = 2.0  # truncation of the importance weights (decoupled_ppo, tis, seq_is*)
+    is_mask_low: float = 0.5  # token_mis / seq_mis: a ratio below this gets no loss
+    is_mask_high: float = 2.0  # token_mis / seq_mis: a ratio above this gets no loss
 
     @property
     def uses_critic(self) -> bool:

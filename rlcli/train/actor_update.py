@@ -59,12 +59,14 @@ def logprob_agreement(
     kl_kind: str,
     agreement_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sums behind ``rollout/logprob_diff_*`` and ``actor/kl_to_ref`` for ``[B, R]`` tensors
-    (``mask``: the generated tokens; ``agreement_mask``: those where the engine's log-probs
-    must agree, default ``mask``): ``([|diff| sum, tokens, KL sum, KL tokens] float64,
-    max |diff|)``; add them up over micro-batches and DP ranks (``logprob_metrics``)."""
+    """Sums behind ``rollout/logprob_diff_*``, ``rollout/mismatch_*`` and ``actor/kl_to_ref``
+    for ``[B, R]`` tensors (``mask``: the generated tokens; ``agreement_mask``: those where the
+    engine's log-probs must agree, default ``mask``): ``([|diff| sum, tokens, KL sum, KL
+    tokens, *algorithms.MISMATCH_SUMS] float64, max |diff|)``; add them up over micro-batches
+    and DP ranks (``logprob_metrics``)."""
     mask = mask.bool()
     agree = mask if agreement_mask is None else agreement_mask.to(mask.device).bool()
+    engine_log_probs = engine_log_probs.to(log_prob.device)
     diff = (engine_log_probs.double() - log_prob.detach().double()).abs()[agree]
     sums = [diff.sum(), torch.tensor(float(diff.numel()), dtype=torch.float64)]
     if ref_log_probs is not None:
@@ -72,8 +74,12 @@ def logprob_agreement(
         sums += [algorithms.masked_sum(kl, mask).double(), mask.sum().double()]
     else:
         sums += [torch.zeros((), dtype=torch.float64)] * 2
+    mismatch = algorithms.mismatch_sums(log_prob, engine_log_probs, agree)
     largest = diff.max() if diff.numel() else torch.zeros((), dtype=torch.float64)
-    return torch.stack([x.cpu() for x in sums]), largest.cpu()
+    return torch.cat([torch.stack([x.cpu() for x in sums]), mismatch.cpu()]), largest.cpu()
+
+
+AGREEMENT_SUMS = 4 + len(algorithms.MISMATCH_SUMS)  # the length of logprob_agreement's sums
 
 
 def logprob_metrics(
@@ -87,6 +93,8 @@ def logprob_metrics(
         metrics["rollout/logprob_diff_max"] = largest.item()
     if with_ref:
         metrics["actor/kl_to_ref"] = (total[2] / (total[3] + 1e-8)).item()
+    mismatch = algorithms.mismatch_metrics(total[4:])
+    metrics.update({f"rollout/mismatch_{name}": value for name, value in mismatch.items()})
     return metrics
 
 
@@ -134,6 +142,8 @@ def make_actor_loss(
             proximal_log_prob=proximal.to(log_prob.device),
             response_mask=mask,
             cap=cfg.algorithm.tis_cap,
+            mask_low=cfg.algorithm.is_mask_low,
+            mask_high=cfg.algorithm.is_mask_high,
         )
         pg_loss, pg_metrics = policy_loss(
             old_log_prob=corrected.old_log_prob,
@@ -225,7 +235,8 @@ def update_actor(
         temperature=cfg.rollout.temperature or 1.0,
         compute_entropy=a.entropy_coeff != 0,
     )
-    sums, largest = torch.zeros(4, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    sums = torch.zeros(AGREEMENT_SUMS, dtype=torch.float64)
+    largest = torch.zeros((), dtype=torch.float64)
     for result in results:
         for report in result.reports:
             if report.sums is not None:

@@ -65,6 +65,13 @@ LAST_PARTS = {
     "report_to": "logging.backends",
     "vllm_gpu_memory_utilization": "rollout.gpu_memory_utilization",
     "tensor_model_parallel_size": "parallel.tp",
+    # rollout correction: verl's algorithm.rollout_correction.*, TRL's vLLM importance sampling
+    "rollout_is": "algorithm.off_policy_correction",
+    "rollout_is_threshold": "algorithm.tis_cap",
+    "rollout_rs": "algorithm.off_policy_correction",
+    "vllm_importance_sampling_correction": "algorithm.off_policy_correction",
+    "vllm_importance_sampling_cap": "algorithm.tis_cap",
+    "use_tis": "algorithm.off_policy_correction",
 }
 
 

@@ -80,9 +80,16 @@ def check_off_policy(cfg: RLConfig) -> None:
             f"algorithm.tis_cap must be >= 1 (a cap below 1 would shrink the weight of on-policy "
             f"tokens too), got {cfg.algorithm.tis_cap}"
         )
-    if correction == "decoupled_ppo" and engine_old:
+    low, high = cfg.algorithm.is_mask_low, cfg.algorithm.is_mask_high
+    if not 0 <= low <= 1 <= high or low == high:
         raise UserError(
-            "algorithm.off_policy_correction=decoupled_ppo needs the trainer's log-probs before "
+            f"algorithm.is_mask_low={low} and algorithm.is_mask_high={high} must satisfy "
+            "0 <= is_mask_low <= 1 <= is_mask_high (not both 1): a range without 1 would mask "
+            "tokens on which the trainer and the engine agree"
+        )
+    if correction not in ("none", "tis") and engine_old:
+        raise UserError(
+            f"algorithm.off_policy_correction={correction} needs the trainer's log-probs before "
             "the update (the proximal policy), but actor.old_log_prob_source=engine puts the "
             "engine's in their place: set actor.old_log_prob_source=actor"
         )

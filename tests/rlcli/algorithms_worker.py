@@ -42,6 +42,9 @@ VARIANTS = {
     # old-log-prob pass runs with its own forward budget).
     "on_policy": ["actor.ppo_mini_batch_size=4"],
     "engine_old_log_probs": ["actor.old_log_prob_source=engine"],
+    # Rollout correction in the synchronous placement (the engine as the behaviour policy).
+    "seq_is_geo": ["algorithm.off_policy_correction=seq_is_geo"],
+    "token_mis": ["algorithm.off_policy_correction=token_mis"],
     "token_budget_two_epochs": [
         "actor.ppo_mini_batch_size=4",
         "actor.ppo_epochs=2",

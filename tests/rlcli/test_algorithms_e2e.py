@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.rlcli.test_train_e2e import REPO, TINY
 
 WORKER = Path(__file__).with_name("algorithms_worker.py")
@@ -62,3 +64,13 @@ def test_every_algorithm_runs_a_training_step(tmp_path):
     assert "rollout/logprob_diff_mean" in results["engine_old_log_probs"]
     assert "timing/old_log_prob" in results["token_budget_two_epochs"]
     assert results["token_budget_two_epochs"]["actor/optimizer_steps"] == 2.0
+    # The trainer-vs-engine mismatch, every step; fp32 on CPU: the two agree to rounding, so the
+    # rollout corrections weigh every token about 1 and mask none.
+    for name in ("grpo", "on_policy", "seq_is_geo", "token_mis"):
+        metrics = results[name]
+        assert abs(metrics["rollout/mismatch_kl_k1"]) < 1e-4, (name, metrics)
+        assert 0 <= metrics["rollout/mismatch_kl_k3"] < 1e-6, (name, metrics)
+        assert metrics["rollout/mismatch_ppl_ratio"] == pytest.approx(1, abs=1e-3)
+    for name in ("seq_is_geo", "token_mis"):
+        assert results[name]["actor/is_weight_mean"] == pytest.approx(1, abs=1e-3)
+    assert results["token_mis"]["actor/is_masked_token_frac"] == 0.0

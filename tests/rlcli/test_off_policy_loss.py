@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from algorithms import MISMATCH_SUMS
 from parallel.step_types import ModelOutputs
 from rlcli.config.schema import RLConfig
 from rlcli.rollout.batch import Sample, collate
@@ -49,9 +50,10 @@ def test_log_prob_agreement_counts_only_rows_of_the_trainers_weights():
     """A stale row's engine log-probs come from other weights: no agreement is measured on it."""
     _, stale = actor_loss("decoupled_ppo", staleness=1)
     _, fresh = actor_loss("decoupled_ppo", staleness=0)
-    # logprob_agreement's sums: |diff| sum, tokens, KL sum, KL tokens
-    diff_sum, diff_tokens, _, kl_tokens = stale.sums.tolist()
+    # logprob_agreement's sums: |diff| sum, tokens, KL sum, KL tokens, then the mismatch sums
+    diff_sum, diff_tokens, _, kl_tokens = stale.sums.tolist()[:4]
     assert diff_tokens == 0.0 and kl_tokens == 0.0
-    diff_sum, diff_tokens, _, _ = fresh.sums.tolist()
+    assert dict(zip(MISMATCH_SUMS, stale.sums.tolist()[4:], strict=True))["tokens"] == 0.0
+    diff_sum, diff_tokens, _, _ = fresh.sums.tolist()[:4]
     assert diff_tokens == 3.0
     assert diff_sum == pytest.approx((CURRENT - BEHAVIOUR).abs().sum().item(), rel=1e-6)

@@ -47,6 +47,17 @@ ASYNC = [*SEPARATE, "trainer.max_staleness=1"]
         ),
         (["algorithm.off_policy_correction=ipo"], 1, ["algorithm.off_policy_correction", "tis"]),
         (["algorithm.tis_cap=0.5"], 1, ["algorithm.tis_cap must be >= 1"]),
+        (
+            ["algorithm.off_policy_correction=seq_mis", "actor.old_log_prob_source=engine"],
+            1,
+            ["off_policy_correction=seq_mis", "actor.old_log_prob_source=engine", "proximal"],
+        ),
+        (
+            ["algorithm.is_mask_low=2", "algorithm.is_mask_high=0.5"],
+            1,
+            ["algorithm.is_mask_low=2.0", "algorithm.is_mask_high=0.5", "<= 1 <="],
+        ),
+        (["algorithm.is_mask_low=1.1"], 1, ["algorithm.is_mask_low=1.1", "agree"]),
         ([*SEPARATE, "actor.offload_params=true"], 2, ["actor.offload_params=true", "no effect"]),
         (["trainer.max_staleness=-1"], 1, ["trainer.max_staleness must be >= 0"]),
         (
@@ -82,6 +93,8 @@ def test_bad_placement_and_staleness_settings_name_the_key(overrides, world_size
     [
         [*ASYNC, "algorithm.off_policy_correction=decoupled_ppo"],
         [*ASYNC, "algorithm.off_policy_correction=tis"],
+        [*ASYNC, "algorithm.off_policy_correction=seq_is_geo"],
+        ["algorithm.off_policy_correction=token_mis", "algorithm.is_mask_high=5"],  # synchronous
         [*ASYNC, "actor.old_log_prob_source=engine"],  # plain PPO against the behaviour policy
         [*SEPARATE, "rollout.num_ranks=2", "rollout.tp=2"],
     ],
