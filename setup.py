@@ -57,7 +57,8 @@ extras_require = {
     # pytest 9.2 changed node ids so that pytest-xdist 3.8's --dist loadgroup (make test)
     # silently stops grouping: a module's tests and fixtures then run on both workers
     # (pytest-dev/pytest-xdist#1386)
-    "dev": ["pytest<9.2", "pytest-xdist", "hypothesis", "ruff"],
+    # (wandb: its offline mode is tested)
+    "dev": ["pytest<9.2", "pytest-xdist", "hypothesis", "ruff", "wandb"],
 }
 
 setup(install_requires=install_requires, extras_require=extras_require)

@@ -13,6 +13,7 @@ import math
 import os
 import sys
 import time
+import uuid
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -36,6 +37,7 @@ from rlcli.errors import UserError
 
 VALID_BACKENDS = choices(LoggingConfig, "backends")
 METRICS_FILE_NAME = "metrics.jsonl"
+WANDB_RUN_ID_FILE = "wandb_run_id"  # the W&B run a resumed run continues
 TENSORBOARD_DIR_NAME = "tensorboard"
 
 # What the console shows per step, the most useful first: (label, metric key). A column whose key a
@@ -181,16 +183,43 @@ class _ConsoleBackend:
             self._progress = None
 
 
-def _import_wandb() -> Any:
+def wandb_missing_message() -> str:
+    return (
+        "logging.backends includes 'wandb' but the wandb package is not installed: run "
+        "`pip install 'rlcli[wandb]'` (or `pip install wandb`), or remove 'wandb' from "
+        f"logging.backends (valid backends: {', '.join(VALID_BACKENDS)})."
+    )
+
+
+def _start_wandb_run(
+    output_dir: Path,
+    project: str,
+    experiment: str,
+    config_dict: Mapping[str, Any] | None,
+    resumed: bool,
+) -> Any:
+    """A W&B run whose files go under ``output_dir/wandb``. Its id is kept in
+    ``output_dir/wandb_run_id``: a run resumed from a checkpoint continues that W&B run (online,
+    or offline with ``WANDB_MODE=offline`` and ``wandb sync`` later); a fresh run in the folder
+    (``trainer.resume=none``) starts a new one. W&B ignores steps at or below the last one it
+    holds, so steps an interrupted run logged after its checkpoint keep their first values."""
     try:
         import wandb
     except ImportError as error:
-        raise UserError(
-            "logging.backends includes 'wandb' but the wandb package is not installed: "
-            "run `pip install wandb`, or remove 'wandb' from logging.backends "
-            f"(valid backends: {', '.join(VALID_BACKENDS)})."
-        ) from error
-    return wandb
+        raise UserError(wandb_missing_message()) from error
+    id_file = output_dir / WANDB_RUN_ID_FILE
+    run_id = id_file.read_text().strip() if resumed and id_file.is_file() else ""
+    if not run_id:
+        run_id = uuid.uuid4().hex[:12]  # W&B run ids: letters, digits, unique per project
+        id_file.write_text(run_id + "\n")
+    return wandb.init(
+        project=project,
+        name=experiment,
+        id=run_id,
+        config=dict(config_dict or {}),
+        dir=str(output_dir),
+        resume="allow",
+    )
 
 
 class MetricsLogger:
@@ -240,13 +269,8 @@ class MetricsLogger:
 
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if "wandb" in backends:
-            wandb = _import_wandb()
-            self._wandb_run = wandb.init(
-                project=project,
-                name=experiment,
-                config=dict(config_dict or {}),
-                dir=str(self.output_dir),
-                resume="allow",
+            self._wandb_run = _start_wandb_run(
+                self.output_dir, project, experiment, config_dict, resumed_from_step is not None
             )
         if "jsonl" in backends:
             jsonl_path = self.output_dir / METRICS_FILE_NAME

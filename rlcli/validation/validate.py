@@ -71,6 +71,7 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
             "(algorithm.adv_estimator=gae); set trainer.critic_warmup=0"
         )
     _check_multi_turn(cfg)
+    _check_logging(cfg)
     check_model_rewards(cfg, world_size)
     check_lora(cfg)
     positive = {
@@ -279,6 +280,17 @@ def _check_schedules(cfg: RLConfig) -> None:
             )
     if kl.kl_coef < 0:
         raise UserError(f"algorithm.kl_ctrl.kl_coef must be >= 0, got {kl.kl_coef}")
+
+
+def _check_logging(cfg: RLConfig) -> None:
+    """A backend whose package is missing fails now, not after the model is built."""
+    from rlcli.run.metrics import wandb_missing_message
+
+    if "wandb" in cfg.logging.backends:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise UserError(wandb_missing_message()) from None
 
 
 def _check_algorithm_names(cfg: RLConfig) -> None:
