@@ -38,6 +38,7 @@ from rlcli.rollout.dynamic_sampling import keep_informative_groups
 from rlcli.rollout.placement import Rollouts
 from rlcli.run.metrics import METRICS_FILE_NAME, TENSORBOARD_DIR_NAME, MetricsLogger
 from rlcli.run.state import RunState
+from rlcli.run.system_metrics import SystemMonitor, system_metrics
 from rlcli.train.actor_update import agreement_of_actor_pass, old_log_prob_plan, update_actor
 from rlcli.train.advantages import KLController, compute_advantages
 from rlcli.train.critic import update_critic, value_metrics
@@ -69,9 +70,11 @@ class Trainer:
     resumed_from: int | None = None  # the checkpoint step this run continues from
     stats: DataParallelStats = field(init=False)
     residency: Residency = field(init=False)
+    system: SystemMonitor = field(init=False)  # system/* each step
 
     def __post_init__(self) -> None:
         self.stats = DataParallelStats(self.mesh)
+        self.system = SystemMonitor()
         # A LoRA actor's reference is the actor itself: its residency is the actor's.
         reference = self.reference if isinstance(self.reference, TrainedModel) else None
         models = {"actor": self.actor, "reference": reference, "critic": self.critic}
@@ -268,6 +271,7 @@ def rl_step(t: Trainer) -> dict[str, float]:
     tokens = float(sum(s.num_tokens for s in samples))  # every rank holds every sample
     metrics["perf/tokens_per_s"] = tokens / max(metrics["timing/step"], 1e-9)
     metrics["perf/peak_memory_gb"] = peak_memory_gb()
+    metrics.update(system_metrics(t.system, t.stats.max, t.stats.sum, t.mesh.dp))
     return metrics
 
 

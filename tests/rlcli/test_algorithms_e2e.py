@@ -74,3 +74,7 @@ def test_every_algorithm_runs_a_training_step(tmp_path):
     for name in ("seq_is_geo", "token_mis"):
         assert results[name]["actor/is_weight_mean"] == pytest.approx(1, abs=1e-3)
     assert results["token_mis"]["actor/is_masked_token_frac"] == 0.0
+    # system/* every step: memory positive, utilisation a percentage
+    for metrics in results.values():
+        assert metrics["system/host_rss_gb"] > 0 and metrics["system/host_available_gb"] > 0
+        assert 0 <= metrics["system/cpu_util_percent"] <= 100

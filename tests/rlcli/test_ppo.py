@@ -47,7 +47,7 @@ CRITIC_METRICS = [
 ]
 
 # Wall-clock and memory readings differ between two runs of the same computation.
-NOT_REPRODUCIBLE = ("timing/", "perf/", "sync/gbps", "offload/", "onload/")
+NOT_REPRODUCIBLE = ("timing/", "perf/", "system/", "sync/gbps", "offload/", "onload/")
 
 
 @pytest.mark.dist

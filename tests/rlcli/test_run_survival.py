@@ -28,7 +28,7 @@ HF = [*TINY, "rollout.engine=hf"]
 # Environment variable a test sets to recognise every process of its run.
 RUN_TAG = "RLCLI_TEST_RUN_TAG"
 # Metrics that measure time or memory: they differ between any two runs.
-TIMING_PREFIXES = ("timing/", "perf/", "sync/gbps")
+TIMING_PREFIXES = ("timing/", "perf/", "system/", "sync/gbps")
 
 
 def rlcli_train(out: Path, *overrides: str, env: dict | None = None, nproc: int = 1):
