@@ -23,6 +23,7 @@ from rlcli.commands import (
     plot,
     rm,
     tool,
+    top,
     train,
 )
 from rlcli.commands.relaunch import report_user_error_to_parent, stop_agent_restarts, under_torchrun
@@ -70,6 +71,7 @@ app.command()(convert.export)
 app.command("plan")(plan.plan_command)
 config.config_app.command("docs")(docs.config_docs)
 app.command("plot")(plot.plot_command)
+app.command("top")(top.top_command)
 app.add_typer(config.config_app, name="config")
 app.add_typer(data.data_app, name="data")
 app.add_typer(launch.launch_app, name="launch")
