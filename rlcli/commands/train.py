@@ -18,6 +18,7 @@ import typer
 from rlcli.commands.relaunch import relaunch_under_torchrun, under_torchrun, without_nproc
 from rlcli.config.schema import RLConfig
 from rlcli.errors import UserError
+from rlcli.machine import make_repeatable
 
 RECIPE = typer.Argument(..., help="Recipe YAML, e.g. recipes/quickstart.yaml")
 OVERRIDES = typer.Argument(None, help="Dot-list overrides, e.g. actor.lr=1e-5 parallel.tp=2")
@@ -79,6 +80,8 @@ def _load_for_run(
     from rlcli.validation.validate import derive_dp, validate
 
     validate(cfg, world_size=world_size)
+    if cfg.trainer.deterministic:
+        make_repeatable()
     check_model_dir(cfg)
     resolve_hub_data(cfg)
     check_reward_model_dirs(cfg)

@@ -296,6 +296,9 @@ class TrainerConfig:
     total_steps: Optional[int] = None  # None: total_epochs over the training data
     total_epochs: int = 1  # used when total_steps is None
     seed: int = 1  # data order, sampling and init
+    # Bitwise-repeatable runs for a seed, thread count and machine: torch's deterministic
+    # algorithms, cuBLAS's fixed workspaces and vLLM's batch-invariant kernels on GPUs (slower)
+    deterministic: bool = False
     val_freq: int = 10  # validate every N steps (0: never during training)
     val_before_train: bool = True  # held-out accuracy at step 0
     project_name: str = "rlcli"  # W&B project

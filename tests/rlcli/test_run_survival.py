@@ -243,8 +243,9 @@ def total_steps(sigterm: bool) -> int:
 
 
 # The GRPO run the Ctrl-C test stops and resumes, with a log-prob limit no run meets: its warning
-# changes nothing the run computes, so one uninterrupted run serves both tests.
-WARN = ["rollout.max_logprob_diff=1e-12"]
+# changes nothing the run computes, so one uninterrupted run serves both tests. Deterministic
+# mode (torch's deterministic algorithms) on: the stopped-and-resumed run must still equal it.
+WARN = ["rollout.max_logprob_diff=1e-12", "trainer.deterministic=true"]
 
 
 @pytest.fixture(scope="module")
