@@ -32,6 +32,7 @@ LONGEST = (
     "gpu/test_gpu_path_on_cpu.py",
     "rlcli/test_ppo.py",
     "parallel/test_reshard.py",
+    "rlcli/test_run_restarts.py",
     "parallel/test_convert_cli.py",
     "benchmarks/test_benchmark_smoke.py",
     "parallel/test_convert_parity.py",

@@ -3,7 +3,7 @@ real checkpoint-writer Manager: it dies when its rank is SIGKILLed, and a SIGKIL
 agent takes its rank and the rank's helpers with it. Before the ties both cases left the Manager
 (~300 MB) and multiprocessing's resource tracker running with parent 1.
 
-(The same in a whole 2-process run with a restart: ``test_run_survival.py::
+(The same in a whole 2-process run with a restart: ``test_run_restarts.py::
 test_rank_killed_mid_run_restarts_and_finishes``.)"""
 
 from __future__ import annotations
