@@ -10,7 +10,7 @@ parent with exit code 1 and a line naming the ranks (their own tracebacks are pr
 Restarts (``--max-restarts N``, ``trainer.max_restarts``): torchrun restarts the whole group when a
 rank dies, and the trainer resumes from its newest checkpoint. A user error is not worth
 retrying: the rank that meets one asks its torchrun agent (its parent process) to stop with
-SIGTERM, so the agent ends the group at once instead of restarting it N times.
+SIGQUIT, so the agent ends the group at once instead of restarting it N times.
 """
 
 from __future__ import annotations
@@ -148,7 +148,9 @@ def stop_agent_restarts() -> None:
     except OSError:
         return
     if b"torch.distributed.run" in command or b"torchrun" in command or b"rlcli" in command:
-        os.kill(parent, signal.SIGTERM)
+        # SIGQUIT: torchrun ends the group on it, and `run_torchrun` leaves it to torchrun (SIGINT
+        # and SIGTERM there ask the ranks to stop after their step, which would be retried).
+        os.kill(parent, signal.SIGQUIT)
 
 
 def _user_errors(folder: Path) -> list[str]:
