@@ -1,10 +1,10 @@
 """Pure tensor RL math for rlcli: advantage estimators, policy / value / KL losses, loss
 aggregation, KL controllers, DAPO helpers, off-policy and rollout corrections (with the
-trainer-vs-engine mismatch measures), the Bradley-Terry loss of
-reward-model training and reward normalisation / combination. No process groups, no config
+trainer-vs-engine mismatch measures), on-policy distillation's per-token divergence, the
+Bradley-Terry loss of reward-model training and reward normalisation / combination. No process groups, no config
 objects: tensors in, tensors out, ``[batch, response_len]`` with a ``response_mask``;
 algorithms are chosen by name through ``get_advantage_estimator``, ``get_policy_loss`` and
-``get_off_policy_correction`` (each a ``Registry``, ``algorithms.registry``: the one registry
+``get_off_policy_correction``, ``get_distill_objective`` (each a ``Registry``, ``algorithms.registry``: the one registry
 helper, which ``rlcli``'s reward functions and tool-call formats use too).
 """
 
@@ -15,6 +15,12 @@ from algorithms.advantages import (
 )
 from algorithms.aggregation import LOSS_AGG_MODES, agg_loss, agg_loss_denominator
 from algorithms.dapo import filter_groups, overlong_penalty
+from algorithms.distillation import (
+    DISTILL_OBJECTIVES,
+    distillation_advantages,
+    get_distill_objective,
+    k3_divergence,
+)
 from algorithms.kl import (
     KL_PENALTY_KINDS,
     AdaptiveKLController,
@@ -46,6 +52,7 @@ from algorithms.value import compute_value_loss
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "COMBINE_MODES",
+    "DISTILL_OBJECTIVES",
     "KL_PENALTY_KINDS",
     "LOSS_AGG_MODES",
     "MISMATCH_SUMS",
@@ -63,12 +70,15 @@ __all__ = [
     "combine_rewards",
     "compute_kl_loss",
     "compute_value_loss",
+    "distillation_advantages",
     "filter_groups",
     "get_advantage_estimator",
+    "get_distill_objective",
     "get_kl_controller",
     "get_off_policy_correction",
     "get_policy_loss",
     "group_ids_to_tensor",
+    "k3_divergence",
     "kl_penalty",
     "masked_mean",
     "masked_sum",

@@ -83,6 +83,10 @@ class PlanInputs:
     reward_model: TrainedModel | None = None  # frozen (reward.model); critic=True, no head bias
     reward_model_offload: bool = False
     judge: JudgeEngine | None = None
+    # on-policy distillation's frozen teacher (the actor's layout, its own shape): its weights in
+    # the log-prob phase, and in every phase unless offloaded
+    teacher: TrainedModel | None = None
+    teacher_offload: bool = False
     rollout_vllm: bool = True  # the rollout engine is vLLM (it shares the judge's allocator)
 
 
@@ -187,7 +191,11 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
     kv_cache = vllm_budget - vllm_weights - vllm_activations
     kv_needed = kv_bytes_per_token(actor.shape, rollout) * rollout.max_model_len * rollout.sequences
     reserve = {"runtime reserve": RUNTIME_RESERVE_BYTES}
-    ref_idle = {"ref weights": ref_weights} if ref_weights and not inputs.ref_offload else {}
+    frozen_idle = {"ref weights": ref_weights} if ref_weights and not inputs.ref_offload else {}
+    teacher = inputs.teacher
+    teacher_weights = weight_bytes(teacher) if teacher is not None else 0
+    if teacher_weights and not inputs.teacher_offload:
+        frozen_idle["teacher weights"] = teacher_weights
 
     def idle(**onloaded: bool) -> dict[str, int]:
         terms: dict[str, int] = {}
@@ -196,11 +204,14 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
         return terms
 
     engine = {} if inputs.separate else {"vLLM (gpu_memory_utilization)": vllm_budget}
-    generate = {**idle(params=False, grads=False, opt=False), **ref_idle, **engine, **reserve}
-    fwd = max(forward_only_bytes(m, m.micro_batch_size) for m, _ in models)
+    generate = {**idle(params=False, grads=False, opt=False), **frozen_idle, **engine, **reserve}
+    scorers = [m for m, _ in models] + ([teacher] if teacher is not None else [])
+    fwd = max(forward_only_bytes(m, m.micro_batch_size) for m in scorers)
     log_probs = {
         **idle(params=True, grads=False, opt=False),
         "ref weights": ref_weights,
+        # both counted: with both offloaded only one is ON at a time (an overestimate then)
+        "teacher weights": teacher_weights,
         "forward working set": fwd,
         **reserve,
     }
@@ -208,16 +219,16 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
     rollout_awake = inputs.judge is not None and inputs.judge.vllm and inputs.rollout_vllm
     reward = {
         **idle(params=False, grads=False, opt=False),
-        **ref_idle,
+        **frozen_idle,
         **({"vLLM (gpu_memory_utilization)": vllm_budget} if rollout_awake else {}),
         **reserve,
     }
-    update = {**idle(params=True, grads=True, opt=True), **ref_idle, **reserve}
+    update = {**idle(params=True, grads=True, opt=True), **frozen_idle, **reserve}
     # the critic updates before the actor, one after the other: the larger activation peak counts
     update["activations"] = max(activation_bytes(m) for m, _ in models)
     sync = {
         **idle(params=True, grads=False, opt=False),
-        **ref_idle,
+        **frozen_idle,
         **({} if inputs.separate else {"vLLM weights": vllm_weights}),
         "sync buckets": 2 * rollout.sync_bucket_bytes,
         **reserve,
@@ -245,6 +256,7 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
         "actor optimizer (not distributed)": optimizer_bytes(actor, distributed=False),
         "activations (largest micro-batch)": activation_bytes(actor),
         "ref weights": ref_weights,
+        "teacher weights": teacher_weights,
         "vLLM weights": vllm_weights,
         "vLLM KV cache": max(kv_cache, 0),
     }

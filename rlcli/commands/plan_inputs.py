@@ -55,9 +55,9 @@ def model_shape(cfg, model_config: Optional[Path]):
 
 
 def _other_model_shape(key: str, path: str, fallback=None):
-    """The shape of another model of the run (``reward.model.path``, ``reward.judge.path``): its
-    config.json, the table of known shapes, or `fallback` (a reward model still to be trained
-    from the policy has the policy's shape)."""
+    """The shape of another model of the run (``reward.model.path``, ``reward.judge.path``,
+    ``distill.teacher_path``): its config.json, the table of known shapes, or `fallback` (a reward
+    model still to be trained from the policy has the policy's shape)."""
     from parallel.model_shapes import KNOWN_SHAPES, ModelShape, known_shape
 
     file = Path(path) / "config.json"
@@ -200,6 +200,14 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float):
             gpu_memory_utilization=j.gpu_memory_utilization,
             dtype=cfg.model.dtype,
         )
+    teacher = None
+    if cfg.distill.enable and cfg.distill.teacher_path:
+        teacher = dataclasses.replace(
+            actor,
+            shape=_other_model_shape("distill.teacher_path", cfg.distill.teacher_path),
+            lora_rank=0,  # frozen: no adapters, gradients or optimizer state of its own
+            lora_target_modules=(),
+        )
     return PlanInputs(
         actor=actor,
         rollout=rollout,
@@ -212,5 +220,7 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float):
         reward_model=reward_model,
         reward_model_offload=cfg.reward.model.offload,
         judge=judge,
+        teacher=teacher,
+        teacher_offload=cfg.distill.offload,
         rollout_vllm=cfg.rollout.engine == "vllm",
     )

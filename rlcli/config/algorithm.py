@@ -1,11 +1,11 @@
 """The algorithm's config section (``algorithm.*``): the advantage estimator, KL control, DAPO's
-dynamic sampling and overlong penalty, and the off-policy correction. ``rlcli.config.schema`` assembles
-every section into ``RLConfig``."""
+dynamic sampling and overlong penalty, and the off-policy correction; and on-policy distillation's
+(``distill.*``). ``rlcli.config.schema`` assembles every section into ``RLConfig``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Optional
 
 
 @dataclass
@@ -56,3 +56,19 @@ class AlgorithmConfig:
     def uses_critic(self) -> bool:
         """PPO's learned value model: only the ``gae`` estimator reads values."""
         return self.adv_estimator == "gae"
+
+
+@dataclass
+class DistillConfig:
+    """On-policy distillation (``distill.*``): a frozen teacher scores every token the student
+    samples; the per-token reverse KL is the advantage (``algorithms.distillation``)."""
+
+    enable: bool = False
+    # HF causal-LM folder of the teacher; its tokenizer must be the student's (checked)
+    teacher_path: Optional[str] = None
+    objective: str = "reverse_kl"  # see algorithms.get_distill_objective
+    kl_coef: float = 1.0  # weight of the per-token divergence in the advantage
+    # weight of the task's own advantages (algorithm.adv_estimator) mixed in; 0: pure
+    # distillation, the task reward only reported
+    reward_weight: float = 0.0
+    offload: bool = False  # keep the teacher's weights on the host between its passes

@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional, get_args, get_origin, get_type_hints
 
 from omegaconf import OmegaConf
 
-from rlcli.config.algorithm import AlgorithmConfig
+from rlcli.config.algorithm import AlgorithmConfig, DistillConfig
 from rlcli.config.engine import EngineConfig
 from rlcli.config.rewards import (
     JudgeConfig,
@@ -350,6 +350,7 @@ class RLConfig:
     ref: RefConfig = field(default_factory=RefConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     rm: RewardModelTrainingConfig = field(default_factory=RewardModelTrainingConfig)

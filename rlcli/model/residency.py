@@ -1,7 +1,7 @@
 """Which model state sits on the device in each phase of the step: the residency plan, declared
 once from the config, and the one helper that makes it so, timing and counting what moves.
 
-A row of the plan is a phase; for each model (``actor``, ``reference``, ``critic``,
+A row of the plan is a phase; for each model (``actor``, ``reference``, ``teacher``, ``critic``,
 ``reward_model``) it names the
 kinds of state (``params``, ``grads``, ``optimizer``) the phase needs ON the device, and those it
 must hand back (OFF: the memory goes to something else, such as the engine's KV cache while it
@@ -15,6 +15,7 @@ the next rollout.
     distribute     (nothing moves)
     old_log_prob   actor: ON params
     ref            reference: ON params
+    teacher        teacher: ON params (on-policy distillation's, ``distill.*``)
     values         critic: ON params
     adv            (nothing moves)
     update_critic  critic: ON params, grads, optimizer
@@ -22,8 +23,8 @@ the next rollout.
     sync           actor: ON params
     checkpoint     actor, critic: ON everything (a save reads it all)
     (the reference is OFF again in every phase that moves something but ``ref`` when
-    ref.offload, and the reward model in every such phase but ``reward_model`` when
-    reward.model.offload)
+    ref.offload, the teacher in every such phase but ``teacher`` when distill.offload, and the
+    reward model in every such phase but ``reward_model`` when reward.model.offload)
 
 The phases are a closed set, ``Phase``: a plan row or a phase entered under any other name is an
 error, never a phase that silently moves nothing.
@@ -67,6 +68,7 @@ class Phase(str, Enum):
     distribute = "distribute"
     old_log_prob = "old_log_prob"
     ref = "ref"
+    teacher = "teacher"
     values = "values"
     adv = "adv"
     update_critic = "update_critic"
@@ -112,6 +114,7 @@ def residency_plan(cfg: RLConfig) -> ResidencyPlan:
     actor_off, critic_off = offloaded_kinds(cfg.actor), offloaded_kinds(cfg.critic)
     reference_off = frozenset({"params"} if cfg.ref.offload else ())
     reward_model_off = frozenset({"params"} if cfg.reward.model.offload else ())
+    teacher_off = frozenset({"params"} if cfg.distill.offload else ())
     reference = "actor" if cfg.actor.lora.enable else "reference"  # LoRA: the actor, adapters off
     plan: ResidencyPlan = {
         Phase.rollout: {"actor": Need(off=actor_off), "critic": Need(off=critic_off)},
@@ -119,6 +122,7 @@ def residency_plan(cfg: RLConfig) -> ResidencyPlan:
         Phase.judge: {},
         Phase.old_log_prob: {"actor": Need(on=frozenset({"params"}))},
         Phase.ref: {reference: Need(on=frozenset({"params"}))},
+        Phase.teacher: {"teacher": Need(on=frozenset({"params"}))},
         Phase.values: {"critic": Need(on=frozenset({"params"}))},
         Phase.update_critic: {"critic": Need(on=everything)},
         Phase.update: {"actor": Need(on=everything), "critic": Need(off=critic_off)},
@@ -132,6 +136,8 @@ def residency_plan(cfg: RLConfig) -> ResidencyPlan:
             row["reference"] = Need(off=reference_off)
         if phase != Phase.reward_model:
             row["reward_model"] = Need(off=reward_model_off)
+        if phase != Phase.teacher:
+            row["teacher"] = Need(off=teacher_off)
     return plan
 
 

@@ -74,7 +74,8 @@ class RolloutBatch(MicroBatch):
       the trainer's (0: on-policy; up to ``trainer.max_staleness`` with asynchronous rollouts).
 
     Filled by the phases (None until then; ``require`` names the missing phase):
-    ``old_log_probs`` (old_log_prob), ``ref_log_probs`` (ref), ``values`` (values),
+    ``old_log_probs`` (old_log_prob), ``ref_log_probs`` (ref), ``teacher_log_probs`` (teacher:
+    on-policy distillation's teacher on the sampled tokens), ``values`` (values),
     ``token_level_rewards``, ``advantages``, ``returns`` (adv), all ``[B, R]`` float32.
     """
 
@@ -89,6 +90,7 @@ class RolloutBatch(MicroBatch):
     staleness: torch.Tensor = row_field()
     old_log_probs: torch.Tensor | None = response_field(default=None)
     ref_log_probs: torch.Tensor | None = response_field(default=None)
+    teacher_log_probs: torch.Tensor | None = response_field(default=None)
     values: torch.Tensor | None = response_field(default=None)
     token_level_rewards: torch.Tensor | None = response_field(default=None)
     advantages: torch.Tensor | None = response_field(default=None)

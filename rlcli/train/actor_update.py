@@ -42,6 +42,8 @@ def old_log_prob_plan(cfg: RLConfig) -> OldLogProbPlan:
         actor.ppo_epochs == 1
         and mini_batch_count(cfg.data.train_batch_size, actor.ppo_mini_batch_size) == 1
         and not cfg.algorithm.use_kl_in_reward
+        # distillation's advantage needs the student's log-probs before the update
+        and not cfg.distill.enable
     )
     return "update_forward" if on_policy else "actor_pass"
 

@@ -1,5 +1,6 @@
 """The step's advantage phase: scores -> token rewards (KL-in-reward, DAPO overlong) ->
-advantages, on this data-parallel rank's whole groups.
+advantages (mixed with on-policy distillation's per-token signal, ``distill.*``), on this
+data-parallel rank's whole groups.
 
 Each DP rank holds whole groups, so group estimators need nothing from other ranks; the
 batch-wide statistics some estimators and the KL controller need come from ``stats.sum``
@@ -79,9 +80,40 @@ def compute_advantages(
         norm_adv_by_std=algo.norm_adv_by_std,
         batch_sum=stats.sum,
     )
+    if cfg.distill.enable:
+        advantages, distill_metrics = distilled_advantages(batch, cfg, advantages, stats)
+        returns = advantages
+        metrics.update(distill_metrics)
     batch.token_level_rewards, batch.advantages, batch.returns = rewards, advantages, returns
     mask = batch.loss_mask
     total = stats.sum(torch.stack([algorithms.masked_sum(advantages, mask), mask.sum()]))
     metrics["critic/advantages_mean"] = (total[0] / (total[1] + 1e-8)).item()
     metrics["critic/advantages_abs_max"] = stats.max((advantages.abs() * mask).max()).item()
     return metrics
+
+
+def distilled_advantages(
+    batch: RolloutBatch, cfg: RLConfig, task_advantages: torch.Tensor, stats: DataParallelStats
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """On-policy distillation's advantages (``distill.*``): minus ``distill.kl_coef`` times the
+    per-token divergence from the teacher on the generated tokens, plus ``distill.reward_weight``
+    times the task's own; and the divergence's batch-wide metrics."""
+    d, mask = cfg.distill, batch.loss_mask
+    student, teacher = batch.require("old_log_probs"), batch.require("teacher_log_probs")
+    divergence = algorithms.get_distill_objective(d.objective)(student, teacher, mask)
+    k3 = algorithms.k3_divergence(student, teacher, mask)
+    advantages = algorithms.distillation_advantages(
+        divergence, task_advantages, mask, d.kl_coef, d.reward_weight
+    )
+    sums = stats.sum(
+        torch.stack(
+            [divergence.sum(), k3.sum(), mask.sum(), algorithms.masked_sum(teacher, mask)]
+        ).double()
+    )
+    tokens = sums[2].clamp(min=1)
+    return advantages, {
+        "distill/reverse_kl": (sums[0] / tokens).item(),
+        "distill/reverse_kl_k3": (sums[1] / tokens).item(),
+        "distill/reverse_kl_max": stats.max((divergence * mask).max()).item(),
+        "distill/teacher_log_prob": (sums[3] / tokens).item(),
+    }

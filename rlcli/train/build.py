@@ -3,7 +3,7 @@
 Every rank builds the same things in the same order: rewards (a reward spec that does not import
 fails at once), inputs (process groups, data, model), the SFT warm start, the reward-model stage
 (``rm.before_rl``; with ``rm.on_policy_samples`` it starts the rollout sampler, which the
-rollouts then keep), the actor, the reference, PPO's critic, the rollout sampler (engine, rule
+rollouts then keep), the actor, the reference, distillation's teacher, PPO's critic, the rollout sampler (engine, rule
 rewards, agent loop), the model rewards (reward model, judge), then resumes from the newest
 checkpoint when asked.
 With ``rollout.placement=separate`` (``run_role``) the trainer ranks build all of that but the
@@ -42,6 +42,7 @@ from rlcli.train.build_rollouts import (
 )
 from rlcli.train.inputs import RunInputs, prepare_inputs
 from rlcli.train.save_resume import CheckpointedModel, RunCheckpoints, replacing_folder
+from rlcli.train.teacher import build_teacher
 from rlcli.train.trainer import Trainer
 
 if TYPE_CHECKING:
@@ -102,6 +103,7 @@ def build_trainer(
     ref = None
     if needs_reference(cfg) if reference is None else reference:
         ref = build_reference(inputs, actor)
+    teacher = build_teacher(inputs, model_options(cfg)) if cfg.distill.enable else None
     critic = build_critic(inputs, total_steps=total) if cfg.algorithm.uses_critic else None
     if separate:
         channel = channel or RolloutChannel(inputs.roles, cfg.parallel.timeout_minutes * 60)
@@ -127,6 +129,7 @@ def build_trainer(
         logger=None,
         total_steps=total,
         critic=critic,
+        teacher=teacher,
         model_rewards=model_rewards,
         settings=inputs.settings,
     )

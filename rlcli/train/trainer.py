@@ -2,8 +2,9 @@
 
 ``rl_step`` is the whole algorithm on one screen, one phase per call, in the order a batch
 travels: rollout (gen + reward) -> reward_model / judge -> DAPO's filter -> distribute ->
-old_log_prob -> ref -> values -> adv -> update_critic -> update -> sync (reward_model / judge
-only with model rewards, ``rlcli.reward_models.model_rewards``; the filter only with
+old_log_prob -> ref -> teacher -> values -> adv -> update_critic -> update -> sync (reward_model / judge
+only with model rewards, ``rlcli.reward_models.model_rewards``; teacher only with on-policy
+distillation, ``distill.*``; the filter only with
 ``algorithm.dynamic_sampling``, ``rlcli.rollout.dynamic_sampling``; values and update_critic only with
 PPO's critic; during ``trainer.critic_warmup`` steps only the critic learns). Each phase is
 entered through ``rlcli.model.residency.StepPhases``, which first gives it the device residency its
@@ -64,6 +65,7 @@ class Trainer:
     logger: MetricsLogger | None
     total_steps: int
     critic: TrainedModel | None = None  # PPO's value model (algorithm.adv_estimator=gae)
+    teacher: TrainedModel | None = None  # on-policy distillation's frozen teacher (distill.*)
     model_rewards: ModelRewards | None = None  # reward.model / reward.judge
     settings: dict[str, Any] | None = None  # the config as given (RunInputs.settings)
     step: int = 0
@@ -77,7 +79,12 @@ class Trainer:
         self.system = SystemMonitor()
         # A LoRA actor's reference is the actor itself: its residency is the actor's.
         reference = self.reference if isinstance(self.reference, TrainedModel) else None
-        models = {"actor": self.actor, "reference": reference, "critic": self.critic}
+        models = {
+            "actor": self.actor,
+            "reference": reference,
+            "teacher": self.teacher,
+            "critic": self.critic,
+        }
         if self.model_rewards is not None:
             models["reward_model"] = self.model_rewards.reward_model
         self.residency = Residency(residency_plan(self.cfg), models)
@@ -287,6 +294,9 @@ def learn(t: Trainer, batch: RolloutBatch, fewest_groups: int, phases: StepPhase
     if t.reference is not None:
         with phases("ref"):
             batch.ref_log_probs = t.reference.forward(batch, temperature)
+    if t.teacher is not None:
+        with phases("teacher"):
+            batch.teacher_log_probs = t.teacher.forward(batch, temperature)
     if t.critic is not None:
         with phases("values"):
             batch.values = t.critic.forward(batch)

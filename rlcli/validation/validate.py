@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rlcli.errors import UserError
+from rlcli.validation.distill import check_distill
 from rlcli.validation.model import (
     check_hf_engine,
     check_lora,
@@ -95,6 +96,7 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
         )
     check_placement(cfg)
     check_off_policy(cfg)
+    check_distill(cfg)
     if cfg.rollout.sync_bucket_mb < 0:
         raise UserError(
             f"rollout.sync_bucket_mb must be >= 0 (0: automatic), got {cfg.rollout.sync_bucket_mb}"

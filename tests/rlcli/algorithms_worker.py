@@ -15,7 +15,13 @@ from rlcli.train.build import build_kl_controller, build_trainer, needs_referenc
 from rlcli.train.trainer import rl_step
 from rlcli.validation.loader import load_config
 
+# On-policy distillation with the reference (the start weights) as the teacher: first, while the
+# actor still equals it (no signal, no update), and again once the actor has moved.
+DISTILL = ["distill.enable=true", "distill.teacher_path=${model.path}"]
+SAME_TEACHER = "distill_teacher_equals_student"
+
 VARIANTS = {
+    SAME_TEACHER: DISTILL,
     "grpo": [],
     "drgrpo": ["algorithm.norm_adv_by_std=false", "actor.loss_agg_mode=seq-mean-token-sum-norm"],
     "rloo": ["algorithm.adv_estimator=rloo"],
@@ -45,6 +51,7 @@ VARIANTS = {
     # Rollout correction in the synchronous placement (the engine as the behaviour policy).
     "seq_is_geo": ["algorithm.off_policy_correction=seq_is_geo"],
     "token_mis": ["algorithm.off_policy_correction=token_mis"],
+    "distill": [*DISTILL, "distill.reward_weight=0.5"],
     "token_budget_two_epochs": [
         "actor.ppo_mini_batch_size=4",
         "actor.ppo_epochs=2",
@@ -52,6 +59,10 @@ VARIANTS = {
         "actor.max_tokens_per_forward=128",
     ],
 }
+
+
+def actor_weights(trainer) -> list:
+    return [p.detach().clone() for model in trainer.actor.models for p in model.parameters()]
 
 
 def main(recipe: str, out_json: str, *base: str) -> None:
@@ -70,12 +81,18 @@ def main(recipe: str, out_json: str, *base: str) -> None:
                 trainer.rollouts, sampler=dataclasses.replace(trainer.rollouts.sampler, cfg=variant)
             ),
             reference=trainer.reference if needs_reference(variant) else None,
+            teacher=trainer.reference if variant.distill.enable else None,
             loader=PromptLoader(trainer.loader.dataset, variant.data.train_batch_size, seed=1),
             kl_ctrl=build_kl_controller(variant),
             total_steps=1,
             step=len(results),
         )
+        before = actor_weights(trainer)
         results[name] = rl_step(run)
+        change = max(
+            (a - b).abs().max().item() for a, b in zip(before, actor_weights(trainer), strict=True)
+        )
+        results[name]["check/max_weight_change"] = change
     trainer.rollouts.sampler.rewards.close()
     with open(out_json, "w") as f:
         json.dump(results, f)

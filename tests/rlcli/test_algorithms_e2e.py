@@ -36,7 +36,7 @@ def test_every_algorithm_runs_a_training_step(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     results = json.loads(out.read_text())
-    from tests.rlcli.algorithms_worker import VARIANTS
+    from tests.rlcli.algorithms_worker import SAME_TEACHER, VARIANTS
 
     assert set(results) == set(VARIANTS)
     for name, metrics in results.items():
@@ -74,6 +74,19 @@ def test_every_algorithm_runs_a_training_step(tmp_path):
     for name in ("seq_is_geo", "token_mis"):
         assert results[name]["actor/is_weight_mean"] == pytest.approx(1, abs=1e-3)
     assert results["token_mis"]["actor/is_masked_token_frac"] == 0.0
+    # On-policy distillation: a teacher equal to the student gives no signal and no update (the
+    # start weights exactly: zero gradients make a zero Adam step); once the actor has moved, the
+    # divergence is measured and the task reward mixes in.
+    same = results[SAME_TEACHER]
+    assert same["distill/reverse_kl"] == 0.0 and same["distill/reverse_kl_k3"] == 0.0, same
+    assert same["critic/advantages_abs_max"] == 0.0 and same["actor/grad_norm"] == 0.0, same
+    assert same["check/max_weight_change"] == 0.0, same
+    assert "timing/teacher" in same and "timing/old_log_prob" in same
+    moved = results["distill"]
+    assert moved["distill/reverse_kl_k3"] > 0 and moved["actor/grad_norm"] > 0, moved
+    assert moved["check/max_weight_change"] > 0, moved
+    assert results["grpo"]["check/max_weight_change"] > 0
+    assert not any(key.startswith("distill/") for key in results["grpo"])
     # system/* every step: memory positive, utilisation a percentage
     for metrics in results.values():
         assert metrics["system/host_rss_gb"] > 0 and metrics["system/host_available_gb"] > 0

@@ -373,3 +373,25 @@ def test_plan_shows_the_reward_phase_of_an_rlhf_recipe(capsys, tmp_path):
     head = next(line for line in out.splitlines() if line.startswith("per GPU"))
     assert head.split()[3:] == ["generate", "reward", "log_probs", "update", "sync"], head
     assert "reward model weights" in out and "reward model forward" in out
+
+
+def test_a_distillation_teacher_is_counted_where_resident():
+    """A 7B teacher for a 1.5B student: its weights (its own shape, the student's layout) in every
+    phase, or only in the log-prob phase with distill.offload; its forward may set the working
+    set."""
+    from parallel.memory_terms import forward_only_bytes
+
+    student = TrainedModel(KNOWN_SHAPES["qwen2.5-1.5b"], tp=2, dp=4)
+    teacher = dataclasses.replace(student, shape=KNOWN_SHAPES["qwen2.5-7b"])
+    inputs = PlanInputs(student, RolloutEngine(tp=2), 80 * GB, teacher=teacher)
+    plan = plan_memory(inputs)
+    weights = weight_bytes(teacher)
+    assert weights > weight_bytes(student)
+    assert all(p.terms["teacher weights"] == weights for p in plan.phases.values())
+    assert plan.phases["log_probs"].terms["forward working set"] == forward_only_bytes(
+        teacher, teacher.micro_batch_size
+    )
+    offloaded = plan_memory(dataclasses.replace(inputs, teacher_offload=True))
+    assert [n for n, p in offloaded.phases.items() if "teacher weights" in p.terms] == ["log_probs"]
+    without = plan_memory(dataclasses.replace(inputs, teacher=None))
+    assert plan.phases["update"].total - without.phases["update"].total == weights

@@ -1,0 +1,100 @@
+"""On-policy distillation's teacher (``distill.*``): a frozen HF causal LM on Megatron, in the
+actor's layout, that scores the student's sampled tokens in the step's ``teacher`` phase.
+
+The teacher reads the student's token ids, so both must tokenise alike: the teacher's own
+tokenizer (shipped in its folder) must have the student's vocabulary and special tokens, and its
+embedding must cover every id. A mismatch would grade tokens the teacher never meant; it stops
+the run before any model is built beyond the actor.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rlcli.console import say
+from rlcli.errors import UserError
+from rlcli.model.trained_model import MicroBatching, TrainedModel
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from parallel.model_options import ModelBuildOptions
+    from rlcli.train.inputs import RunInputs
+
+# Any of these makes a folder's tokenizer loadable (fast, BPE vocab, sentencepiece); without one
+# transformers may fall back to an empty tokenizer of the model's family.
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
+
+
+def tokenizer_mismatch(teacher: PreTrainedTokenizerBase, student: PreTrainedTokenizerBase) -> str:
+    """What differs between the two tokenizers ('' when they encode alike)."""
+    teacher_vocab, student_vocab = teacher.get_vocab(), student.get_vocab()
+    if teacher_vocab != student_vocab:
+        differing = sorted(
+            token
+            for token in set(teacher_vocab) | set(student_vocab)
+            if teacher_vocab.get(token) != student_vocab.get(token)
+        )
+        shown = ", ".join(repr(token) for token in differing[:3])
+        return (
+            f"the vocabularies differ ({len(teacher_vocab)} tokens vs the student's "
+            f"{len(student_vocab)}; {len(differing)} tokens differ, e.g. {shown})"
+        )
+    for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        if getattr(teacher, name) != getattr(student, name):
+            return (
+                f"{name} differs ({getattr(teacher, name)} vs the student's "
+                f"{getattr(student, name)})"
+            )
+    return ""
+
+
+def check_teacher_tokenizer(teacher_path: str, student: PreTrainedTokenizerBase) -> None:
+    """A UserError naming ``distill.teacher_path`` unless the teacher tokenises as the student."""
+    from transformers import AutoTokenizer
+
+    key = f"distill.teacher_path={teacher_path}"
+    if not any((Path(teacher_path) / name).exists() for name in TOKENIZER_FILES):
+        raise UserError(
+            f"{key}: the folder holds no tokenizer files ({', '.join(TOKENIZER_FILES)}); save "
+            "the student's tokenizer there (tokenizer.save_pretrained) so it can be compared"
+        )
+    try:
+        teacher = AutoTokenizer.from_pretrained(teacher_path)
+    except (OSError, ValueError) as err:
+        raise UserError(
+            f"{key}: its tokenizer does not load ({err}); the teacher's folder must hold the "
+            "student's tokenizer files"
+        ) from None
+    mismatch = tokenizer_mismatch(teacher, student)
+    if mismatch:
+        raise UserError(
+            f"{key}: the teacher's tokenizer is not the student's: {mismatch}. On-policy "
+            "distillation scores the student's token ids with the teacher, so both must share "
+            "one tokenizer (a teacher of the same model family)"
+        )
+
+
+def build_teacher(inputs: RunInputs, options: ModelBuildOptions) -> TrainedModel:
+    """The frozen teacher of ``distill.teacher_path``: no optimizer, the actor's micro-batches,
+    the layout ``options`` of the reference."""
+    cfg, mesh = inputs.cfg, inputs.mesh
+    path = cfg.distill.teacher_path
+    assert path is not None and mesh is not None  # validated; trainer ranks only
+    check_teacher_tokenizer(path, inputs.tokenizer)
+    say(mesh, f"building the distillation teacher (tp={mesh.tp} pp={mesh.pp}) from {path}")
+    teacher = TrainedModel(
+        mesh,
+        path,
+        dtype=cfg.model.dtype,
+        micro_batching=MicroBatching.of(cfg.actor),
+        model_options=options,
+    )
+    vocab, needed = teacher.hf_config.vocab_size, len(inputs.tokenizer)
+    if vocab < needed:
+        raise UserError(
+            f"distill.teacher_path={path} has vocab_size {vocab}, fewer than the student's "
+            f"tokenizer ({needed} tokens): the teacher reads the student's token ids"
+        )
+    return teacher

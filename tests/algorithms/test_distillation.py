@@ -1,0 +1,68 @@
+"""On-policy distillation's per-token signal (``algorithms.distillation``) against a hand
+computation on two responses, the second one token shorter (its last column is padding):
+
+  row 0: p_student = (0.5, 0.2, 0.4), p_teacher = (0.25, 0.4, 0.4)
+         k1 = log(0.5/0.25), log(0.2/0.4), 0 = (ln 2, -ln 2, 0)
+  row 1: p_student = (0.1, 0.8, -),   p_teacher = (0.8, 0.8, -)
+         k1 = (ln 0.125, 0) = (-3 ln 2, 0)
+
+The advantage is -kl_coef * k1 plus reward_weight times the task's advantage.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import algorithms
+
+STUDENT = torch.tensor([[0.5, 0.2, 0.4], [0.1, 0.8, 0.3]]).log()
+TEACHER = torch.tensor([[0.25, 0.4, 0.4], [0.8, 0.8, 0.9]]).log()
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+LN2 = math.log(2)
+K1 = [[LN2, -LN2, 0.0], [-3 * LN2, 0.0, 0.0]]
+
+
+def close(actual: torch.Tensor, expected: list[list[float]]) -> None:
+    torch.testing.assert_close(actual, torch.tensor(expected), atol=1e-6, rtol=0)
+
+
+def test_reverse_kl_is_the_log_ratio_on_the_sampled_tokens():
+    divergence = algorithms.get_distill_objective("reverse_kl")(STUDENT, TEACHER, MASK)
+    close(divergence, K1)
+
+
+def test_advantage_pushes_up_what_the_teacher_prefers_and_mixes_the_task_in():
+    divergence = torch.tensor(K1)
+    task = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, 5.0]])  # padding carries garbage
+    pure = algorithms.distillation_advantages(divergence, task, MASK, kl_coef=2.0, reward_weight=0)
+    close(pure, [[-2 * LN2, 2 * LN2, 0.0], [6 * LN2, 0.0, 0.0]])
+    mixed = algorithms.distillation_advantages(
+        divergence, task, MASK, kl_coef=1.0, reward_weight=0.5
+    )
+    close(mixed, [[0.5 - LN2, 0.5 + LN2, 0.5], [-0.5 + 3 * LN2, -0.5, 0.0]])
+
+
+def test_k3_is_non_negative_and_zero_only_where_the_two_agree():
+    k3 = algorithms.k3_divergence(STUDENT, TEACHER, MASK)
+    # exp(t - s) - (t - s) - 1 with t - s = (-ln 2, ln 2, 0 | 3 ln 2, 0)
+    expected = [
+        [0.5 + LN2 - 1, 2 - LN2 - 1, 0.0],
+        [8 - 3 * LN2 - 1, 0.0, 0.0],
+    ]
+    close(k3, expected)
+
+
+def test_a_teacher_equal_to_the_student_gives_no_signal():
+    divergence = algorithms.get_distill_objective("reverse_kl")(STUDENT, STUDENT.clone(), MASK)
+    advantages = algorithms.distillation_advantages(
+        divergence, torch.zeros_like(MASK), MASK, kl_coef=1.0, reward_weight=0
+    )
+    assert torch.count_nonzero(advantages) == 0
+
+
+def test_an_unknown_objective_names_the_valid_ones():
+    with pytest.raises(ValueError, match="reverse_kl"):
+        algorithms.get_distill_objective("forward_kl")

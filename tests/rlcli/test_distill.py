@@ -1,0 +1,96 @@
+"""On-policy distillation's settings and teacher checks: bad input stops with exit 2 naming the
+key, and a teacher must tokenise exactly as the student does. (The step itself, a teacher equal
+to the student leaving the weights unchanged and a moved student learning, runs in
+``test_algorithms_e2e.py``.)"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from rlcli.errors import UserError
+from rlcli.model.builder import train_tokenizer
+from rlcli.train.teacher import check_teacher_tokenizer
+from rlcli.validation.loader import load_config
+from tests.rlcli.test_config import QUICKSTART, run_cli
+
+CORPUS = [f"Question: {a} + {b} = ? Answer: #### {a + b}" for a in range(30) for b in range(9)]
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    """A folder that passes as an HF model folder (config.json, weights) with the arith tokenizer."""
+    from tests.parallel.dist_utils import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("teacher")
+    tokenizer = train_tokenizer(CORPUS, 300)
+    folder = make_tiny_hf_model(root / "model", vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["distill.enable=true"], "distill.enable=true needs distill.teacher_path"),
+        (["distill.teacher_path=/x"], "distill.teacher_path=/x is set but distill.enable=false"),
+        (
+            ["distill.enable=true", "distill.teacher_path=/nowhere/teacher"],
+            "distill.teacher_path=/nowhere/teacher: ",
+        ),
+        (
+            ["distill.objective=forward_kl"],
+            "distill.objective: unknown distillation objective 'forward_kl'; valid names: reverse_kl",
+        ),
+        (["distill.kl_coef=0"], "distill.kl_coef=0 makes no sense: it must be > 0"),
+        (["distill.reward_weight=-1"], "distill.reward_weight=-1 makes no sense"),
+        (
+            ["algorithm.dynamic_sampling.enabled=true"],
+            "algorithm.dynamic_sampling.enabled shape the task reward, which "
+            "distill.reward_weight=0 leaves out",
+        ),
+        (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator=gae (a critic)"),
+    ],
+)
+def test_bad_distill_settings_name_the_key(overrides, message, teacher_dir):
+    base = ["distill.enable=true", f"distill.teacher_path={teacher_dir}"]
+    if overrides[0].startswith(("distill.enable", "distill.teacher_path")):
+        base = []
+    with pytest.raises(UserError, match=re.escape(message)):
+        load_config(QUICKSTART, [*base, "algorithm.dynamic_sampling.enabled=false", *overrides])
+
+
+def test_good_settings_load_and_mix_the_task_reward_in(teacher_dir):
+    cfg = load_config(
+        QUICKSTART,
+        ["distill.enable=true", f"distill.teacher_path={teacher_dir}", "distill.reward_weight=1"],
+    )
+    assert cfg.algorithm.dynamic_sampling.enabled  # the task reward is used: DAPO's filter fits
+
+
+def test_the_cli_refuses_a_missing_teacher_with_exit_2():
+    proc = run_cli("config", "validate", str(QUICKSTART), "distill.enable=true")
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "distill.teacher_path" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_teacher_with_the_students_tokenizer_passes(teacher_dir):
+    # The tokenizer is trained from the task text alone: a larger model of the same task has it.
+    check_teacher_tokenizer(str(teacher_dir), train_tokenizer(CORPUS, 300))
+
+
+def test_a_teacher_with_another_tokenizer_is_refused(teacher_dir):
+    other = train_tokenizer([text.replace("Answer", "Reply") for text in CORPUS], 300)
+    with pytest.raises(UserError, match="the teacher's tokenizer is not the student's") as info:
+        check_teacher_tokenizer(str(teacher_dir), other)
+    assert f"distill.teacher_path={teacher_dir}" in str(info.value)
+    assert "vocabularies differ" in str(info.value)
+
+
+def test_a_teacher_without_a_tokenizer_is_refused(tmp_path):
+    from tests.parallel.dist_utils import make_tiny_hf_model
+
+    folder = make_tiny_hf_model(tmp_path / "bare")
+    with pytest.raises(UserError, match="holds no tokenizer files"):
+        check_teacher_tokenizer(str(folder), train_tokenizer(CORPUS, 300))
