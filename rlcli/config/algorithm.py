@@ -63,7 +63,7 @@ class DistillConfig:
     """On-policy distillation (``distill.*``): a frozen teacher scores every token the student
     samples; the per-token reverse KL is the advantage (``algorithms.distillation``)."""
 
-    enable: bool = False
+    enable: bool = False  # on-policy distillation from distill.teacher_path
     # HF causal-LM folder of the teacher; its tokenizer must be the student's (checked)
     teacher_path: Optional[str] = None
     objective: str = "reverse_kl"  # see algorithms.get_distill_objective

@@ -62,4 +62,7 @@ def check_distill(cfg: RLConfig) -> None:
 
     problem = hf_model_dir_problem(d.teacher_path)
     if problem is not None:
-        raise UserError(f"distill.teacher_path={d.teacher_path}: {problem}")
+        raise UserError(
+            f"distill.teacher_path={d.teacher_path}: {problem} (the teacher must exist before "
+            "the run: train it, e.g. rlcli sft recipes/distill_teacher.yaml, or export one)"
+        )

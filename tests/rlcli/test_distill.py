@@ -94,3 +94,22 @@ def test_a_teacher_without_a_tokenizer_is_refused(tmp_path):
     folder = make_tiny_hf_model(tmp_path / "bare")
     with pytest.raises(UserError, match="holds no tokenizer files"):
         check_teacher_tokenizer(str(folder), train_tokenizer(CORPUS, 300))
+
+
+def test_the_quickstart_recipes_load(teacher_dir):
+    from pathlib import Path
+
+    recipes = Path(__file__).resolve().parents[2] / "recipes"
+    teacher = load_config(recipes / "distill_teacher.yaml", [])
+    assert teacher.sft.steps > 0 and teacher.model.spec.hidden_size == 256
+    student = load_config(
+        recipes / "distill_quickstart.yaml", [f"distill.teacher_path={teacher_dir}"]
+    )
+    assert student.distill.enable and student.distill.reward_weight == 0
+    # the student's tokenizer is built like the teacher's: same task text, same vocabulary size
+    assert student.model.spec.vocab_size == teacher.model.spec.vocab_size
+    assert student.data.synthetic == teacher.data.synthetic
+    grpo = load_config(
+        recipes / "distill_quickstart.yaml", ["distill.enable=false", "distill.teacher_path=null"]
+    )
+    assert not grpo.distill.enable
