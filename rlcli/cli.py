@@ -18,6 +18,7 @@ from rlcli.commands import (
     convert,
     data,
     docs,
+    evaluate,
     launch,
     plan,
     plot,
@@ -66,6 +67,7 @@ def _options(
 
 app.command()(train.train)
 app.command()(train.sft)
+app.command("eval")(evaluate.eval_command)
 app.command()(rm.rm)
 app.command()(convert.export)
 app.command("plan")(plan.plan_command)
