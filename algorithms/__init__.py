@@ -20,6 +20,7 @@ from algorithms.distillation import (
     distillation_advantages,
     get_distill_objective,
     k3_divergence,
+    response_quarters,
 )
 from algorithms.kl import (
     KL_PENALTY_KINDS,
@@ -89,4 +90,5 @@ __all__ = [
     "register_advantage_estimator",
     "register_off_policy_correction",
     "register_policy_loss",
+    "response_quarters",
 ]

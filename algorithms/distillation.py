@@ -63,3 +63,14 @@ def k3_divergence(
     reverse KL (Schulman's k3), reported beside the k1 the advantage uses."""
     log_ratio = (teacher_log_probs - student_log_probs) * mask
     return (torch.exp(log_ratio) - log_ratio - 1) * mask
+
+
+def response_quarters(mask: torch.Tensor) -> torch.Tensor:
+    """``[batch, response_len]``: which quarter of its response's generated tokens each token is
+    in (0-3, by its order among the row's tokens where ``mask`` is 1), -1 where ``mask`` is 0;
+    to see where in a response the divergence sits (the first tokens, or the last)."""
+    generated = mask > 0
+    order = torch.cumsum(generated.long(), dim=-1) - 1
+    count = generated.sum(dim=-1, keepdim=True).clamp(min=1)
+    quarter = torch.div(4 * order, count, rounding_mode="floor").clamp(0, 3)
+    return torch.where(generated, quarter, torch.full_like(quarter, -1))

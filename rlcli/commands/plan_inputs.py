@@ -201,7 +201,8 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float):
             dtype=cfg.model.dtype,
         )
     teacher = None
-    if cfg.distill.enable and cfg.distill.teacher_path:
+    # (a teacher on an engine of its own is not planned: like a judge's vLLM, a budget of its own)
+    if cfg.distill.enable and cfg.distill.teacher_path and cfg.distill.teacher.engine == "megatron":
         teacher = dataclasses.replace(
             actor,
             shape=_other_model_shape("distill.teacher_path", cfg.distill.teacher_path),

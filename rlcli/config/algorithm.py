@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from rlcli.config.engine import EngineConfig
+
 
 @dataclass
 class KLControlConfig:
@@ -59,6 +61,25 @@ class AlgorithmConfig:
 
 
 @dataclass
+class TeacherConfig(EngineConfig):
+    """Where the teacher scores (``distill.teacher.*``): ``megatron``, a frozen Megatron model in
+    the actor's layout, between the step's log-prob passes; or an inference engine of its own
+    (``vllm`` / ``hf``, with its own ``tp``) scoring the sampled sequences' tokens (prompt
+    log-probs) before they are shared out, asleep outside its phase."""
+
+    engine: Literal["megatron", "vllm", "hf"] = "megatron"  # megatron | an engine of its own
+
+    # The engine settings a teacher has no choice of (read by the engine like rollout's keys):
+    @property
+    def load_format(self) -> str:
+        return "auto"  # the weights are read from distill.teacher_path: nothing syncs them
+
+    @property
+    def sleep_level(self) -> int:
+        return 1  # the weights stay in host memory (level 2 would discard what nothing reloads)
+
+
+@dataclass
 class DistillConfig:
     """On-policy distillation (``distill.*``): a frozen teacher scores every token the student
     samples; the per-token reverse KL is the advantage (``algorithms.distillation``)."""
@@ -71,4 +92,5 @@ class DistillConfig:
     # weight of the task's own advantages (algorithm.adv_estimator) mixed in; 0: pure
     # distillation, the task reward only reported
     reward_weight: float = 0.0
-    offload: bool = False  # keep the teacher's weights on the host between its passes
+    offload: bool = False  # megatron teacher: its weights on the host outside its phase
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)

@@ -138,6 +138,13 @@ class RolloutEngine(ABC):
         replica calls it with the same requests (an empty list included)."""
 
     @abstractmethod
+    def sequence_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Score given token ids instead of sampling: for each sequence, the log-prob of every
+        token after the first given the tokens before it (``len - 1`` values, at temperature 1).
+        Every rank of one TP replica calls it with the same sequences (an empty list included).
+        On-policy distillation's teacher on an engine (``distill.teacher_engine``) uses it."""
+
+    @abstractmethod
     def sleep(self) -> None:
         """Release memory between rollout phases (KV cache, and on GPU the weights)."""
 
@@ -168,8 +175,10 @@ class RolloutEngine(ABC):
 
 def model_path_key(key: str) -> str:
     """The config key of the model an engine section's engine serves: ``model.path`` for the
-    policy's (``rollout``), ``<key>.path`` for another engine's (``reward.judge.path``)."""
-    return "model.path" if key == "rollout" else f"{key}.path"
+    policy's (``rollout``), the teacher's ``distill.teacher_path``, ``<key>.path`` for another
+    engine's (``reward.judge.path``)."""
+    named = {"rollout": "model.path", "distill.teacher": "distill.teacher_path"}
+    return named.get(key, f"{key}.path")
 
 
 def read_hf_config(model_dir: str, key: str = "rollout") -> dict:

@@ -45,6 +45,9 @@ class Sample:
     weight_version: int = 0  # the weights that generated it: those after this step's update
     # (the run's first step - 1 for the weights it starts with)
     staleness: int = 0  # weight versions between those and the trainer's when it trains on it
+    # Per response token: an engine teacher's log-prob of it (distill.teacher.engine=vllm / hf;
+    # None: no such teacher, or a Megatron one, which fills the batch's field itself).
+    teacher_log_probs: list[float] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -136,6 +139,7 @@ def collate(samples: list[Sample], pad_id: int) -> RolloutBatch:
             s.engine_log_probs[:n_resp], dtype=torch.float32
         )
     return RolloutBatch(
+        teacher_log_probs=_teacher_log_probs(samples, resp_len),
         input_ids=input_ids,
         attention_mask=attention_mask,
         response_index=response_index,
@@ -147,6 +151,17 @@ def collate(samples: list[Sample], pad_id: int) -> RolloutBatch:
         reward_baselines=torch.tensor([s.reward_baseline for s in samples], dtype=torch.float32),
         staleness=torch.tensor([s.staleness for s in samples], dtype=torch.long),
     )
+
+
+def _teacher_log_probs(samples: list[Sample], resp_len: int) -> torch.Tensor | None:
+    """``[B, R]`` of the samples' engine-teacher log-probs (0 on padding), or None without."""
+    if any(s.teacher_log_probs is None for s in samples):
+        return None
+    values = torch.zeros((len(samples), resp_len), dtype=torch.float32)
+    for row, s in enumerate(samples):
+        scored = s.teacher_log_probs[: len(s.response_ids)]
+        values[row, : len(scored)] = torch.tensor(scored, dtype=torch.float32)
+    return values
 
 
 def response_values(per_position: torch.Tensor, response_index: torch.Tensor) -> torch.Tensor:

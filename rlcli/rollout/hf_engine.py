@@ -124,6 +124,17 @@ class HFEngine(RolloutEngine):
         ]
         return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
 
+    @torch.no_grad()
+    def sequence_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """One forward per sequence (no padding: the values equal the model's on each alone)."""
+        results = []
+        for ids in sequences:
+            tokens = torch.tensor([ids], device=self.model.device)
+            logits = self.model(tokens).logits[0, :-1].float()
+            chosen = torch.log_softmax(logits, dim=-1).gather(-1, tokens[0, 1:, None])
+            results.append(chosen[:, 0].tolist())
+        return results
+
     def sleep(self) -> None:
         pass  # HF keeps no KV cache between calls
 

@@ -169,6 +169,26 @@ class VLLMEngine(RolloutEngine):
             results.append(copies(samples[0], request.n) if _greedy(request) else samples)
         return results
 
+    def sequence_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """vLLM's prompt log-probs (``prompt_logprobs=0``: the given token's), one token generated
+        and dropped; raw log-softmax of the logits, i.e. at temperature 1."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.calls.append("sequence_log_probs")
+        if not sequences and not self._joins_world:
+            return []
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in sequences]
+        outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        return [
+            [
+                step[token].logprob
+                for step, token in zip(out.prompt_logprobs[1:], ids[1:], strict=True)
+            ]
+            for out, ids in zip(outputs, sequences, strict=True)
+        ]
+
     def _sampling_params(self, request: GenerationRequest, sampling_params_class):
         sampling = request.sampling
         seed = request.seed if request.seed is not None else self._seeds.getrandbits(31)

@@ -105,15 +105,22 @@ def distilled_advantages(
     advantages = algorithms.distillation_advantages(
         divergence, task_advantages, mask, d.kl_coef, d.reward_weight
     )
+    quarters = algorithms.response_quarters(mask)
+    in_quarter = [(quarters == q).to(divergence.dtype) for q in range(4)]
     sums = stats.sum(
         torch.stack(
             [divergence.sum(), k3.sum(), mask.sum(), algorithms.masked_sum(teacher, mask)]
+            + [(divergence * part).sum() for part in in_quarter]
+            + [part.sum() for part in in_quarter]
         ).double()
     )
     tokens = sums[2].clamp(min=1)
-    return advantages, {
+    metrics = {
         "distill/reverse_kl": (sums[0] / tokens).item(),
         "distill/reverse_kl_k3": (sums[1] / tokens).item(),
         "distill/reverse_kl_max": stats.max((divergence * mask).max()).item(),
         "distill/teacher_log_prob": (sums[3] / tokens).item(),
     }
+    for q in range(4):  # by position: the responses' first quarter of tokens ... last quarter
+        metrics[f"distill/reverse_kl_q{q + 1}"] = (sums[4 + q] / sums[8 + q].clamp(min=1)).item()
+    return advantages, metrics

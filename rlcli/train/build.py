@@ -42,7 +42,7 @@ from rlcli.train.build_rollouts import (
 )
 from rlcli.train.inputs import RunInputs, prepare_inputs
 from rlcli.train.save_resume import CheckpointedModel, RunCheckpoints, replacing_folder
-from rlcli.train.teacher import build_teacher
+from rlcli.train.teacher import build_teacher, build_teacher_engine
 from rlcli.train.trainer import Trainer
 
 if TYPE_CHECKING:
@@ -103,7 +103,11 @@ def build_trainer(
     ref = None
     if needs_reference(cfg) if reference is None else reference:
         ref = build_reference(inputs, actor)
-    teacher = build_teacher(inputs, model_options(cfg)) if cfg.distill.enable else None
+    teacher = teacher_engine = None
+    if cfg.distill.enable and cfg.distill.teacher.engine == "megatron":
+        teacher = build_teacher(inputs, model_options(cfg))
+    elif cfg.distill.enable:
+        teacher_engine = build_teacher_engine(inputs)
     critic = build_critic(inputs, total_steps=total) if cfg.algorithm.uses_critic else None
     if separate:
         channel = channel or RolloutChannel(inputs.roles, cfg.parallel.timeout_minutes * 60)
@@ -130,6 +134,7 @@ def build_trainer(
         total_steps=total,
         critic=critic,
         teacher=teacher,
+        teacher_engine=teacher_engine,
         model_rewards=model_rewards,
         settings=inputs.settings,
     )

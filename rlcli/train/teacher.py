@@ -1,5 +1,9 @@
-"""On-policy distillation's teacher (``distill.*``): a frozen HF causal LM on Megatron, in the
-actor's layout, that scores the student's sampled tokens in the step's ``teacher`` phase.
+"""On-policy distillation's teacher (``distill.*``): a frozen HF causal LM that scores the
+student's sampled tokens in the step's ``teacher`` phase. Either on Megatron in the actor's layout
+(``distill.teacher.engine=megatron``: a log-prob pass over this rank's share of the batch, after
+``ref``), or on an inference engine of its own (``vllm`` / ``hf``: replicas of
+``distill.teacher.tp`` ranks score every sample's tokens as prompt log-probs before the samples
+are shared out, each replica a contiguous share, exchanged once; asleep outside its phase).
 
 The teacher reads the student's token ids, so both must tokenise alike: the teacher's own
 tokenizer (shipped in its folder) must have the student's vocabulary and special tokens, and its
@@ -12,9 +16,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch.distributed as dist
+
+from parallel import cpu_compat
 from rlcli.console import say
 from rlcli.errors import UserError
 from rlcli.model.trained_model import MicroBatching, TrainedModel
+from rlcli.rollout.base import RolloutEngine, awake
+from rlcli.rollout.batch import Sample, split_evenly
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -98,3 +107,65 @@ def build_teacher(inputs: RunInputs, options: ModelBuildOptions) -> TrainedModel
             f"tokenizer ({needed} tokens): the teacher reads the student's token ids"
         )
     return teacher
+
+
+class TeacherEngine:
+    """The teacher on an inference engine (see the module docstring)."""
+
+    def __init__(self, engine: RolloutEngine) -> None:
+        self.engine = engine
+
+    def score(self, samples: list[Sample]) -> None:
+        """Fill every sample's ``teacher_log_probs`` (its response tokens'), on every rank
+        (collective: every rank calls it with the same samples)."""
+        replica = self.engine.replica
+        mine = split_evenly(list(range(len(samples))), replica.count)[replica.index]
+        sequences = [samples[i].prompt_ids + samples[i].response_ids for i in mine]
+        # Called even with nothing to score: the ranks of one engine replica step together.
+        with awake(self.engine), cpu_compat.suspended():  # the engine never calls megatron
+            scored = self.engine.sequence_log_probs(sequences)
+        local = list(zip(mine, scored, strict=True)) if replica.is_leader else []
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            parts: list[list[tuple[int, list[float]]] | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, local)
+            local = [pair for part in parts for pair in part or []]
+        by_index = dict(local)
+        for i, sample in enumerate(samples):
+            # position p of a sequence scores token p + 1: the response starts at the prompt's end
+            sample.teacher_log_probs = by_index[i][len(sample.prompt_ids) - 1 :]
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def build_teacher_engine(inputs: RunInputs) -> TeacherEngine:
+    """The engine teacher of ``distill.teacher.*`` over ``distill.teacher_path`` (tokenizer and
+    vocabulary checked as for a Megatron teacher), asleep until its phase."""
+    from rlcli.rollout.base import read_hf_config
+    from rlcli.rollout.factory import make_engine
+    from rlcli.rollout.trajectory import response_limit
+
+    cfg = inputs.cfg
+    path, t = cfg.distill.teacher_path, cfg.distill.teacher
+    assert path is not None  # validated
+    check_teacher_tokenizer(path, inputs.tokenizer)
+    vocab, needed = (
+        read_hf_config(path, "distill.teacher").get("vocab_size", 0),
+        len(inputs.tokenizer),
+    )
+    if vocab < needed:
+        raise UserError(
+            f"distill.teacher_path={path} has vocab_size {vocab}, fewer than the student's "
+            f"tokenizer ({needed} tokens): the teacher reads the student's token ids"
+        )
+    say(inputs.mesh, f"starting the distillation teacher's {t.engine} engine (tp={t.tp}) on {path}")
+    engine = make_engine(
+        t,
+        path,
+        dtype=cfg.model.dtype,
+        seed=cfg.trainer.seed,
+        max_model_len=t.max_model_len or (cfg.data.max_prompt_length + response_limit(cfg)),
+        key="distill.teacher",
+    )
+    engine.sleep()  # woken for the teacher phase only
+    return TeacherEngine(engine)

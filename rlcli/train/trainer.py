@@ -2,14 +2,15 @@
 
 ``rl_step`` is the whole algorithm on one screen, one phase per call, in the order a batch
 travels: rollout (gen + reward) -> reward_model / judge -> DAPO's filter -> distribute ->
-old_log_prob -> ref -> teacher -> values -> adv -> update_critic -> update -> sync (reward_model / judge
-only with model rewards, ``rlcli.reward_models.model_rewards``; teacher only with on-policy
-distillation, ``distill.*``; the filter only with
-``algorithm.dynamic_sampling``, ``rlcli.rollout.dynamic_sampling``; values and update_critic only with
-PPO's critic; during ``trainer.critic_warmup`` steps only the critic learns). Each phase is
-entered through ``rlcli.model.residency.StepPhases``, which first gives it the device residency its
-row of the plan declares, then times it (the filter moves nothing and is not timed). Where the samples come from and the weights go is the rollout
-placement's (``rlcli.rollout.placement``: colocated engines, or engines on their own ranks generating
+old_log_prob -> ref -> teacher -> values -> adv -> update_critic -> update -> sync
+(reward_model / judge only with model rewards, ``rlcli.reward_models.model_rewards``; the filter
+only with ``algorithm.dynamic_sampling``, ``rlcli.rollout.dynamic_sampling``; teacher only with
+on-policy distillation, ``distill.*``, before distribute when the teacher is an engine; values
+and update_critic only with PPO's critic; during ``trainer.critic_warmup`` steps only the critic
+learns). Each phase is entered through ``rlcli.model.residency.StepPhases``, which first gives it
+the device residency its row of the plan declares, then times it (the filter moves nothing and
+is not timed). Where the samples come from and the weights go is the rollout placement's
+(``rlcli.rollout.placement``: colocated engines, or engines on their own ranks generating
 ahead). ``Trainer.fit`` repeats the step, evaluates on held-out prompts and commits checkpoints.
 The trainer is built from the config by ``rlcli.train.build.build_trainer``.
 """
@@ -44,6 +45,7 @@ from rlcli.train.actor_update import agreement_of_actor_pass, old_log_prob_plan,
 from rlcli.train.advantages import KLController, compute_advantages
 from rlcli.train.critic import update_critic, value_metrics
 from rlcli.train.save_resume import RunCheckpoints
+from rlcli.train.teacher import TeacherEngine
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -65,7 +67,9 @@ class Trainer:
     logger: MetricsLogger | None
     total_steps: int
     critic: TrainedModel | None = None  # PPO's value model (algorithm.adv_estimator=gae)
-    teacher: TrainedModel | None = None  # on-policy distillation's frozen teacher (distill.*)
+    # on-policy distillation's frozen teacher (distill.*): on Megatron, or on an engine
+    teacher: TrainedModel | None = None
+    teacher_engine: TeacherEngine | None = None
     model_rewards: ModelRewards | None = None  # reward.model / reward.judge
     settings: dict[str, Any] | None = None  # the config as given (RunInputs.settings)
     step: int = 0
@@ -108,6 +112,8 @@ class Trainer:
             self.rollouts.close()
             if self.model_rewards is not None:
                 self.model_rewards.close()
+            if self.teacher_engine is not None:
+                self.teacher_engine.close()
 
     def _fit(self, stop: StopRequest) -> dict[str, float]:
         cfg = self.cfg
@@ -267,6 +273,9 @@ def rl_step(t: Trainer) -> dict[str, float]:
                 samples, t.cfg.algorithm.dynamic_sampling, t.cfg.data.train_batch_size
             )
             metrics.update(kept)
+        if t.teacher_engine is not None:  # distillation's teacher on an engine: every sample
+            with phases("teacher"):
+                t.teacher_engine.score(samples)
         with phases("distribute"):  # this DP rank's whole groups; from here on nothing moves
             mine, fewest_groups = take_dp_share(samples, t.mesh.dp, t.mesh.dp_rank)
             batch = collate(mine, t.tokenizer.pad_token_id) if fewest_groups else None

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from rlcli.config.schema import RLConfig
 
 
-def check_distill(cfg: RLConfig) -> None:
+def check_distill(cfg: RLConfig, world_size: int | None = None) -> None:
     """A UserError naming the key when ``distill.*`` is incomplete, out of range or combined
     with a setting it would silently ignore."""
     d = cfg.distill
@@ -58,6 +58,7 @@ def check_distill(cfg: RLConfig) -> None:
                 "leaves out of the advantage (pure distillation): set distill.reward_weight > 0 "
                 "to mix the task reward in, or turn these off"
             )
+    check_teacher_engine(cfg, world_size)
     from parallel.convert import hf_model_dir_problem
 
     problem = hf_model_dir_problem(d.teacher_path)
@@ -66,3 +67,52 @@ def check_distill(cfg: RLConfig) -> None:
             f"distill.teacher_path={d.teacher_path}: {problem} (the teacher must exist before "
             "the run: train it, e.g. rlcli sft recipes/distill_teacher.yaml, or export one)"
         )
+
+
+def check_teacher_engine(cfg: RLConfig, world_size: int | None) -> None:
+    """``distill.teacher.*``: a Megatron teacher takes the actor's layout; an engine teacher has
+    its own ``tp``, scores at temperature 1 and shares a process with the other engines."""
+    from rlcli.validation.model import check_hf_engine
+
+    d, t = cfg.distill, cfg.distill.teacher
+    if t.engine == "megatron":
+        if t.tp != 1:
+            raise UserError(
+                f"distill.teacher.tp={t.tp} is an engine teacher's (distill.teacher.engine=vllm "
+                "or hf); a megatron teacher runs in the actor's layout (parallel.tp / pp)"
+            )
+        return
+    key = f"distill.teacher.engine={t.engine}"
+    if d.offload:
+        raise UserError(
+            f"distill.offload is the megatron teacher's; with {key} the engine sleeps outside "
+            "its phase: drop distill.offload"
+        )
+    if cfg.rollout.is_separate:
+        raise UserError(
+            f"{key} with rollout.placement=separate is not supported: use "
+            "distill.teacher.engine=megatron (the teacher on the trainer's ranks)"
+        )
+    if cfg.rollout.temperature != 1.0:
+        raise UserError(
+            f"{key} scores at temperature 1 and rollout.temperature={cfg.rollout.temperature:g}: "
+            "the student's log-probs would be at another temperature than the teacher's; use "
+            "distill.teacher.engine=megatron, or rollout.temperature=1"
+        )
+    check_hf_engine("distill.teacher", t)
+    if t.tp < 1 or (world_size is not None and world_size % t.tp):
+        raise UserError(f"distill.teacher.tp={t.tp} must be >= 1 and divide the world size")
+    if t.engine == "vllm":
+        # Every vLLM engine of a process shares vLLM's parallel groups and sleep allocator.
+        for other, section in (("rollout", cfg.rollout), ("reward.judge", cfg.reward.judge)):
+            in_use = other == "rollout" or bool(cfg.reward.judge.path)
+            if in_use and section.engine == "vllm" and section.tp != t.tp:
+                raise UserError(
+                    f"distill.teacher.tp={t.tp} must equal {other}.tp={section.tp}: two vLLM "
+                    "engines in one process share vLLM's tensor-parallel groups"
+                )
+        if cfg.rollout.engine == "vllm" and cfg.rollout.sleep_level != 1:
+            raise UserError(
+                "rollout.sleep_level=2 with a vLLM teacher: vLLM's sleep allocator is shared by "
+                "every engine of a process; use rollout.sleep_level=1"
+            )

@@ -96,7 +96,7 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
         )
     check_placement(cfg)
     check_off_policy(cfg)
-    check_distill(cfg)
+    check_distill(cfg, world_size)
     if cfg.rollout.sync_bucket_mb < 0:
         raise UserError(
             f"rollout.sync_bucket_mb must be >= 0 (0: automatic), got {cfg.rollout.sync_bucket_mb}"

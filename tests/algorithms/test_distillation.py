@@ -66,3 +66,16 @@ def test_a_teacher_equal_to_the_student_gives_no_signal():
 def test_an_unknown_objective_names_the_valid_ones():
     with pytest.raises(ValueError, match="reverse_kl"):
         algorithms.get_distill_objective("forward_kl")
+
+
+def test_response_quarters_split_each_rows_generated_tokens_in_order():
+    # 8 generated tokens: two per quarter; 3 tokens with a tool token between (0 in the mask):
+    # orders 0, 1, 2 of 3 -> quarters 0, 1, 2; padding -1.
+    mask = torch.tensor(
+        [[1.0, 1, 1, 1, 1, 1, 1, 1], [1.0, 0, 1, 1, 0, 0, 0, 0], [0.0, 0, 0, 0, 0, 0, 0, 0]]
+    )
+    assert algorithms.response_quarters(mask).tolist() == [
+        [0, 0, 1, 1, 2, 2, 3, 3],
+        [0, -1, 1, 2, -1, -1, -1, -1],
+        [-1, -1, -1, -1, -1, -1, -1, -1],
+    ]

@@ -11,7 +11,9 @@ import json
 import sys
 
 from rlcli.data import PromptLoader
+from rlcli.rollout.hf_engine import HFEngine
 from rlcli.train.build import build_kl_controller, build_trainer, needs_reference
+from rlcli.train.teacher import TeacherEngine
 from rlcli.train.trainer import rl_step
 from rlcli.validation.loader import load_config
 
@@ -20,8 +22,12 @@ from rlcli.validation.loader import load_config
 DISTILL = ["distill.enable=true", "distill.teacher_path=${model.path}"]
 SAME_TEACHER = "distill_teacher_equals_student"
 
+ENGINE_TEACHER = "distill_hf_engine_teacher_equals_student"
+
 VARIANTS = {
     SAME_TEACHER: DISTILL,
+    # the same teacher on the HF engine (prompt log-probs, before the samples are shared out)
+    ENGINE_TEACHER: [*DISTILL, "distill.teacher.engine=hf"],
     "grpo": [],
     "drgrpo": ["algorithm.norm_adv_by_std=false", "actor.loss_agg_mode=seq-mean-token-sum-norm"],
     "rloo": ["algorithm.adv_estimator=rloo"],
@@ -70,10 +76,12 @@ def main(recipe: str, out_json: str, *base: str) -> None:
     # One trainer from the factory (with a reference, which some variants need); each variant
     # is the same trainer with another config, as a user would write another recipe.
     trainer = build_trainer(cfg, reference=True, logger=False)
+    engine_teacher = TeacherEngine(HFEngine(trainer.model_dir))
     results = {}
     for name, overrides in VARIANTS.items():
         variant = load_config(recipe, [*base, *overrides])
         variant.data = cfg.data  # the resolved file lists
+        engine = variant.distill.teacher.engine if variant.distill.enable else None
         run = dataclasses.replace(
             trainer,
             cfg=variant,
@@ -81,7 +89,8 @@ def main(recipe: str, out_json: str, *base: str) -> None:
                 trainer.rollouts, sampler=dataclasses.replace(trainer.rollouts.sampler, cfg=variant)
             ),
             reference=trainer.reference if needs_reference(variant) else None,
-            teacher=trainer.reference if variant.distill.enable else None,
+            teacher=trainer.reference if engine == "megatron" else None,
+            teacher_engine=engine_teacher if engine in ("hf", "vllm") else None,
             loader=PromptLoader(trainer.loader.dataset, variant.data.train_batch_size, seed=1),
             kl_ctrl=build_kl_controller(variant),
             total_steps=1,

@@ -36,7 +36,7 @@ def test_every_algorithm_runs_a_training_step(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     results = json.loads(out.read_text())
-    from tests.rlcli.algorithms_worker import SAME_TEACHER, VARIANTS
+    from tests.rlcli.algorithms_worker import ENGINE_TEACHER, SAME_TEACHER, VARIANTS
 
     assert set(results) == set(VARIANTS)
     for name, metrics in results.items():
@@ -82,9 +82,17 @@ def test_every_algorithm_runs_a_training_step(tmp_path):
     assert same["critic/advantages_abs_max"] == 0.0 and same["actor/grad_norm"] == 0.0, same
     assert same["check/max_weight_change"] == 0.0, same
     assert "timing/teacher" in same and "timing/old_log_prob" in same
+    # The same weights on the HF engine, scored before the samples are shared out: equal to
+    # Megatron's log-probs to rounding.
+    engine = results[ENGINE_TEACHER]
+    assert abs(engine["distill/reverse_kl"]) < 1e-5 and engine["distill/reverse_kl_k3"] < 1e-8
+    assert "timing/teacher" in engine
     moved = results["distill"]
     assert moved["distill/reverse_kl_k3"] > 0 and moved["actor/grad_norm"] > 0, moved
     assert moved["check/max_weight_change"] > 0, moved
+    quarters = [moved[f"distill/reverse_kl_q{q}"] for q in (1, 2, 3, 4)]
+    assert all(math.isfinite(v) for v in quarters) and max(quarters) > 0, moved
+    assert all(same[f"distill/reverse_kl_q{q}"] == 0.0 for q in (1, 2, 3, 4)), same
     assert results["grpo"]["check/max_weight_change"] > 0
     assert not any(key.startswith("distill/") for key in results["grpo"])
     # system/* every step: memory positive, utilisation a percentage

@@ -51,6 +51,20 @@ def teacher_dir(tmp_path_factory):
             "distill.reward_weight=0 leaves out",
         ),
         (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator=gae (a critic)"),
+        (["distill.teacher.tp=2"], "distill.teacher.tp=2 is an engine teacher's"),
+        (
+            ["distill.teacher.engine=hf", "distill.offload=true"],
+            "distill.offload is the megatron teacher's",
+        ),
+        (
+            ["distill.teacher.engine=vllm", "rollout.temperature=0.7"],
+            "distill.teacher.engine=vllm scores at temperature 1 and rollout.temperature=0.7",
+        ),
+        (["distill.teacher.engine=hf", "distill.teacher.tp=2"], "distill.teacher.engine=hf runs"),
+        (
+            ["distill.teacher.engine=vllm", "distill.teacher.tp=2"],
+            "distill.teacher.tp=2 must equal rollout.tp=1",
+        ),
     ],
 )
 def test_bad_distill_settings_name_the_key(overrides, message, teacher_dir):
@@ -113,3 +127,34 @@ def test_the_quickstart_recipes_load(teacher_dir):
         recipes / "distill_quickstart.yaml", ["distill.enable=false", "distill.teacher_path=null"]
     )
     assert not grpo.distill.enable
+
+
+@pytest.mark.dist
+@pytest.mark.vllm
+def test_a_tp2_vllm_teacher_grades_a_tp1_student(tmp_path):
+    """Two processes: the student trains at TP1 x DP2 (HF rollout engine), the teacher is a vLLM
+    engine at TP2 over the student's own start weights: at step 1 the two agree to rounding (the
+    engine's prompt log-probs equal Megatron's), at step 2 the student has moved."""
+    from tests.rlcli.arith_model import build_arith_model
+    from tests.rlcli.test_train_e2e import records, train
+
+    # the TINY spec of the end-to-end runs, built first: the teacher must exist at validation
+    spec = {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2}
+    model = build_arith_model(tmp_path, **spec, intermediate_size=128)
+    out = tmp_path / "run"
+    train(
+        out,
+        f"model.path={model}",
+        "rollout.engine=hf",
+        "distill.enable=true",
+        f"distill.teacher_path={model}",
+        "distill.teacher.engine=vllm",
+        "distill.teacher.tp=2",
+        "distill.teacher.kv_cache_gb=0.05",
+        "trainer.total_steps=2",
+        "checkpoint.save_freq=0",
+    )
+    first, second = [r for r in records(out) if r["step"] > 0]
+    assert abs(first["distill/reverse_kl"]) < 1e-4 and first["distill/reverse_kl_k3"] < 1e-6
+    assert second["distill/reverse_kl_k3"] > 1e-6, second
+    assert "timing/teacher" in first and "timing/ref" not in first
