@@ -55,6 +55,11 @@ from rlcli.rollout.base import (
     model_eos_token_ids,
     model_path_key,
 )
+from rlcli.rollout.vllm_cpu import (
+    name_cpu_shm_after_this_job,
+    refresh_cpu_embedding_gemm,
+    repack_cpu_experts,
+)
 
 if TYPE_CHECKING:
     from rlcli.config.schema import JudgeConfig, RolloutConfig
@@ -133,7 +138,7 @@ class VLLMEngine(RolloutEngine):
                 kv_cache_memory_bytes=int(section.kv_cache_gb * 2**30), enable_chunked_prefill=False
             )
         if self._joins_world and not self._on_gpu:
-            _name_cpu_shm_after_this_job()
+            name_cpu_shm_after_this_job()
         try:
             with _preserved_global_rng():  # vLLM reseeds the process-wide RNGs it shares
                 self._llm = LLM(**options)
@@ -238,12 +243,12 @@ class VLLMEngine(RolloutEngine):
         self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         touches_vocab = any("embed_tokens" in name or "lm_head" in name for name, _ in weights)
         if touches_vocab and not torch.cuda.is_available():
-            self._llm.collective_rpc(_refresh_cpu_embedding_gemm)
+            self._llm.collective_rpc(refresh_cpu_embedding_gemm)
         moe_layers = sorted(
             {name.partition(".experts.")[0] for name, _ in weights if ".experts." in name}
         )
         if moe_layers and not torch.cuda.is_available():
-            self._llm.collective_rpc(_repack_cpu_experts, args=(moe_layers,))
+            self._llm.collective_rpc(repack_cpu_experts, args=(moe_layers,))
         # Cached prefix KV blocks were computed with the old weights; RL prompts share prefixes
         # (and recur across steps), so stale blocks would silently skew samples and log-probs.
         self._llm.reset_prefix_cache()
@@ -307,64 +312,6 @@ def replica_options(tp: int, num_replicas: int, on_gpu: bool) -> dict:
     return options
 
 
-def _name_cpu_shm_after_this_job() -> None:
-    """vLLM-CPU names a TP group's ``/dev/shm`` file after its init method's tail, ``//`` under
-    the external launcher, so a second torchrun job with rollout.tp > 1 on the machine (or a
-    restart after a killed attempt) fails to start. vLLM has no setting for it: its naming
-    function is wrapped (once) to add the job's rendezvous port and restart count."""
-    from vllm.distributed.device_communicators import cpu_communicator
-
-    shm = cpu_communicator._CPUSHMDistributed
-    if getattr(shm.make_group_name, "_rlcli_job_name", False):
-        return
-    plain = shm.make_group_name
-
-    def make_group_name(communicator) -> str:
-        port, restart = os.environ.get("MASTER_PORT"), os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        # (no "/" inside a shared-memory name: the plain one begins with the init method's "//")
-        return f"rlcli{port}r{restart}-{plain(communicator).replace('/', '')}"
-
-    make_group_name._rlcli_job_name = True  # type: ignore[attr-defined]
-    shm.make_group_name = staticmethod(make_group_name)
-
-
-def _refresh_cpu_embedding_gemm(worker) -> None:
-    """vLLM's CPU backend packs the (tied) embedding into a oneDNN matmul handle for the LM head
-    when the model loads, and ``reload_weights`` does not repack it: the logits would keep using
-    the old embedding. Repack every embedding whose weights may have changed (measured: a
-    perturbed tied embedding left log-prob differences of ~1.9 without this, ~1e-6 with it)."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-    for module in worker.model_runner.model.modules():
-        if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
-            module.quant_method.process_weights_after_loading(module)
-
-
-def _repack_cpu_experts(worker, moe_layers: list[str]) -> None:
-    """vLLM's CPU MoE kernel runs on experts prepacked into its grouped-GEMM layout when the
-    model loads, but on a weight update (`reload_weights`) vLLM 0.32 copies the new weights in
-    unpacked: `UnquantizedFusedMoEMethod._setup_kernel` prepacks only the first time. Prepack
-    the routed experts of the layers just loaded (`moe_layers`: HF prefixes such as
-    model.layers.3.mlp; measured: log-prob differences of 0.05-0.4 nats without this, ~5e-7
-    with it)."""
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
-
-    for name, module in worker.model_runner.model.named_modules():
-        if not isinstance(module, RoutedExperts) or name.partition(".experts")[0] not in moe_layers:
-            continue
-        kernel = getattr(module.quant_method, "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if isinstance(experts, CPUUnquantizedExperts):
-            config = experts.moe_config
-            if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
-                raise NotImplementedError(
-                    f"{name}: the experts' width {config.intermediate_size_per_partition} per "
-                    "rank needs vLLM-CPU's padding, which its weight updates do not redo"
-                )
-            experts.process_weights_after_loading(module)
-
-
 @contextmanager
 def _preserved_global_rng() -> Iterator[None]:
     """Restore Python's, NumPy's and torch's global RNG states afterwards."""
@@ -397,7 +344,7 @@ def _start_error(error: Exception, model_dir: str, on_gpu: bool, key: str) -> Ex
     message = str(error)
     memory_key = f"{key}.gpu_memory_utilization" if on_gpu else f"{key}.kv_cache_gb"
     if "create shm" in message and "errno: 17" in message:
-        # (a file a killed job left with the same port: _name_cpu_shm_after_this_job)
+        # (a file a killed job left with the same port: name_cpu_shm_after_this_job)
         return UserError(
             "vLLM could not create its tensor-parallel shared memory: a file of that name "
             f"exists, most likely left by a killed run (or another {key}.tp > 1 job runs on "
