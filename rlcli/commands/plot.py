@@ -30,7 +30,17 @@ PANELS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
         ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/vf_loss", "sft/loss"),
         False,
     ),
-    ("KL", ("actor/ppo_kl", "actor/kl_to_ref", "algorithm/kl", "algorithm/kl_coef"), False),
+    (
+        "KL",
+        (
+            "actor/ppo_kl",
+            "actor/kl_to_ref",
+            "algorithm/kl",
+            "algorithm/kl_coef",
+            "distill/reverse_kl",  # to the distillation teacher, per token
+        ),
+        False,
+    ),
     (
         "seconds per phase",
         (
@@ -38,6 +48,7 @@ PANELS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
             "timing/gen",
             "timing/old_log_prob",
             "timing/ref",
+            "timing/teacher",
             "timing/values",
             "timing/update",
             "timing/update_critic",
