@@ -146,7 +146,7 @@ def build_teacher_engine(inputs: RunInputs) -> TeacherEngine:
     from rlcli.rollout.trajectory import response_limit
 
     cfg = inputs.cfg
-    path, t = cfg.distill.teacher_path, cfg.distill.teacher
+    path, teacher = cfg.distill.teacher_path, cfg.distill.teacher
     assert path is not None  # validated
     check_teacher_tokenizer(path, inputs.tokenizer)
     vocab, needed = (
@@ -158,13 +158,16 @@ def build_teacher_engine(inputs: RunInputs) -> TeacherEngine:
             f"distill.teacher_path={path} has vocab_size {vocab}, fewer than the student's "
             f"tokenizer ({needed} tokens): the teacher reads the student's token ids"
         )
-    say(inputs.mesh, f"starting the distillation teacher's {t.engine} engine (tp={t.tp}) on {path}")
+    say(
+        inputs.mesh,
+        f"starting the distillation teacher's {teacher.engine} engine (tp={teacher.tp}) on {path}",
+    )
     engine = make_engine(
-        t,
+        teacher,
         path,
         dtype=cfg.model.dtype,
         seed=cfg.trainer.seed,
-        max_model_len=t.max_model_len or (cfg.data.max_prompt_length + response_limit(cfg)),
+        max_model_len=teacher.max_model_len or (cfg.data.max_prompt_length + response_limit(cfg)),
         key="distill.teacher",
     )
     engine.sleep()  # woken for the teacher phase only
