@@ -85,13 +85,27 @@ def check_teacher_tokenizer(teacher_path: str, student: PreTrainedTokenizerBase)
         )
 
 
+def check_teacher(teacher_path: str, student: PreTrainedTokenizerBase) -> None:
+    """Before either teacher is built: it tokenises as the student, and its embedding (its
+    config.json's vocab_size) covers every id of the student's tokenizer."""
+    from rlcli.rollout.base import read_hf_config
+
+    check_teacher_tokenizer(teacher_path, student)
+    vocab = read_hf_config(teacher_path, "distill.teacher").get("vocab_size", 0)
+    if vocab < len(student):
+        raise UserError(
+            f"distill.teacher_path={teacher_path} has vocab_size {vocab}, fewer than the "
+            f"student's tokenizer ({len(student)} tokens): the teacher reads the student's ids"
+        )
+
+
 def build_teacher(inputs: RunInputs, options: ModelBuildOptions) -> TrainedModel:
     """The frozen teacher of ``distill.teacher_path``: no optimizer, the actor's micro-batches,
     the layout ``options`` of the reference."""
     cfg, mesh = inputs.cfg, inputs.mesh
     path = cfg.distill.teacher_path
     assert path is not None and mesh is not None  # validated; trainer ranks only
-    check_teacher_tokenizer(path, inputs.tokenizer)
+    check_teacher(path, inputs.tokenizer)
     say(mesh, f"building the distillation teacher (tp={mesh.tp} pp={mesh.pp}) from {path}")
     teacher = TrainedModel(
         mesh,
@@ -100,12 +114,6 @@ def build_teacher(inputs: RunInputs, options: ModelBuildOptions) -> TrainedModel
         micro_batching=MicroBatching.of(cfg.actor),
         model_options=options,
     )
-    vocab, needed = teacher.hf_config.vocab_size, len(inputs.tokenizer)
-    if vocab < needed:
-        raise UserError(
-            f"distill.teacher_path={path} has vocab_size {vocab}, fewer than the student's "
-            f"tokenizer ({needed} tokens): the teacher reads the student's token ids"
-        )
     return teacher
 
 
@@ -141,23 +149,13 @@ class TeacherEngine:
 def build_teacher_engine(inputs: RunInputs) -> TeacherEngine:
     """The engine teacher of ``distill.teacher.*`` over ``distill.teacher_path`` (tokenizer and
     vocabulary checked as for a Megatron teacher), asleep until its phase."""
-    from rlcli.rollout.base import read_hf_config
     from rlcli.rollout.factory import make_engine
     from rlcli.rollout.trajectory import response_limit
 
     cfg = inputs.cfg
     path, teacher = cfg.distill.teacher_path, cfg.distill.teacher
     assert path is not None  # validated
-    check_teacher_tokenizer(path, inputs.tokenizer)
-    vocab, needed = (
-        read_hf_config(path, "distill.teacher").get("vocab_size", 0),
-        len(inputs.tokenizer),
-    )
-    if vocab < needed:
-        raise UserError(
-            f"distill.teacher_path={path} has vocab_size {vocab}, fewer than the student's "
-            f"tokenizer ({needed} tokens): the teacher reads the student's token ids"
-        )
+    check_teacher(path, inputs.tokenizer)
     say(
         inputs.mesh,
         f"starting the distillation teacher's {teacher.engine} engine (tp={teacher.tp}) on {path}",
