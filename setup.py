@@ -23,6 +23,11 @@ install_requires = [
     "matplotlib",  # benchmark chart
     "jinja2",  # sbatch templates
     "jsonschema>=4.18",  # tool schemas (rlcli/tools/schema.py)
+    # the agent endpoint (rlcli/agents): its HTTP server, and the openai package's request and
+    # response types, which agents' own client shares
+    "fastapi",
+    "uvicorn",
+    "openai>=1.40",
 ]
 
 # Shared by the "gpu" extra and the "gpu-pins" one that tests them on CPU.

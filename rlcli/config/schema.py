@@ -125,6 +125,26 @@ class MultiTurnConfig:
 
 
 @dataclass
+class AgentOptions:
+    """Agents written against the OpenAI API (``rollout.agent``; docs/agentic.md): how many run
+    at once, how long each may take, and what a failing one costs."""
+
+    concurrency: int = 64  # agents running at once per rollout replica
+    timeout_s: float = 300.0  # per agent call; past it the agent fails (timeout)
+    # what a failed agent (raised, timed out, returned something other than a number or None)
+    # leaves: drop (its samples are not trained on) | zero (its captured calls, score 0)
+    on_failure: Literal["drop", "zero"] = "drop"
+    # the share of a step's agents that may fail before the run stops with the first error
+    max_failure_rate: float = 0.5
+    # tokens a trajectory may add after its first prompt (sampled and appended); a call past
+    # it gets an HTTP 400 error the agent should end its episode on
+    max_response_tokens: int = 1024
+    host: str = "127.0.0.1"  # where the endpoint listens (loopback unless set otherwise)
+    model_name: str = "policy"  # the model name agents pass (any other is a 404)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments to the agent
+
+
+@dataclass
 class RolloutConfig(EngineConfig):
     # colocated: every rank trains and runs an engine, in turn | separate: the last
     # rollout.num_ranks ranks only run engines, the others only train (docs/placement.md)
@@ -155,6 +175,10 @@ class RolloutConfig(EngineConfig):
     max_logprob_diff: float = 0.5  # largest allowed mean |difference| per token
     logprob_diff_action: Literal["warn", "stop"] = "warn"  # beyond it: warn | stop (exit 2)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    # An agent written against the OpenAI API, called once per sample: module:function or
+    # path/file.py:function (docs/agentic.md); None: the engine answers prompts itself
+    agent: Optional[str] = None
+    agent_options: AgentOptions = field(default_factory=AgentOptions)
 
     @property
     def is_separate(self) -> bool:

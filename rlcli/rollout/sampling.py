@@ -32,6 +32,7 @@ from rlcli.data import PromptItem
 from rlcli.errors import UserError
 from rlcli.rewards import RewardInput, RewardManager
 from rlcli.rollout.agent_loop import AgentLoop, multi_turn_metrics
+from rlcli.rollout.agents.runner import AgentRollout, AgentStats
 from rlcli.rollout.base import ReplicaInfo, RolloutEngine, SamplingConfig, awake
 from rlcli.rollout.batch import Sample, split_evenly
 from rlcli.rollout.dynamic_sampling import informative_groups
@@ -52,6 +53,8 @@ class Sampler:
     rewards: RewardManager  # the rule reward (reward.fn)
     tokenizer: PreTrainedTokenizerBase
     agent: AgentLoop | None = None  # multi-turn rollouts (rollout.multi_turn.enable)
+    agents: AgentRollout | None = None  # agents written against the OpenAI API (rollout.agent)
+    agent_stats: AgentStats | None = None  # the last ``generate``'s, summed over replicas
 
     @property
     def replica(self) -> ReplicaInfo:
@@ -73,10 +76,15 @@ class Sampler:
         ``group_offset``. With the agent loop each response is a whole trajectory."""
         replica = self.replica
         mine = split_evenly(list(enumerate(items)), replica.count)[replica.index]
+        prompts = [(group_offset + position, item) for position, item in mine]
         if self.agent is not None:
-            prompts = [(group_offset + position, item) for position, item in mine]
             trajectories = self.agent.run(self.engine, prompts, n, sampling, replica.index)
             return _gathered(trajectories, replica)
+        if self.agents is not None:
+            local, stats = self.agents.run(self.engine, prompts, n, sampling, replica.index)
+            samples, self.agent_stats = _gathered_with_stats(local, stats, replica)
+            self.agent_stats.check(self.cfg.rollout.agent_options.max_failure_rate)
+            return samples
         # Called even with no prompts: the ranks of a replica (and vLLM's groups) step together.
         with cpu_compat.suspended():  # the engine never calls megatron-core
             outputs = self.engine.generate([item.prompt_token_ids for _, item in mine], n, sampling)
@@ -98,9 +106,16 @@ class Sampler:
     def score(
         self, samples: list[Sample], step: int | None = None, texts: Sequence[str] | None = None
     ) -> dict[str, float]:
-        """``score_samples`` with the rule reward, held to ``reward.max_failure_rate``."""
+        """``score_samples`` with the rule reward, held to ``reward.max_failure_rate``. An
+        agent's trajectory is scored once: by the agent's reward, else the rule reward of its
+        last segment, which its other segments share."""
         limit = self.cfg.reward.max_failure_rate
-        return score_samples(samples, self.rewards, self.tokenizer, limit, step, texts)
+        if self.agents is None:
+            return score_samples(samples, self.rewards, self.tokenizer, limit, step, texts)
+        graded = [s for s in samples if _needs_rule_reward(s)]
+        metrics = score_samples(graded, self.rewards, self.tokenizer, limit, step)
+        share_agent_scores(samples)
+        return metrics
 
     def collect(
         self, loader: Iterator[list[PromptItem]], step: int, timer: Timer
@@ -139,6 +154,8 @@ class Sampler:
                     metrics.update(rollout_metrics(drawn_now, response_limit(cfg)))
                     metrics.update(reward_stats)
                     metrics.update(multi_turn_metrics(drawn_now))
+                    if self.agent_stats is not None:
+                        metrics.update(self.agent_stats.metrics())
                 samples += drawn_now
                 if dyn.enabled:
                     informative += len(informative_groups(drawn_now, dyn.metric))
@@ -156,15 +173,20 @@ class Sampler:
         self.score(samples, step)
         metrics = rollout_metrics(samples, response_limit(self.cfg), prefix="val/")
         metrics.update(multi_turn_metrics(samples, prefix="val/"))
+        if self.agent_stats is not None:
+            metrics.update(self.agent_stats.metrics(prefix="val/"))
         metrics["val/num_prompts"] = float(len(data))
         metrics["timing/val"] = time.perf_counter() - start
         return metrics
 
     def close(self) -> None:
-        """Free the reward workers, the agent loop's tools and the engine."""
+        """Free the reward workers, the agent loop's tools, the agents' endpoint and the
+        engine."""
         self.rewards.close()
         if self.agent is not None:
             self.agent.close()
+        if self.agents is not None:
+            self.agents.close()
         self.engine.close()
 
 
@@ -175,6 +197,49 @@ def _gathered(local: list[Sample], replica: ReplicaInfo) -> list[Sample]:
     gathered: list[list[Sample] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local if replica.is_leader else [])
     return sorted((s for part in gathered for s in part or []), key=lambda s: s.group)
+
+
+def _gathered_with_stats(
+    local: list[Sample], stats: AgentStats, replica: ReplicaInfo
+) -> tuple[list[Sample], AgentStats]:
+    """``_gathered``, and the replicas' agent counts summed (the same on every rank)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return local, stats
+    parts: list[tuple[list[Sample], AgentStats] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (local, stats) if replica.is_leader else ([], AgentStats()))
+    total = AgentStats()
+    for _, part_stats in parts:
+        total.add(part_stats)
+    samples = sorted((s for part, _ in parts for s in part), key=lambda s: s.group)
+    return samples, total
+
+
+def _needs_rule_reward(sample: Sample) -> bool:
+    """Whether the rule reward scores ``sample``: not an agent's, or the last segment of an
+    agent's trajectory whose agent returned no reward."""
+    record = sample.trajectory
+    if record is None or record.agent is None:
+        return True
+    agent = record.agent
+    return agent.reward is None and agent.segment == agent.segments - 1
+
+
+def share_agent_scores(samples: list[Sample]) -> None:
+    """Every agent segment's score: its agent's reward, else its trajectory's last segment's."""
+    scored = {
+        s.trajectory.agent.session: s
+        for s in samples
+        if s.trajectory is not None and s.trajectory.agent is not None and _needs_rule_reward(s)
+    }
+    for sample in samples:
+        agent = sample.trajectory.agent if sample.trajectory is not None else None
+        if agent is None:
+            continue
+        if agent.reward is not None:
+            sample.score = agent.reward
+        elif agent.session in scored and scored[agent.session] is not sample:
+            last = scored[agent.session]
+            sample.score, sample.extras = last.score, dict(last.extras)
 
 
 def score_samples(

@@ -56,21 +56,24 @@ def build_sampler(
     ``rollout.tp`` ranks of the engines' world), with ``rewards`` and ``agent``;
     ``read_weights``: the engine reads the checkpoint whatever ``rollout.load_format`` says (it
     samples before the trainer's first sync)."""
+    from rlcli.rollout.agents.runner import build_agent_rollout
     from rlcli.rollout.factory import make_engine
 
     cfg = inputs.cfg
     r = dataclasses.replace(cfg.rollout, load_format="auto") if read_weights else cfg.rollout
     adapters = cfg.actor.lora.enable and r.lora_sync == "adapter"
+    # A multi-turn trajectory is the prompt and up to max_response_tokens after it.
+    max_model_len = r.max_model_len or (cfg.data.max_prompt_length + response_limit(cfg))
     engine = make_engine(
         r,
         inputs.model_dir,
         dtype=cfg.model.dtype,
         seed=cfg.trainer.seed,  # engines space request seeds per replica themselves
-        # A multi-turn trajectory is the prompt and up to max_response_tokens after it.
-        max_model_len=r.max_model_len or (cfg.data.max_prompt_length + response_limit(cfg)),
+        max_model_len=max_model_len,
         max_lora_rank=cfg.actor.lora.rank if adapters else 0,
     )
-    return Sampler(cfg, engine, rewards, inputs.tokenizer, agent)
+    agents = build_agent_rollout(r, inputs.tokenizer, tokenizer_setting(cfg), max_model_len)
+    return Sampler(cfg, engine, rewards, inputs.tokenizer, agent, agents)
 
 
 def build_colocated_rollouts(

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rlcli.errors import UserError
+from rlcli.validation.agents import check_agent
 from rlcli.validation.distill import check_distill
 from rlcli.validation.model import (
     check_hf_engine,
@@ -72,6 +73,7 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
             "(algorithm.adv_estimator=gae); set trainer.critic_warmup=0"
         )
     _check_multi_turn(cfg)
+    check_agent(cfg)
     _check_logging(cfg)
     check_model_rewards(cfg, world_size)
     check_lora(cfg)
@@ -202,6 +204,9 @@ def _check_overlong(cfg: RLConfig) -> None:
     key, budget = "rollout.max_tokens", cfg.rollout.max_tokens
     if multi_turn.enable:
         key, budget = "rollout.multi_turn.max_response_tokens", multi_turn.max_response_tokens
+    if cfg.rollout.agent is not None:
+        key = "rollout.agent_options.max_response_tokens"
+        budget = cfg.rollout.agent_options.max_response_tokens
     if not 0 < overlong.buffer_len <= budget:
         raise UserError(
             f"algorithm.overlong.buffer_len={overlong.buffer_len} must be in (0, {key}={budget}]: "
