@@ -23,6 +23,7 @@ from rlcli.commands import (
     plan,
     plot,
     rm,
+    serve,
     tool,
     top,
     train,
@@ -68,6 +69,7 @@ def _options(
 app.command()(train.train)
 app.command()(train.sft)
 app.command("eval")(evaluate.eval_command)
+app.command("serve")(serve.serve_command)
 app.command()(rm.rm)
 app.command()(convert.export)
 app.command("plan")(plan.plan_command)

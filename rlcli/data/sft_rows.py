@@ -11,7 +11,7 @@ does not write. The conversation must end with an assistant message.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rlcli.data.rows import read_rows
@@ -22,6 +22,9 @@ from rlcli.errors import UserError
 class SFTConversation:
     messages: list[dict[str, Any]]
     origin: str  # file and line, for errors
+    # the row's own tools (OpenAI function schemas, the row's "tools"), rendered into its system
+    # prompt as an agent offering them would; None: the run's (rollout.multi_turn.tool_config)
+    tools: list[dict[str, Any]] | None = None
 
     @property
     def prompt(self) -> list[dict[str, Any]]:
@@ -40,7 +43,8 @@ def read_sft_rows(path: str) -> list[SFTRow]:
     rows: list[SFTRow] = []
     for location, row in read_rows(path):
         if "messages" in row:
-            rows.append(_conversation(row["messages"], str(location)))
+            conversation = _conversation(row["messages"], str(location))
+            rows.append(replace(conversation, tools=_tools(row.get("tools"), str(location))))
             continue
         for key in ("prompt", "response"):
             if not isinstance(row.get(key), str):
@@ -52,6 +56,14 @@ def read_sft_rows(path: str) -> list[SFTRow]:
     if not rows:
         raise UserError(f"{path} has no SFT rows")
     return rows
+
+
+def _tools(tools: Any, where: str) -> list[dict[str, Any]] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise UserError(f"{where}: 'tools' must be a list of OpenAI function schemas (objects)")
+    return tools
 
 
 def _conversation(messages: Any, where: str) -> SFTConversation:

@@ -79,8 +79,10 @@ def prompt_row(example: MultiplyExample, split: str, index: int) -> dict[str, An
     }
 
 
-def sft_conversation(example: MultiplyExample, use_tool: bool) -> dict[str, Any]:
-    """An SFT row: the tool-use trace, or the direct answer."""
+def sft_conversation(
+    example: MultiplyExample, use_tool: bool, tools: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """An SFT row: the tool-use trace, or the direct answer; ``tools``: the row's tools."""
     messages = [{"role": "user", "content": example.question}]
     if use_tool:
         messages += [
@@ -88,7 +90,7 @@ def sft_conversation(example: MultiplyExample, use_tool: bool) -> dict[str, Any]
             {"role": "tool", "name": "calculator", "content": str(example.a * example.b)},
         ]
     messages.append({"role": "assistant", "content": example.answer})
-    return {"messages": messages}
+    return {"messages": messages, **({"tools": tools} if tools is not None else {})}
 
 
 def write_tool_multiply_dataset(
@@ -98,10 +100,11 @@ def write_tool_multiply_dataset(
     num_sft: int = 1000,
     tool_share: float = 1.0,
     seed: int = 0,
+    tools: list[dict[str, Any]] | None = None,
 ) -> dict[str, str]:
     """Write ``train.jsonl`` / ``val.jsonl`` (prompt rows) and ``sft_train.jsonl`` (the first
-    ``num_sft`` training problems as conversations, a ``tool_share`` of them with the tool) into
-    ``out_dir``; return their paths keyed ``train``, ``val``, ``sft_train``."""
+    ``num_sft`` training problems as conversations, a ``tool_share`` of them with the tool, each
+    row listing ``tools`` when given) into ``out_dir``; return their paths keyed ``train``, ``val``, ``sft_train``."""
     train, val = tool_multiply_split(num_train, num_val, seed)
     paths = {name: os.path.join(out_dir, f"{name}.jsonl") for name in ("train", "val", "sft_train")}
     write_jsonl(paths["train"], (prompt_row(e, "train", i) for i, e in enumerate(train)))
@@ -109,6 +112,9 @@ def write_tool_multiply_dataset(
     uses_tool = np.random.default_rng([seed, 1]).random(num_sft) < tool_share
     write_jsonl(
         paths["sft_train"],
-        (sft_conversation(e, bool(u)) for e, u in zip(train[:num_sft], uses_tool, strict=True)),
+        (
+            sft_conversation(e, bool(u), tools)
+            for e, u in zip(train[:num_sft], uses_tool, strict=True)
+        ),
     )
     return paths

@@ -84,6 +84,15 @@ class Sampler:
             local, stats = self.agents.run(self.engine, prompts, n, sampling, replica.index)
             samples, self.agent_stats = _gathered_with_stats(local, stats, replica)
             self.agent_stats.check(self.cfg.rollout.agent_options.max_failure_rate)
+            failed = self.agent_stats.failed
+            if failed and (not dist.is_initialized() or dist.get_rank() == 0):
+                print(
+                    f"[rlcli] {failed} of {self.agent_stats.agents} agents failed "
+                    f"(rollout.agent_options.on_failure="
+                    f"{self.cfg.rollout.agent_options.on_failure}); first: "
+                    f"{self.agent_stats.first_error}",
+                    flush=True,
+                )
             return samples
         # Called even with no prompts: the ranks of a replica (and vLLM's groups) step together.
         with cpu_compat.suspended():  # the engine never calls megatron-core

@@ -101,11 +101,17 @@ def prepare_inputs(cfg: RLConfig) -> RunInputs:
         sft_files = [str(data_dir / "sft_train.jsonl")]
     elif cfg.data.synthetic == "tool_multiply":
         from rlcli.data.tool_task import write_tool_multiply_dataset
+        from rlcli.tools.calculator import CalculatorTool
 
         data_dir = output_dir / "data"
         if mesh.rank == 0 and not (data_dir / "val.jsonl").exists():
+            # The SFT rows list the calculator: an agent offering it (rollout.agent) sees the
+            # system prompt the model was trained with, as the built-in loop's tool config does.
             write_tool_multiply_dataset(
-                str(data_dir), seed=cfg.trainer.seed, tool_share=cfg.data.synthetic_tool_share
+                str(data_dir),
+                seed=cfg.trainer.seed,
+                tool_share=cfg.data.synthetic_tool_share,
+                tools=[CalculatorTool.schema.to_openai()],
             )
         barrier()
         cfg.data.train_files = cfg.data.train_files or [str(data_dir / "train.jsonl")]

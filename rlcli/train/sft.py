@@ -10,6 +10,7 @@ mask 1), each tool / user message rendered alone and appended (loss mask 0).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -84,16 +85,21 @@ def tokenize_conversations(
 
 
 def tokenize_rows(rows: list[SFTRow], c: RunInputs) -> list[Sample]:
-    """Pairs first, then conversations (rendered with the run's tools)."""
+    """Pairs first, then conversations (rendered with their own tools, else the run's)."""
     pairs = [row for row in rows if isinstance(row, tuple)]
     conversations = [row for row in rows if isinstance(row, SFTConversation)]
     samples = tokenize_pairs(pairs, c.tokenizer) if pairs else []
     if conversations:
         from rlcli.tools.multi_turn import prompt_tools
 
-        tools = prompt_tools(c.cfg.rollout.multi_turn)
-        renderer = MessageRenderer(c.tokenizer, tools, tokenizer_setting(c.cfg))
-        samples += tokenize_conversations(conversations, renderer, len(samples))
+        run_tools = prompt_tools(c.cfg.rollout.multi_turn)
+        by_tools: dict[str, list[SFTConversation]] = {}
+        for conversation in conversations:
+            tools = conversation.tools if conversation.tools is not None else run_tools
+            by_tools.setdefault(json.dumps(tools, sort_keys=True), []).append(conversation)
+        for key, group in by_tools.items():
+            renderer = MessageRenderer(c.tokenizer, json.loads(key), tokenizer_setting(c.cfg))
+            samples += tokenize_conversations(group, renderer, len(samples))
     return samples
 
 

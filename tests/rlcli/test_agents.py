@@ -312,3 +312,66 @@ def test_grpo_with_an_openai_agent_dp2_rollout_tp2(model_dir, tmp_path):
         assert 0 < record["multi_turn/masked_token_ratio"] < 1
     for record in (steps[0], steps[-1]):
         assert record["val/reward/accuracy"] == 1.0 and record["val/agent/calls_mean"] == 3.0
+
+
+def test_rlcli_serve_answers_the_openai_client(model_dir):
+    """``rlcli serve`` as a user starts it: a process, the HF engine, a key of the user's; the
+    chat route with tools and the completions route, then Ctrl-C."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.rlcli.test_config import REPO
+
+    port = _free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rlcli.cli",
+            "serve",
+            str(model_dir),
+            "--engine",
+            "hf",
+            "--port",
+            str(port),
+            "--api-key",
+            "sk-test",
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines = []
+        while "api key" not in "".join(lines):
+            line = proc.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-test", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["policy"]
+        reply = client.chat.completions.create(
+            model="policy",
+            messages=[{"role": "user", "content": QUESTION}],
+            tools=TOOLS,
+            temperature=0,
+        )
+        assert reply.choices[0].message.content == BAD_CALL  # what it memorised, greedy
+        text = client.completions.create(model="policy", prompt="What is", max_tokens=3)
+        assert text.choices[0].text and text.usage.completion_tokens <= 3
+    finally:
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, output
+    assert "Traceback" not in output
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
