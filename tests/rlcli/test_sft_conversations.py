@@ -92,3 +92,47 @@ def test_sft_rows_are_read_and_checked(tmp_path):
         path.write_text(json.dumps(rows[0]) + "\n" + json.dumps(bad) + "\n")
         with pytest.raises(UserError, match=f"{path}, line 2: .*{why}"):
             read_sft_rows(str(path))
+
+
+def test_a_row_with_its_own_tools_is_rendered_with_them(tokenizer, tmp_path):
+    """An SFT row's ``tools`` (the HF / TRL convention) shape its system prompt, as an agent
+    offering those tools through the endpoint sees it; rows without use the run's (none here)."""
+    from types import SimpleNamespace
+
+    from rlcli.config.schema import RLConfig
+    from rlcli.train.sft import tokenize_rows
+
+    path = tmp_path / "sft.jsonl"
+    rows = [{"messages": MESSAGES, "tools": TOOLS}, {"messages": MESSAGES}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with_tools, without = read_sft_rows(str(path))
+    assert with_tools.tools == TOOLS and without.tools is None
+    samples = tokenize_rows(
+        [with_tools, without], SimpleNamespace(cfg=RLConfig(), tokenizer=tokenizer)
+    )
+    for sample, tools in zip(samples, (TOOLS, None), strict=True):
+        rendered = tokenizer.apply_chat_template(MESSAGES, tools=tools, tokenize=False)
+        assert sample.prompt_ids + sample.response_ids + _encode(tokenizer, "\n") == _encode(
+            tokenizer, rendered
+        )
+    assert len(samples[0].prompt_ids) > len(samples[1].prompt_ids)  # the tools' system prompt
+    path.write_text(json.dumps({"messages": MESSAGES, "tools": "calculator"}) + "\n")
+    with pytest.raises(UserError, match="line 1: 'tools' must be a list of OpenAI function"):
+        read_sft_rows(str(path))
+
+
+def test_the_example_agent_offers_the_calculator_the_sft_rows_list():
+    """examples/agents/calculator_agent.py shows the model the system prompt it was trained with."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "agents" / "calculator_agent.py"
+    spec = importlib.util.spec_from_file_location("calculator_agent", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.CALCULATOR == TOOLS[0]
+    for expression in ("974 * 656", "(123 + 4) * 56", "7 / 2", "2 ** 10"):
+        assert (
+            module.calculate(expression)
+            == CalculatorTool().execute({}, {"expression": expression}).text
+        )
