@@ -12,7 +12,7 @@ import ast
 import json
 import operator
 
-from openai import DefaultHttpxClient, OpenAI
+from openai import BadRequestError, DefaultHttpxClient, OpenAI
 
 # The tool as the model saw it in its SFT conversations (the schema shapes the system prompt).
 CALCULATOR = {
@@ -75,7 +75,14 @@ def agent(base_url: str, api_key: str, model: str, row: dict, max_turns: int = 3
     client = OpenAI(base_url=base_url, api_key=api_key, http_client=_HTTP)
     messages = list(row["prompt"])
     for _ in range(max_turns):
-        reply = client.chat.completions.create(model=model, messages=messages, tools=[CALCULATOR])
+        try:
+            reply = client.chat.completions.create(
+                model=model, messages=messages, tools=[CALCULATOR]
+            )
+        except BadRequestError as error:
+            if error.code == "context_length_exceeded":  # the episode's token budget is spent
+                return None
+            raise
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:

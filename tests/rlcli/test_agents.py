@@ -276,24 +276,13 @@ def test_grpo_with_an_openai_agent_dp2_rollout_tp2(model_dir, tmp_path):
     """``rlcli train`` under torchrun: training DP2, one vLLM engine over both ranks (the
     replica's leader runs the endpoint and the agents, the other rank follows its engine calls),
     the calculator agent making its three calls per trajectory, held-out before and after."""
-    from tests.rlcli.test_multi_turn_e2e import write_rows
+    from tests.rlcli.test_multi_turn_e2e import memorised_run
     from tests.rlcli.test_train_e2e import records, train
 
     out = tmp_path / "run"
     train(
         out,
-        "data.synthetic=null",
-        f"data.train_files=[{write_rows(tmp_path / 'train.jsonl', 8)}]",
-        f"data.val_files=[{write_rows(tmp_path / 'val.jsonl', 2)}]",
-        "data.max_prompt_length=64",
-        "model.build=false",
-        f"model.path={model_dir}",
-        "actor.lr=1e-5",  # its memorised turns stay near-certain
-        "reward.fn=null",  # by data_source: the number after the last ####
-        "rollout.engine=vllm",
-        "rollout.tp=2",
-        "rollout.temperature=0.5",
-        "rollout.max_tokens=48",
+        *memorised_run(model_dir, tmp_path),
         AGENT,
         "rollout.agent_options.max_response_tokens=256",  # the conversation: 192 tokens
         "trainer.total_steps=2",

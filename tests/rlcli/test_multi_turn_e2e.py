@@ -38,13 +38,10 @@ def write_rows(path, count: int):
     return path
 
 
-@pytest.mark.dist
-@pytest.mark.vllm
-def test_grpo_with_tool_calls_dp2_rollout_tp2(tmp_path):
-    model = build_memorised_model(tmp_path / "model")
-    out = tmp_path / "run"
-    train(
-        out,
+def memorised_run(model, tmp_path) -> list[str]:
+    """The settings of a 2-step GRPO run of the memorised model on 8 rows of its question, with
+    one vLLM engine over two ranks (its trajectories: ``multi_turn_model.py``)."""
+    return [
         "data.synthetic=null",
         f"data.train_files=[{write_rows(tmp_path / 'train.jsonl', 8)}]",
         f"data.val_files=[{write_rows(tmp_path / 'val.jsonl', 2)}]",
@@ -57,6 +54,17 @@ def test_grpo_with_tool_calls_dp2_rollout_tp2(tmp_path):
         "rollout.tp=2",
         "rollout.temperature=0.5",
         "rollout.max_tokens=48",
+    ]
+
+
+@pytest.mark.dist
+@pytest.mark.vllm
+def test_grpo_with_tool_calls_dp2_rollout_tp2(tmp_path):
+    model = build_memorised_model(tmp_path / "model")
+    out = tmp_path / "run"
+    train(
+        out,
+        *memorised_run(model, tmp_path),
         "rollout.multi_turn.enable=true",
         f"rollout.multi_turn.tool_config={write_tool_config(tmp_path / 'tools.json')}",
         "rollout.multi_turn.max_response_tokens=256",  # the conversation: 192 tokens

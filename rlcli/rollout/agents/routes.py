@@ -85,6 +85,14 @@ def _token_logprobs(tokenizer: Any, ids: list[int], logprobs: list[float]) -> Ch
     )
 
 
+def _usage(prompt_ids: list[int], sampled: int) -> CompletionUsage:
+    return CompletionUsage(
+        prompt_tokens=len(prompt_ids),
+        completion_tokens=sampled,
+        total_tokens=len(prompt_ids) + sampled,
+    )
+
+
 def start_endpoint(server: AgentServer) -> AgentServer:
     """``server`` answering the routes below; returns once it accepts connections."""
     return server.start(build_app(server))
@@ -150,11 +158,7 @@ def build_app(server: AgentServer) -> FastAPI:
             created=int(time.time()),
             model=server.model_name,
             object="chat.completion",
-            usage=CompletionUsage(
-                prompt_tokens=len(prompt_ids),
-                completion_tokens=sampled,
-                total_tokens=len(prompt_ids) + sampled,
-            ),
+            usage=_usage(prompt_ids, sampled),
         ).model_dump(mode="json")
 
     async def complete(
@@ -195,11 +199,7 @@ def build_app(server: AgentServer) -> FastAPI:
             created=int(time.time()),
             model=server.model_name,
             object="text_completion",
-            usage=CompletionUsage(
-                prompt_tokens=len(prompt_ids),
-                completion_tokens=sampled,
-                total_tokens=len(prompt_ids) + sampled,
-            ),
+            usage=_usage(prompt_ids, sampled),
         ).model_dump(mode="json")
 
     async def models(session_id: str | None, authorization: str | None) -> dict:
