@@ -32,7 +32,8 @@ from rlcli.data import PromptItem
 from rlcli.errors import UserError
 from rlcli.rewards import RewardInput, RewardManager
 from rlcli.rollout.agent_loop import AgentLoop, multi_turn_metrics
-from rlcli.rollout.agents.runner import AgentRollout, AgentStats
+from rlcli.rollout.agents.runner import AgentRollout
+from rlcli.rollout.agents.stats import AgentStats
 from rlcli.rollout.base import ReplicaInfo, RolloutEngine, SamplingConfig, awake
 from rlcli.rollout.batch import Sample, split_evenly
 from rlcli.rollout.dynamic_sampling import informative_groups

@@ -364,3 +364,35 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@pytest.mark.dist
+@pytest.mark.vllm
+def test_agents_on_rollout_ranks_of_their_own_record_their_weight_version(tmp_path):
+    """``rollout.placement=separate`` with ``trainer.max_staleness=1``: the rollout rank serves
+    the endpoint and runs the agents (here through ``/v1/completions``), one step ahead of the
+    trainer; every trained sample records the weights that generated it."""
+    from tests.rlcli.test_run_survival import finish, rlcli_train, rows
+    from tests.rlcli.test_separate_placement import ASYNC, BATCH, VLLM
+
+    out = tmp_path / "run"
+    agent = "rollout.agent=tests.rlcli.openai_agents:async_numbered_agent"
+    code, output = finish(rlcli_train(out, *VLLM, *ASYNC, agent, "trainer.total_steps=3", nproc=2))
+    assert code == 0, output[-3000:]
+    logged = rows(out)
+    assert [r["step"] for r in logged] == [1, 2, 3]
+    for row in logged:
+        assert row["agent/count"] == BATCH * 4 and row["agent/failure_rate"] == 0.0, row
+        assert row["agent/calls_mean"] == 1.0
+        assert row["rollout/staleness_max"] <= 1
+    assert max(r["rollout/staleness_max"] for r in logged) == 1  # it did run ahead
+
+
+def test_the_agent_quickstart_recipe_loads(monkeypatch):
+    from rlcli.validation.loader import load_config
+    from tests.rlcli.test_config import REPO
+
+    monkeypatch.chdir(REPO)  # the recipe names the example agent by a path from the repository
+    cfg = load_config(REPO / "recipes" / "agent_quickstart.yaml")
+    assert cfg.rollout.agent == "examples/agents/calculator_agent.py:agent"
+    assert not cfg.rollout.multi_turn.enable

@@ -256,7 +256,9 @@ class AgentServer:
         return await asyncio.wrap_future(pending.future)
 
     def capture(self, session: Session | None, call: CapturedCall) -> None:
-        if session is not None:
+        """Record a returned completion in its session (not once the session is over: its
+        samples may be being made)."""
+        if session is not None and not session.closed:
             session.calls.append(call)
             session.budget -= len(call.completion_ids)
             if len(session.calls) > 1:  # the prompt's growth since the previous call counts too
