@@ -272,7 +272,9 @@ def score_samples(
     if dist.is_available() and dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()
     mine = split_evenly(samples, world)[rank]
-    if texts is None:
+    if not mine:  # (batch_decode of no sequences is not an empty list)
+        my_texts = []
+    elif texts is None:
         my_texts = tokenizer.batch_decode([s.response_ids for s in mine], skip_special_tokens=True)
     else:
         my_texts = split_evenly(list(texts), world)[rank]

@@ -377,7 +377,10 @@ def test_agents_on_rollout_ranks_of_their_own_record_their_weight_version(tmp_pa
 
     out = tmp_path / "run"
     agent = "rollout.agent=tests.rlcli.openai_agents:async_numbered_agent"
-    code, output = finish(rlcli_train(out, *VLLM, *ASYNC, agent, "trainer.total_steps=3", nproc=2))
+    budget = "rollout.agent_options.max_response_tokens=64"  # the tiny model holds 512 tokens
+    code, output = finish(
+        rlcli_train(out, *VLLM, *ASYNC, agent, budget, "trainer.total_steps=3", nproc=2)
+    )
     assert code == 0, output[-3000:]
     logged = rows(out)
     assert [r["step"] for r in logged] == [1, 2, 3]

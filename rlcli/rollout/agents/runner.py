@@ -235,9 +235,11 @@ class AgentRollout:
                 result = self.agent(**kwargs)
                 if inspect.isawaitable(result):
                     result = asyncio.run(result)
-                done.set_result(result)
+                outcome = (done.set_result, result)
             except BaseException as error:
-                done.set_exception(error)
+                outcome = (done.set_exception, error)
+            if not done.cancelled():  # cancelled: the agent ran past its timeout
+                outcome[0](outcome[1])
 
         threading.Thread(target=call, name="rlcli-agent", daemon=True).start()
         return await asyncio.wrap_future(done)
