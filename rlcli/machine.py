@@ -12,7 +12,9 @@ import platform
 import time
 
 import psutil
-import torch
+
+# torch is imported where it is used: the config commands import this module and run in a
+# couple of seconds without it.
 
 
 def cpu_model() -> str:
@@ -30,6 +32,8 @@ def cpu_model() -> str:
 
 def device_summary() -> str:
     """``"GPU: <name>"`` on CUDA, else ``"CPU: <model> (<n> torch thread(s))"``."""
+    import torch
+
     if torch.cuda.is_available():
         return f"GPU: {torch.cuda.get_device_name(0)}"
     return f"CPU: {cpu_model()} ({torch.get_num_threads()} torch thread(s))"
@@ -53,6 +57,8 @@ def make_repeatable() -> None:
     switches on torch's deterministic algorithms (an error names any op without one), cuBLAS's
     fixed workspaces and vLLM's batch-invariant kernels, at some speed. Call before CUDA or vLLM
     start."""
+    import torch
+
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if torch.cuda.is_available():  # (vLLM-CPU's attention has no batch-invariant backend)
         os.environ.setdefault("VLLM_BATCH_INVARIANT", "1")

@@ -9,6 +9,12 @@ xdist hands the groups out in the order of the collected tests, the next one to 
 runs short. The longest groups come first (``LONGEST``, longest first: the longest-processing-time
 rule), so that no long group starts near the end while the other worker has nothing left to do;
 the many short groups that follow fill the gaps. Within a group the tests keep their order.
+
+``make test-mcore19`` runs the suite again under the GPU extra's pins (Python 3.12, megatron-core
+0.19.2, PyPI's CUDA torch; transformers in the same range). The tests under ``PIN_FREE`` check
+nothing those pins change, so they are marked ``pin_free`` and run in ``make test`` only: the
+docs' command blocks (the paths they run are the end-to-end tests'), the sandbox and tool tests,
+the sbatch jobs and the benchmark harness.
 """
 
 from __future__ import annotations
@@ -39,6 +45,14 @@ LONGEST = (
 )
 
 
+PIN_FREE = (
+    TESTS / "docs",
+    TESTS / "rlcli" / "tools",
+    TESTS / "slurm",
+    TESTS / "benchmarks",
+)
+
+
 def _group_of(path: Path) -> str:
     if any(path.is_relative_to(folder) for folder in SANDBOX_USERS):
         return SANDBOX_GROUP
@@ -53,6 +67,8 @@ def _rank(group: str) -> int:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     groups = {}
     for item in items:
+        if any(Path(item.path).is_relative_to(place) for place in PIN_FREE):
+            item.add_marker(pytest.mark.pin_free)
         marker = item.get_closest_marker("xdist_group")
         if marker is None:
             groups[item] = _group_of(Path(item.path))

@@ -31,7 +31,7 @@ import shutil
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -46,7 +46,9 @@ from parallel.convert.mapping import (
     unwrap_chunk,
 )
 from parallel.cpu_compat import device
-from parallel.mesh import Mesh
+
+if TYPE_CHECKING:
+    from parallel.mesh import Mesh
 
 MAX_SHARD_BYTES = 4 * 1024**3
 TOKENIZER_FILES = (

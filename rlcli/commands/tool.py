@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from rlcli.config.schema import MultiTurnConfig
+from rlcli.config.agentic import MultiTurnConfig
 from rlcli.errors import UserError
 
 tool_app = typer.Typer(

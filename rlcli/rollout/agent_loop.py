@@ -49,7 +49,7 @@ from rlcli.tools.runner import ToolCallOutcome, tool_metrics
 from rlcli.tools.tool_config import TrajectoryTools
 
 if TYPE_CHECKING:
-    from rlcli.config.schema import MultiTurnConfig
+    from rlcli.config.agentic import MultiTurnConfig
 
 
 def turn_seed(step_seed: int, replica: int, trajectory: int, turn: int) -> int:

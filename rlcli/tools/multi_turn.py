@@ -25,7 +25,7 @@ from rlcli.tools.runner import ToolCallOutcome, ToolRunner
 from rlcli.tools.tool_config import ToolSet, load_tool_config
 
 if TYPE_CHECKING:
-    from rlcli.config.schema import MultiTurnConfig
+    from rlcli.config.agentic import MultiTurnConfig
 
 
 @dataclass(frozen=True)

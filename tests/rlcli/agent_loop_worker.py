@@ -32,7 +32,8 @@ def main(model_dir: str, tool_config: str, out: str) -> None:
 
     import algorithms
     from parallel.mesh import init_parallel
-    from rlcli.config.schema import MultiTurnConfig, RolloutConfig
+    from rlcli.config.agentic import MultiTurnConfig
+    from rlcli.config.schema import RolloutConfig
     from rlcli.data import PromptItem
     from rlcli.model.heads import ValueHead
     from rlcli.model.trained_model import MicroBatching, TrainedModel

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlcli.config.schema import MultiTurnConfig
+from rlcli.config.agentic import MultiTurnConfig
 from rlcli.data import PromptItem
 from rlcli.rewards import RewardManager, default_compute_score
 from rlcli.rollout.agent_loop import AgentLoop, multi_turn_metrics, turn_seed

@@ -114,14 +114,20 @@ def build_app(server: AgentServer) -> FastAPI:
             server.check_model(model, session)
         return session
 
-    def _finished(
-        session: Session | None, prompt_ids: list[int], completion: Completion, stop: Any
-    ) -> tuple[list[int], list[float], str, str]:
-        keep, text = cut_at_stop(tokenizer, completion, _stops(stop))
-        ids, logprobs = completion.token_ids[:keep], completion.logprobs[:keep]
-        finish = "stop" if keep < len(completion.token_ids) else completion.finish_reason
-        server.capture(session, CapturedCall(list(prompt_ids), ids, logprobs, finish))
-        return ids, logprobs, finish, text
+    async def _sample(
+        session: Session | None, prompt_ids: list[int], body: _Sampled
+    ) -> list[tuple[list[int], list[float], str, str]]:
+        """Generate for one request; per choice the kept tokens, their log-probs, the finish
+        reason and the text, each one captured for training."""
+        completions = await server.generate(server.request_for(session, prompt_ids, body), session)
+        kept = []
+        for completion in completions:
+            keep, text = cut_at_stop(tokenizer, completion, _stops(body.stop))
+            ids, logprobs = completion.token_ids[:keep], completion.logprobs[:keep]
+            finish = "stop" if keep < len(completion.token_ids) else completion.finish_reason
+            server.capture(session, CapturedCall(list(prompt_ids), ids, logprobs, finish))
+            kept.append((ids, logprobs, finish, text))
+        return kept
 
     async def chat(body: ChatRequest, session_id: str | None, authorization: str | None) -> dict:
         session = _open(session_id, authorization, body.model)
@@ -134,11 +140,10 @@ def build_app(server: AgentServer) -> FastAPI:
             if session is not None:
                 session.bad_requests += 1
             raise EndpointError(400, str(error), "invalid_request_error") from None
-        request = server.request_for(session, prompt_ids, body)
-        completions = await server.generate(request, session)
         choices, sampled = [], 0
-        for index, completion in enumerate(completions):
-            ids, logprobs, finish, text = _finished(session, prompt_ids, completion, body.stop)
+        for index, (ids, logprobs, finish, text) in enumerate(
+            await _sample(session, prompt_ids, body)
+        ):
             reply = reply_message(text, finish, bool(body.tools), server.tool_format)
             conversation.record(wanted, prompt_ids, ids, reply)
             if session is not None:
@@ -176,11 +181,10 @@ def build_app(server: AgentServer) -> FastAPI:
             prompt_ids = [int(t) for t in prompt]
         if not prompt_ids:
             raise EndpointError(400, "the prompt is empty", "invalid_request_error")
-        request = server.request_for(session, prompt_ids, body)
-        completions = await server.generate(request, session)
         choices, sampled = [], 0
-        for index, completion in enumerate(completions):
-            ids, logprobs, finish, text = _finished(session, prompt_ids, completion, body.stop)
+        for index, (ids, logprobs, finish, text) in enumerate(
+            await _sample(session, prompt_ids, body)
+        ):
             sampled += len(ids)
             tokens = tokenizer.convert_ids_to_tokens(ids)
             choices.append(

@@ -30,7 +30,8 @@ from typing import Any
 import torch.distributed as dist
 
 from parallel import cpu_compat
-from rlcli.config.schema import AgentOptions, RolloutConfig
+from rlcli.config.agentic import AgentOptions
+from rlcli.config.schema import RolloutConfig
 from rlcli.data import PromptItem
 from rlcli.errors import UserError
 from rlcli.plugins import load_user_object

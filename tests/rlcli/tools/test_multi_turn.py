@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlcli.config.schema import MultiTurnConfig
+from rlcli.config.agentic import MultiTurnConfig
 from rlcli.errors import UserError
 from rlcli.model.builder import train_tokenizer
 from rlcli.tools.multi_turn import TurnBudget, build_multi_turn
