@@ -28,19 +28,27 @@ SANDBOX_GROUP = "sandbox"
 SANDBOX_USERS = (TESTS / "rlcli" / "tools", TESTS / "docs")  # docs/agentic.md calls `python`
 
 # The groups that take longest, longest first, from the --durations of `make test` on a 2-core
-# machine (update the order when one of them changes much).
+# Intel Xeon (2026-12-06: 80 min of test time over the two workers; update the order when one of
+# them changes much).
 LONGEST = (
-    SANDBOX_GROUP,  # the docs' command blocks and the tool / sandbox tests
-    "rlcli/test_run_survival.py",
-    "rlcli/test_separate_placement.py",
-    "rlcli/test_lora_train.py",
+    SANDBOX_GROUP,  # the docs' command blocks and the tool / sandbox tests: 11 1/2 min
+    "rlcli/test_separate_placement.py",  # 5 1/2 min
     "rlcli/test_train_e2e.py",
+    "rlcli/test_run_survival.py",
+    "benchmarks/test_benchmark_smoke.py",  # one test of 4 min
+    "rlcli/test_lora_train.py",
+    "rlcli/test_train_errors.py",
+    "parallel/test_reshard.py",
     "gpu/test_gpu_path_on_cpu.py",
     "rlcli/test_ppo.py",
-    "parallel/test_reshard.py",
     "rlcli/test_run_restarts.py",
+    "rlcli/test_agents_e2e.py",
+    "rlcli/test_cli_errors.py",
+    "rlcli/test_train_moe.py",
+    "rlcli/test_sft_checkpoints.py",
+    "rlcli/test_checkpoint_resume_e2e.py",
     "parallel/test_convert_cli.py",
-    "benchmarks/test_benchmark_smoke.py",
+    "rlcli/test_reward_model_training.py",
     "parallel/test_convert_parity.py",
 )
 

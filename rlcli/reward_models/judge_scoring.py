@@ -17,13 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
-
-from parallel import cpu_compat
 from rlcli.errors import UserError
 from rlcli.rewards.judge import JudgeScoreParser, JudgeScores, render_judge_prompt
-from rlcli.rollout.base import RolloutEngine, SamplingConfig, awake
-from rlcli.rollout.batch import split_evenly
+from rlcli.rollout.base import RolloutEngine, SamplingConfig
+from rlcli.rollout.factory import across_replicas, make_engine
 
 if TYPE_CHECKING:
     from rlcli.config.schema import RLConfig
@@ -83,22 +80,16 @@ class Judge:
         """The judge's reply to each prompt, on every rank (collective: every rank calls it
         with the same prompts)."""
         ids = [self.encode(prompt) for prompt in prompts]
-        replica = self.engine.replica  # its engines are replicas of reward.judge.tp ranks
-        mine = split_evenly(list(range(len(ids))), replica.count)[replica.index]
         sampling = replace(self.sampling, seed=seed)
-        # Called even with no prompts: the ranks of one engine replica step together.
-        with awake(self.engine), cpu_compat.suspended():  # the engine never calls megatron
+
+        def generate(mine: list[int]) -> list[str]:
             outputs = self.engine.generate([ids[i] for i in mine], 1, sampling)
-        texts = self.tokenizer.batch_decode(
-            [completions[0].token_ids for completions in outputs], skip_special_tokens=True
-        )
-        local = list(zip(mine, texts, strict=True)) if replica.is_leader else []
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            parts: list[list[tuple[int, str]] | None] = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, local)
-            local = [pair for part in parts for pair in part or []]
-        by_index = dict(local)
-        return [by_index[i] for i in range(len(prompts))]
+            return self.tokenizer.batch_decode(
+                [completions[0].token_ids for completions in outputs], skip_special_tokens=True
+            )
+
+        # its engines are replicas of reward.judge.tp ranks
+        return across_replicas(self.engine, len(ids), generate)
 
     def score(self, samples: list[Sample], policy_tokenizer: Any, seed: int) -> JudgeScores:
         """Every sample's judge score (the parser's default where a reply has none: counted in
@@ -114,7 +105,6 @@ def build_judge(cfg: RLConfig) -> Judge:
 
     from rlcli.data.chat import uses_chat_template
     from rlcli.rewards.judge import judge_template
-    from rlcli.rollout.factory import make_engine
 
     j = cfg.reward.judge
     template, parser = judge_template(j), JudgeScoreParser.of(j)

@@ -11,10 +11,18 @@ subclassing ``rlcli.rollout.base.RolloutEngine`` in its own module, adding its n
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
+from typing import TypeVar
 
+import torch.distributed as dist
+
+from parallel import cpu_compat
 from rlcli.config.schema import JudgeConfig, RolloutConfig
 from rlcli.errors import UserError
-from rlcli.rollout.base import RolloutEngine, read_hf_config
+from rlcli.rollout.base import RolloutEngine, awake, read_hf_config
+from rlcli.rollout.batch import split_evenly
+
+Result = TypeVar("Result")
 
 
 def make_engine(
@@ -62,3 +70,24 @@ def make_engine(
     from rlcli.rollout.hf_engine import HFEngine
 
     return HFEngine(model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len, key=key)
+
+
+def across_replicas(
+    engine: RolloutEngine, count: int, work: Callable[[list[int]], list[Result]]
+) -> list[Result]:
+    """Items ``0 .. count - 1`` split over the engine's replicas: each replica runs ``work`` on
+    its share (the indices) with the engine awake, and every rank gets all results in item
+    order (collective: every rank calls it with the same ``count``). A judge and a distillation
+    teacher each serve a phase of the step this way."""
+    replica = engine.replica
+    mine = split_evenly(list(range(count)), replica.count)[replica.index]
+    # Called even with nothing to do: the ranks of one engine replica step together.
+    with awake(engine), cpu_compat.suspended():  # the engine never calls megatron
+        results = work(mine)
+    local = list(zip(mine, results, strict=True)) if replica.is_leader else []
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        parts: list[list[tuple[int, Result]] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, local)
+        local = [pair for part in parts for pair in part or []]
+    by_index = dict(local)
+    return [by_index[i] for i in range(count)]

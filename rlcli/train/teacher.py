@@ -16,14 +16,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-
-from parallel import cpu_compat
 from rlcli.console import say
 from rlcli.errors import UserError
 from rlcli.model.trained_model import MicroBatching, TrainedModel
-from rlcli.rollout.base import RolloutEngine, awake
-from rlcli.rollout.batch import Sample, split_evenly
+from rlcli.rollout.base import RolloutEngine
+from rlcli.rollout.batch import Sample
+from rlcli.rollout.factory import across_replicas, make_engine
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -126,21 +124,16 @@ class TeacherEngine:
     def score(self, samples: list[Sample]) -> None:
         """Fill every sample's ``teacher_log_probs`` (its response tokens'), on every rank
         (collective: every rank calls it with the same samples)."""
-        replica = self.engine.replica
-        mine = split_evenly(list(range(len(samples))), replica.count)[replica.index]
-        sequences = [samples[i].prompt_ids + samples[i].response_ids for i in mine]
-        # Called even with nothing to score: the ranks of one engine replica step together.
-        with awake(self.engine), cpu_compat.suspended():  # the engine never calls megatron
-            scored = self.engine.sequence_log_probs(sequences)
-        local = list(zip(mine, scored, strict=True)) if replica.is_leader else []
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            parts: list[list[tuple[int, list[float]]] | None] = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, local)
-            local = [pair for part in parts for pair in part or []]
-        by_index = dict(local)
+        scored = across_replicas(
+            self.engine,
+            len(samples),
+            lambda mine: self.engine.sequence_log_probs(
+                [samples[i].prompt_ids + samples[i].response_ids for i in mine]
+            ),
+        )
         for i, sample in enumerate(samples):
             # position p of a sequence scores token p + 1: the response starts at the prompt's end
-            sample.teacher_log_probs = by_index[i][len(sample.prompt_ids) - 1 :]
+            sample.teacher_log_probs = scored[i][len(sample.prompt_ids) - 1 :]
 
     def close(self) -> None:
         self.engine.close()
@@ -149,7 +142,6 @@ class TeacherEngine:
 def build_teacher_engine(inputs: RunInputs) -> TeacherEngine:
     """The engine teacher of ``distill.teacher.*`` over ``distill.teacher_path`` (tokenizer and
     vocabulary checked as for a Megatron teacher), asleep until its phase."""
-    from rlcli.rollout.factory import make_engine
     from rlcli.rollout.trajectory import response_limit
 
     cfg = inputs.cfg
