@@ -48,7 +48,7 @@ def rm(recipe: Path = RECIPE, overrides: Optional[list[str]] = OVERRIDES, nproc:
         relaunch_under_torchrun(nproc, without_nproc(sys.argv[1:]))
 
     from parallel.mesh import destroy_parallel, init_parallel
-    from rlcli.train.build import model_options
+    from rlcli.train.inputs import model_options
     from rlcli.train.reward_model import train_reward_model
 
     mesh = init_parallel(

@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import algorithms
-from parallel.model_options import ModelBuildOptions, MoeOptions, Recompute
-from rlcli.config.schema import RLConfig, TrainedModelConfig, to_dict
+from rlcli.config.schema import RLConfig, to_dict
 from rlcli.console import say
 from rlcli.errors import UserError
 from rlcli.model.heads import ValueHead
@@ -40,7 +39,7 @@ from rlcli.train.build_rollouts import (
     build_streamed_rollouts,
     planned_steps,
 )
-from rlcli.train.inputs import RunInputs, prepare_inputs
+from rlcli.train.inputs import RunInputs, model_options, prepare_inputs
 from rlcli.train.save_resume import CheckpointedModel, RunCheckpoints, replacing_folder
 from rlcli.train.teacher import build_teacher, build_teacher_engine
 from rlcli.train.trainer import Trainer
@@ -365,24 +364,6 @@ def build_critic(inputs: RunInputs, total_steps: int) -> TrainedModel:
             f"tokenizer ({actor_vocab} tokens): the critic reads the actor's token ids"
         )
     return critic
-
-
-def model_options(cfg: RLConfig, section: TrainedModelConfig | None = None) -> ModelBuildOptions:
-    """``parallel.model.build_model``'s layout options from the config; a model that trains
-    adds its own activation recomputation (``section``: its ``actor`` / ``critic`` section)."""
-    m = cfg.model
-    recompute = Recompute()
-    if section is not None:
-        recompute = Recompute(
-            section.recompute, section.recompute_method, section.recompute_num_layers
-        )
-    return ModelBuildOptions(
-        sequence_parallel=cfg.parallel.sequence_parallel,
-        transformer_impl=m.transformer_impl,
-        attention_backend=m.attention_backend,
-        recompute=recompute,
-        moe=MoeOptions(m.moe_aux_loss_coef, m.moe_load_balancing, m.moe_token_dispatcher),
-    )
 
 
 def needs_reference(cfg: RLConfig) -> bool:

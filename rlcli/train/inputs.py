@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from parallel.mesh import Mesh, init_parallel
+from parallel.model_options import ModelBuildOptions, MoeOptions, Recompute
 from parallel.roles import RoleWorld, init_role_world
-from rlcli.config.schema import RLConfig
+from rlcli.config.schema import RLConfig, TrainedModelConfig
 from rlcli.data import PromptDataset
 from rlcli.errors import UserError
 from rlcli.run.resume_plan import run_settings
@@ -168,3 +169,21 @@ def _build_model(cfg: RLConfig, model_dir: str, sft_files: list[str]) -> None:
             "data.synthetic=tool_multiply"
         )
     build_model_dir(cfg.model.spec, model_dir, corpus, seed=cfg.trainer.seed)
+
+
+def model_options(cfg: RLConfig, section: TrainedModelConfig | None = None) -> ModelBuildOptions:
+    """``parallel.model.build_model``'s layout options from the config; a model that trains
+    adds its own activation recomputation (``section``: its ``actor`` / ``critic`` section)."""
+    m = cfg.model
+    recompute = Recompute()
+    if section is not None:
+        recompute = Recompute(
+            section.recompute, section.recompute_method, section.recompute_num_layers
+        )
+    return ModelBuildOptions(
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        transformer_impl=m.transformer_impl,
+        attention_backend=m.attention_backend,
+        recompute=recompute,
+        moe=MoeOptions(m.moe_aux_loss_coef, m.moe_load_balancing, m.moe_token_dispatcher),
+    )

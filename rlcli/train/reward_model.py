@@ -176,7 +176,7 @@ def train_reward_model(
 ) -> RewardModelReport:
     """Train, evaluate, checkpoint and export a reward model as ``cfg.rm`` says (module
     docstring); `model_options`: its ``parallel.model.build_model`` layout options (the actor's:
-    ``rlcli.train.build.model_options(cfg, cfg.actor)``); `init_path` (the RLHF stage of ``rlcli
+    ``rlcli.train.inputs.model_options(cfg, cfg.actor)``); `init_path` (the RLHF stage of ``rlcli
     train``: the SFT policy) replaces ``rm.init_path``; `extra_pairs`: training and held-out
     pair files added to ``rm.*``'s (``rlcli.train.on_policy_pairs``). Collective: every rank of `mesh`
     calls it with the same config."""

@@ -143,11 +143,26 @@ def test_smoke_benchmark_writes_json_markdown_and_chart(tmp_path):
     # Phases partition the step: a phase counted twice (nested timers) would exceed 100%.
     assert sum(p["share"] for p in grpo["phases"].values()) == pytest.approx(1.0)
 
+    placement = results["placement"]
+    assert set(placement["runs"]) == {"colocated", "separate_sync", "separate_staleness_1"}
+    for name, run in placement["runs"].items():
+        assert run["steps"] == placement["steps"] == workload.placement_steps, name
+        assert 0 <= run["trainer_idle_share"] <= 1 and 0 <= run["engine_idle_share"] <= 1, run
+        assert run["accuracy_gain_per_s"] == pytest.approx(
+            (run["accuracy_after"] - run["accuracy_before"]) / run["train_seconds"]
+        )
+    runs = placement["runs"]
+    assert runs["colocated"]["staleness_max"] == runs["separate_sync"]["staleness_max"] == 0
+    assert runs["separate_staleness_1"]["staleness_max"] <= 1
+    assert placement["staleness_1_over_separate_sync"] == pytest.approx(
+        runs["separate_staleness_1"]["steps_per_s"] / runs["separate_sync"]["steps_per_s"]
+    )
+
     table = outputs.files["md"].read_text()
     for fragment in ("rollout new tokens/s", "weight sync", "actor update tokens/s", "GRPO step",
                      "Peak memory per phase", "actor update with LoRA",
                      "LoRA weight sync into vLLM", "core attention, same batch",
-                     "packed"):  # fmt: skip
+                     "packed", "separate 1 + 1, staleness 1"):  # fmt: skip
         assert fragment in table, fragment
 
 
