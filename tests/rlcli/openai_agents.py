@@ -56,6 +56,75 @@ def calculator_agent(base_url, api_key, model, row):
     return None
 
 
+def streaming_calculator_agent(base_url, api_key, model, row):
+    """``calculator_agent`` with ``stream=True``, reading each reply as a streaming client does
+    (content and tool-call deltas joined); keeps per call (content, tool calls, finish reason,
+    log-probs, usage) in ``RECEIVED``."""
+    client = _client(base_url, api_key)
+    messages = list(row["prompt"])
+    got = RECEIVED.setdefault(row["index"], [])
+    for _ in range(4):
+        stream = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            tools=TOOLS,
+            logprobs=True,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        content, calls, finish, log_probs, usage = "", {}, None, [], None
+        for chunk in stream:
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                for call in choice.delta.tool_calls or []:
+                    joined = calls.setdefault(call.index, {"id": call.id, "name": "", "args": ""})
+                    joined["name"] += call.function.name or ""
+                    joined["args"] += call.function.arguments or ""
+                if choice.logprobs is not None:
+                    log_probs += [t.logprob for t in choice.logprobs.content or []]
+                finish = choice.finish_reason or finish
+        got.append((content or None, list(calls.values()), finish, log_probs, usage))
+        message = {"role": "assistant", "content": content or None}
+        if calls:
+            message["tool_calls"] = [
+                {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["args"]}}
+                for c in calls.values()
+            ]  # fmt: skip
+        messages.append(message)
+        for call in calls.values():
+            result = CalculatorTool().execute({}, json.loads(call["args"])).text
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call["id"],
+                    "name": "calculator",
+                    "content": result,
+                }
+            )
+        if not calls and "<tool_call>" in content:
+            error = parse_hermes(content).calls[0].error
+            messages.append({"role": "tool", "name": "calculator", "content": error})
+        elif not calls:
+            return None
+    return None
+
+
+async def streaming_text_agent(base_url, api_key, model, row):
+    """One streamed ``/v1/completions`` call; keeps the joined text and finish reason."""
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    stream = await client.completions.create(
+        model=model, prompt=f"row {row['index']}", max_tokens=4, stream=True
+    )
+    text, finish = "", None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.text
+            finish = choice.finish_reason or finish
+    RECEIVED.setdefault(row["index"], []).append((text, finish))
+    return float(row["index"])
+
+
 def editing_agent(base_url, api_key, model, row):
     """Calls twice, but rewrites its first answer before the second call: a split."""
     client = _client(base_url, api_key)

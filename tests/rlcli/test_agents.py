@@ -146,6 +146,32 @@ def test_a_tool_calling_agent_gives_one_sample_of_exactly_the_sampled_tokens(mod
     assert sample.score == 1.0
 
 
+def test_a_streaming_agent_reads_what_a_plain_one_reads_and_trains_the_same_tokens(model):
+    """``stream=true``: the OpenAI client reassembles the same replies from the events (content,
+    tool-call deltas, finish reasons, log-probs, the usage chunk), and the run captures the same
+    sample as without streaming."""
+    plain, _, _ = _run(model, "calculator_agent")
+    samples, stats, engine = _run(model, "streaming_calculator_agent")
+    assert stats.agents == 1 and stats.failed == 0 and stats.calls == 3 and stats.splits == 0
+    assert samples[0].prompt_ids == plain[0].prompt_ids
+    assert samples[0].response_ids == plain[0].response_ids
+    assert samples[0].loss_mask == plain[0].loss_mask
+    replies = openai_agents.RECEIVED[0]
+    assert [r[0] for r in replies] == [BAD_CALL, None, ANSWER]
+    assert [r[2] for r in replies] == ["stop", "tool_calls", "stop"]
+    (call,) = replies[1][1]
+    assert call["name"] == "calculator"
+    assert json.loads(call["args"]) == {"expression": "347 * 582"}
+    for reply, returned in zip(replies, engine.returned, strict=True):
+        assert reply[3] == pytest.approx(returned.logprobs, abs=1e-6)
+        assert reply[4].completion_tokens == len(returned.token_ids)
+    samples, stats, _ = _run(model, "streaming_text_agent", prompts=2)
+    assert stats.failed == 0
+    for sample in samples:
+        text, finish = openai_agents.RECEIVED[sample.group][0]
+        assert text == sample.trajectory.solution_str and finish in ("stop", "length")
+
+
 def test_an_agent_that_edits_its_history_gives_two_samples_and_a_counted_split(model):
     tokenizer = model[0]
     samples, stats, engine = _run(model, "editing_agent", prompts=2)

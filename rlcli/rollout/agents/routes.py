@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict
 from rlcli.rollout.agents.capture import CapturedCall
 from rlcli.rollout.agents.chat import BadRequest, Conversation, reply_message
 from rlcli.rollout.agents.server import AgentServer, EndpointError, Session
+from rlcli.rollout.agents.streaming import stream_chat, stream_text
 
 if TYPE_CHECKING:
     from rlcli.rollout.base import Completion
@@ -38,6 +39,8 @@ class _Sampled(BaseModel):
     max_completion_tokens: int | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
 
 
 class ChatRequest(_Sampled):
@@ -129,7 +132,7 @@ def build_app(server: AgentServer) -> FastAPI:
             kept.append((ids, logprobs, finish, text))
         return kept
 
-    async def chat(body: ChatRequest, session_id: str | None, authorization: str | None) -> dict:
+    async def chat(body: ChatRequest, session_id: str | None, authorization: str | None) -> Any:
         session = _open(session_id, authorization, body.model)
         conversation = session.conversation if session is not None else None
         if conversation is None:
@@ -157,18 +160,21 @@ def build_app(server: AgentServer) -> FastAPI:
                     logprobs=_token_logprobs(tokenizer, ids, logprobs) if body.logprobs else None,
                 )
             )
-        return ChatCompletion(
+        response = ChatCompletion(
             id=f"chatcmpl-{uuid.uuid4().hex}",
             choices=choices,
             created=int(time.time()),
             model=server.model_name,
             object="chat.completion",
             usage=_usage(prompt_ids, sampled),
-        ).model_dump(mode="json")
+        )
+        if body.stream:
+            return stream_chat(response, body.stream_options)
+        return response.model_dump(mode="json")
 
     async def complete(
         body: CompletionRequest, session_id: str | None, authorization: str | None
-    ) -> dict:
+    ) -> Any:
         session = _open(session_id, authorization, body.model)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
@@ -197,44 +203,47 @@ def build_app(server: AgentServer) -> FastAPI:
                     else None,
                 )
             )
-        return TextCompletion(
+        response = TextCompletion(
             id=f"cmpl-{uuid.uuid4().hex}",
             choices=choices,
             created=int(time.time()),
             model=server.model_name,
             object="text_completion",
             usage=_usage(prompt_ids, sampled),
-        ).model_dump(mode="json")
+        )
+        if body.stream:
+            return stream_text(response, body.stream_options)
+        return response.model_dump(mode="json")
 
     async def models(session_id: str | None, authorization: str | None) -> dict:
         _open(session_id, authorization, None)
         model = Model(id=server.model_name, created=0, object="model", owned_by="rlcli")
         return {"object": "list", "data": [model.model_dump(mode="json")]}
 
-    @app.post("/s/{session_id}/v1/chat/completions")
+    @app.post("/s/{session_id}/v1/chat/completions", response_model=None)
     async def session_chat(
         session_id: str, body: ChatRequest, authorization: str | None = Header(None)
-    ) -> dict:
+    ) -> Any:
         return await chat(body, session_id, authorization)
 
-    @app.post("/s/{session_id}/v1/completions")
+    @app.post("/s/{session_id}/v1/completions", response_model=None)
     async def session_complete(
         session_id: str, body: CompletionRequest, authorization: str | None = Header(None)
-    ) -> dict:
+    ) -> Any:
         return await complete(body, session_id, authorization)
 
     @app.get("/s/{session_id}/v1/models")
     async def session_models(session_id: str, authorization: str | None = Header(None)) -> dict:
         return await models(session_id, authorization)
 
-    @app.post("/v1/chat/completions")
-    async def open_chat(body: ChatRequest, authorization: str | None = Header(None)) -> dict:
+    @app.post("/v1/chat/completions", response_model=None)
+    async def open_chat(body: ChatRequest, authorization: str | None = Header(None)) -> Any:
         return await chat(body, None, authorization)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None)
     async def open_complete(
         body: CompletionRequest, authorization: str | None = Header(None)
-    ) -> dict:
+    ) -> Any:
         return await complete(body, None, authorization)
 
     @app.get("/v1/models")
