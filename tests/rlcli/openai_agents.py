@@ -159,6 +159,21 @@ async def async_numbered_agent(base_url, api_key, model, row):
     return float(row["index"])
 
 
+def top_logprobs_agent(base_url, api_key, model, row):
+    """Asks for top_logprobs (not served: a 400), then calls without them."""
+    from openai import BadRequestError
+
+    client = _client(base_url, api_key)
+    try:
+        client.chat.completions.create(
+            model=model, messages=row["prompt"], max_tokens=4, logprobs=True, top_logprobs=2
+        )
+    except BadRequestError as error:
+        RECEIVED.setdefault(row["index"], []).append(error.message)
+    client.chat.completions.create(model=model, messages=row["prompt"], max_tokens=4)
+    return 1.0
+
+
 def failing_agent(base_url, api_key, model, row):
     """Odd rows: calls the model, then raises; even rows: asks for a model that does not exist."""
     client = _client(base_url, api_key)

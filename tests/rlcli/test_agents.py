@@ -234,6 +234,13 @@ def test_an_agent_past_its_timeout_is_counted(model, agent):
     assert stats.timeouts == 2 and "timeout_s=0.5" in stats.first_error
 
 
+def test_top_logprobs_are_refused_not_left_empty(model):
+    samples, stats, _ = _run(model, "top_logprobs_agent")
+    assert stats.failed == 0 and stats.bad_requests == 1 and len(samples) == 1
+    (message,) = openai_agents.RECEIVED[0]
+    assert "top_logprobs is not served" in message
+
+
 def test_the_endpoint_wants_the_run_key_and_a_session(model):
     _, _, server = model
     with pytest.raises(AuthenticationError):

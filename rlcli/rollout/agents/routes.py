@@ -47,6 +47,7 @@ class ChatRequest(_Sampled):
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 class CompletionRequest(_Sampled):
@@ -134,6 +135,16 @@ def build_app(server: AgentServer) -> FastAPI:
 
     async def chat(body: ChatRequest, session_id: str | None, authorization: str | None) -> Any:
         session = _open(session_id, authorization, body.model)
+        if body.top_logprobs:
+            if session is not None:
+                session.bad_requests += 1
+            raise EndpointError(
+                400,
+                "top_logprobs is not served: the engines return the sampled token's log-prob "
+                "only (logprobs=true gives it per token)",
+                "invalid_request_error",
+                "unsupported_parameter",
+            )
         conversation = session.conversation if session is not None else None
         if conversation is None:
             conversation = Conversation(server.renderers)
