@@ -10,6 +10,7 @@ helper, which ``rlcli``'s reward functions and tool-call formats use too).
 
 from algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
+    OUTCOME_GROUP_ESTIMATORS,
     get_advantage_estimator,
     register_advantage_estimator,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "distillation_advantages",
     "filter_groups",
     "get_advantage_estimator",
+    "OUTCOME_GROUP_ESTIMATORS",
     "get_distill_objective",
     "get_kl_controller",
     "get_off_policy_correction",

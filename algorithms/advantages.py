@@ -43,6 +43,9 @@ ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimat
 register_advantage_estimator = ADVANTAGE_ESTIMATORS.register
 # The estimator registered under a name; ValueError listing the valid names otherwise.
 get_advantage_estimator = ADVANTAGE_ESTIMATORS.lookup
+# The estimators whose advantage is one number per sample, computed from the outcome scores of
+# its group: one sample per trajectory is what their group statistics assume.
+OUTCOME_GROUP_ESTIMATORS = frozenset({"grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg"})
 
 
 def _outcome_scores(token_level_rewards: torch.Tensor) -> torch.Tensor:

@@ -73,6 +73,8 @@ class RolloutBatch(MicroBatch):
     - ``engine_log_probs [B, R]`` float32: the engine's log-probs of the sampled tokens (the
       behaviour policy); 0 where ``loss_mask`` is 0.
     - ``group_index [B]`` int64, ``scores [B]`` and ``reward_baselines [B]`` float32.
+    - ``trajectory_index [B]`` int64: the rows of one trajectory share it (an agent's trajectory
+      split into segments: ``rlcli.rollout.agents.capture``); otherwise every row has its own.
     - ``staleness [B]`` int64: weight versions between the weights that generated the row and
       the trainer's (0: on-policy; up to ``trainer.max_staleness`` with asynchronous rollouts).
 
@@ -88,6 +90,7 @@ class RolloutBatch(MicroBatch):
     response_index: torch.Tensor = response_field()
     engine_log_probs: torch.Tensor = response_field()
     group_index: torch.Tensor = row_field()
+    trajectory_index: torch.Tensor = row_field()
     scores: torch.Tensor = row_field()
     reward_baselines: torch.Tensor = row_field()
     staleness: torch.Tensor = row_field()
@@ -147,10 +150,22 @@ def collate(samples: list[Sample], pad_id: int) -> RolloutBatch:
         loss_mask=loss_mask,
         engine_log_probs=engine_log_probs,
         group_index=torch.tensor([s.group for s in samples], dtype=torch.long),
+        trajectory_index=_trajectory_index(samples),
         scores=torch.tensor([s.score for s in samples], dtype=torch.float32),
         reward_baselines=torch.tensor([s.reward_baseline for s in samples], dtype=torch.float32),
         staleness=torch.tensor([s.staleness for s in samples], dtype=torch.long),
     )
+
+
+def _trajectory_index(samples: list[Sample]) -> torch.Tensor:
+    """``[B]``: one id per trajectory, shared by the segments of a split agent trajectory."""
+    ids: dict[object, int] = {}
+    index = []
+    for row, s in enumerate(samples):
+        agent = s.trajectory.agent if s.trajectory is not None else None
+        key = ("agent", agent.session) if agent is not None else row
+        index.append(ids.setdefault(key, len(ids)))
+    return torch.tensor(index, dtype=torch.long)
 
 
 def _teacher_log_probs(samples: list[Sample], resp_len: int) -> torch.Tensor | None:

@@ -67,19 +67,7 @@ def compute_advantages(
             batch_sum=stats.sum,
         )
         metrics.update({k: float(v) for k, v in kl_metrics.items()})
-    estimator = algorithms.get_advantage_estimator(algo.adv_estimator)
-    advantages, returns = estimator(
-        token_level_rewards=rewards,
-        response_mask=batch.loss_mask,
-        group_index=batch.group_index,
-        values=batch.values,
-        gamma=algo.gamma,
-        lam=algo.lam,
-        reward_baselines=batch.reward_baselines,
-        epsilon=algo.epsilon,
-        norm_adv_by_std=algo.norm_adv_by_std,
-        batch_sum=stats.sum,
-    )
+    advantages, returns = _estimate(batch, cfg, rewards, stats)
     if cfg.distill.enable:
         advantages, distill_metrics = distilled_advantages(batch, cfg, advantages, stats)
         returns = advantages
@@ -90,6 +78,50 @@ def compute_advantages(
     metrics["critic/advantages_mean"] = (total[0] / (total[1] + 1e-8)).item()
     metrics["critic/advantages_abs_max"] = stats.max((advantages.abs() * mask).max()).item()
     return metrics
+
+
+def _estimate(
+    batch: RolloutBatch, cfg: RLConfig, rewards: torch.Tensor, stats: DataParallelStats
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``algorithm.adv_estimator`` on the batch. An outcome-group estimator (GRPO, RLOO, ...)
+    sees one row per trajectory: an agent trajectory split into segments would otherwise count
+    once per segment in its group's mean and spread. Its last segment stands for it (every
+    segment carries the trajectory's score) and its advantage goes to all its segments."""
+    algo = cfg.algorithm
+    rows = _last_row_of_each_trajectory(batch.trajectory_index)
+    split = len(rows) < len(batch.trajectory_index)
+    if not (split and algo.adv_estimator in algorithms.OUTCOME_GROUP_ESTIMATORS):
+        rows = None
+    pick = (lambda t: t) if rows is None else (lambda t: None if t is None else t[rows])
+    estimator = algorithms.get_advantage_estimator(algo.adv_estimator)
+    advantages, returns = estimator(
+        token_level_rewards=pick(rewards),
+        response_mask=pick(batch.loss_mask),
+        group_index=pick(batch.group_index),
+        values=pick(batch.values),
+        gamma=algo.gamma,
+        lam=algo.lam,
+        reward_baselines=pick(batch.reward_baselines),
+        epsilon=algo.epsilon,
+        norm_adv_by_std=algo.norm_adv_by_std,
+        batch_sum=stats.sum,
+    )
+    if rows is None:
+        return advantages, returns
+    mask = batch.loss_mask[rows]
+    # one number per trajectory (the estimator gives it to each of its row's tokens)
+    per_trajectory = algorithms.masked_sum(advantages, mask, dim=-1) / mask.sum(-1).clamp(min=1)
+    by_id = dict(zip(batch.trajectory_index[rows].tolist(), per_trajectory.tolist(), strict=True))
+    row_values = torch.tensor([by_id[t] for t in batch.trajectory_index.tolist()])
+    full = row_values.unsqueeze(-1) * batch.loss_mask
+    return full, full
+
+
+def _last_row_of_each_trajectory(trajectory_index: torch.Tensor) -> torch.Tensor:
+    last: dict[int, int] = {}
+    for row, trajectory in enumerate(trajectory_index.tolist()):
+        last[trajectory] = row
+    return torch.tensor(sorted(last.values()), dtype=torch.long)
 
 
 def distilled_advantages(

@@ -65,3 +65,48 @@ def test_an_overlong_buffer_beyond_the_response_budget_is_refused_at_config_time
     with pytest.raises(UserError, match=r"buffer_len=64 must be in \(0, rollout.max_tokens=32\]"):
         load_config(None, [*overlong, "algorithm.overlong.buffer_len=64"])
     load_config(None, [*overlong, "algorithm.overlong.buffer_len=32"])
+
+
+def _agent_sample(group: int, session: str, score: float, segment: int, segments: int) -> Sample:
+    from rlcli.rollout.trajectory import AgentRecord, TrajectoryRecord
+
+    record = TrajectoryRecord([], "", 1, agent=AgentRecord(session, None, segment, segments))
+    return Sample(group, [1, 2], [5, 6, 7], [0.0] * 3, "stop", None, score, trajectory=record)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_a_split_agent_trajectory_counts_once_in_its_group(estimator):
+    """Group 0: trajectory A split into two segments (score 1 on each), B and C (score 0).
+    Worked by hand over the three trajectories, scores [1, 0, 0]: GRPO's mean 1/3, unbiased std
+    sqrt(1/3), so A gets (2/3) / sqrt(1/3) and B, C get -(1/3) / sqrt(1/3); RLOO's leave-one-out
+    baselines give A 1 - 0 = 1, B and C 0 - 1/2. Counting A's segments as two samples would
+    give GRPO +-0.866 and RLOO 1 - 1/3 for A instead."""
+    import algorithms
+    from rlcli.train.advantages import compute_advantages
+
+    cfg = RLConfig()
+    cfg.algorithm.adv_estimator = estimator
+    samples = [
+        _agent_sample(0, "a", 1.0, 0, 2),
+        _agent_sample(0, "a", 1.0, 1, 2),
+        _agent_sample(0, "b", 0.0, 0, 1),
+        _agent_sample(0, "c", 0.0, 0, 1),
+    ]
+    batch = collate(samples, pad_id=0)
+    assert batch.trajectory_index.tolist() == [0, 0, 1, 2]
+
+    class NoDataParallel:
+        def sum(self, tensor):
+            return tensor
+
+        def max(self, tensor):
+            return tensor
+
+    compute_advantages(batch, cfg, algorithms.FixedKLController(0.0), NoDataParallel())
+    per_row = (batch.advantages.sum(-1) / batch.loss_mask.sum(-1)).tolist()
+    if estimator == "grpo":
+        a, b = (2 / 3) / (1 / 3) ** 0.5, -(1 / 3) / (1 / 3) ** 0.5
+    else:
+        a, b = 1.0, -0.5
+    assert per_row == pytest.approx([a, a, b, b], abs=1e-5)
+    assert (batch.advantages == batch.advantages[:, :1] * batch.loss_mask).all()  # per token
