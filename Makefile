@@ -69,9 +69,11 @@ test-mcore19: install-mcore19
 test-serial: install
 	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q --durations=25
 
-# The tests of one process each (no torchrun, no Slurm), on the same two workers as `make test`.
+# The developer's loop: no torchrun, no Slurm, none of the modules marked slow (training runs,
+# engines and CLI processes: tests/conftest.py), on the same two workers as `make test`.
 test-fast: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not dist and not slurm"
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup \
+	  -m "not dist and not slurm and not slow"
 
 # Ends with the wall time of the run and the CPU it ran on: both decide what "the demo's result" means.
 demo: install

@@ -15,6 +15,10 @@ the many short groups that follow fill the gaps. Within a group the tests keep t
 nothing those pins change, so they are marked ``pin_free`` and run in ``make test`` only: the
 docs' command blocks (the paths they run are the end-to-end tests'), the sandbox and tool tests,
 the sbatch jobs and the benchmark harness.
+
+``make test-fast`` is the developer's loop: it leaves out the modules under ``SLOW`` (marked
+``slow``: each takes 40 s or more of test time, the training runs, engines and CLI processes
+they start), the torchrun tests (``dist``) and the Slurm jobs.
 """
 
 from __future__ import annotations
@@ -53,6 +57,49 @@ LONGEST = (
 )
 
 
+# Modules of 40 s or more of test time in `make test` (2026-12-06 durations).
+SLOW = tuple(
+    TESTS / name
+    for name in (
+        "benchmarks/test_benchmark_smoke.py",
+        "docs/test_docs_commands.py",
+        "gpu/test_gpu_path_on_cpu.py",
+        "parallel/test_checkpoint.py",
+        "parallel/test_convert_cli.py",
+        "parallel/test_convert_parity.py",
+        "parallel/test_lora.py",
+        "parallel/test_offload.py",
+        "parallel/test_reshard.py",
+        "rlcli/test_agent_loop.py",
+        "rlcli/test_agents.py",
+        "rlcli/test_agents_e2e.py",
+        "rlcli/test_algorithms_e2e.py",
+        "rlcli/test_checkpoint_resume_e2e.py",
+        "rlcli/test_cli_errors.py",
+        "rlcli/test_config.py",
+        "rlcli/test_distill.py",
+        "rlcli/test_dp_step.py",
+        "rlcli/test_eval.py",
+        "rlcli/test_lora_settings.py",
+        "rlcli/test_lora_train.py",
+        "rlcli/test_model_rewards.py",
+        "rlcli/test_multi_turn_e2e.py",
+        "rlcli/test_ppo.py",
+        "rlcli/test_repeatable.py",
+        "rlcli/test_reward_model_training.py",
+        "rlcli/test_run_restarts.py",
+        "rlcli/test_run_survival.py",
+        "rlcli/test_separate_placement.py",
+        "rlcli/test_separate_sync.py",
+        "rlcli/test_sft_checkpoints.py",
+        "rlcli/test_token_budget.py",
+        "rlcli/test_train_e2e.py",
+        "rlcli/test_train_errors.py",
+        "rlcli/test_train_moe.py",
+    )
+)
+
+
 PIN_FREE = (
     TESTS / "docs",
     TESTS / "rlcli" / "tools",
@@ -77,6 +124,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if any(Path(item.path).is_relative_to(place) for place in PIN_FREE):
             item.add_marker(pytest.mark.pin_free)
+        if Path(item.path) in SLOW:
+            item.add_marker(pytest.mark.slow)
         marker = item.get_closest_marker("xdist_group")
         if marker is None:
             groups[item] = _group_of(Path(item.path))
