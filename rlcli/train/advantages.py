@@ -88,10 +88,13 @@ def _estimate(
     once per segment in its group's mean and spread. Its last segment stands for it (every
     segment carries the trajectory's score) and its advantage goes to all its segments."""
     algo = cfg.algorithm
-    rows = _last_row_of_each_trajectory(batch.trajectory_index)
-    split = len(rows) < len(batch.trajectory_index)
-    if not (split and algo.adv_estimator in algorithms.OUTCOME_GROUP_ESTIMATORS):
-        rows = None
+    trajectories, owner = torch.unique(batch.trajectory_index, return_inverse=True)
+    rows = None
+    split = len(trajectories) < len(owner)
+    if split and algo.adv_estimator in algorithms.OUTCOME_GROUP_ESTIMATORS:
+        every_row = torch.arange(len(owner))
+        last = torch.full((len(trajectories),), -1, dtype=torch.long)
+        rows = last.scatter_reduce(0, owner, every_row, reduce="amax")
     pick = (lambda t: t) if rows is None else (lambda t: None if t is None else t[rows])
     estimator = algorithms.get_advantage_estimator(algo.adv_estimator)
     advantages, returns = estimator(
@@ -111,17 +114,8 @@ def _estimate(
     mask = batch.loss_mask[rows]
     # one number per trajectory (the estimator gives it to each of its row's tokens)
     per_trajectory = algorithms.masked_sum(advantages, mask, dim=-1) / mask.sum(-1).clamp(min=1)
-    by_id = dict(zip(batch.trajectory_index[rows].tolist(), per_trajectory.tolist(), strict=True))
-    row_values = torch.tensor([by_id[t] for t in batch.trajectory_index.tolist()])
-    full = row_values.unsqueeze(-1) * batch.loss_mask
+    full = per_trajectory[owner].unsqueeze(-1) * batch.loss_mask
     return full, full
-
-
-def _last_row_of_each_trajectory(trajectory_index: torch.Tensor) -> torch.Tensor:
-    last: dict[int, int] = {}
-    for row, trajectory in enumerate(trajectory_index.tolist()):
-        last[trajectory] = row
-    return torch.tensor(sorted(last.values()), dtype=torch.long)
 
 
 def distilled_advantages(

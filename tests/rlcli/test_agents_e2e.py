@@ -33,9 +33,6 @@ def test_grpo_with_an_openai_agent_dp2_rollout_tp2(model_dir, tmp_path):
         *memorised_run(model_dir, tmp_path),
         AGENT,
         "rollout.agent_options.max_response_tokens=256",  # the conversation: 192 tokens
-        "trainer.total_steps=2",
-        "trainer.val_before_train=true",
-        "checkpoint.save_freq=0",
     )
     steps = records(out)
     assert [r["step"] for r in steps] == [0, 1, 2]

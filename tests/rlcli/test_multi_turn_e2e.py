@@ -40,7 +40,8 @@ def write_rows(path, count: int):
 
 def memorised_run(model, tmp_path) -> list[str]:
     """The settings of a 2-step GRPO run of the memorised model on 8 rows of its question, with
-    one vLLM engine over two ranks (its trajectories: ``multi_turn_model.py``)."""
+    one vLLM engine over two ranks (its trajectories: ``multi_turn_model.py``), held-out before
+    and after, no checkpoints."""
     return [
         "data.synthetic=null",
         f"data.train_files=[{write_rows(tmp_path / 'train.jsonl', 8)}]",
@@ -54,6 +55,9 @@ def memorised_run(model, tmp_path) -> list[str]:
         "rollout.tp=2",
         "rollout.temperature=0.5",
         "rollout.max_tokens=48",
+        "trainer.total_steps=2",
+        "trainer.val_before_train=true",
+        "checkpoint.save_freq=0",
     ]
 
 
@@ -68,9 +72,6 @@ def test_grpo_with_tool_calls_dp2_rollout_tp2(tmp_path):
         "rollout.multi_turn.enable=true",
         f"rollout.multi_turn.tool_config={write_tool_config(tmp_path / 'tools.json')}",
         "rollout.multi_turn.max_response_tokens=256",  # the conversation: 192 tokens
-        "trainer.total_steps=2",
-        "trainer.val_before_train=true",
-        "checkpoint.save_freq=0",
     )
     steps = records(out)
     assert [r["step"] for r in steps] == [0, 1, 2]

@@ -135,20 +135,15 @@ def build_app(server: AgentServer) -> FastAPI:
 
     async def chat(body: ChatRequest, session_id: str | None, authorization: str | None) -> Any:
         session = _open(session_id, authorization, body.model)
-        if body.top_logprobs:
-            if session is not None:
-                session.bad_requests += 1
-            raise EndpointError(
-                400,
-                "top_logprobs is not served: the engines return the sampled token's log-prob "
-                "only (logprobs=true gives it per token)",
-                "invalid_request_error",
-                "unsupported_parameter",
-            )
         conversation = session.conversation if session is not None else None
         if conversation is None:
             conversation = Conversation(server.renderers)
         try:
+            if body.top_logprobs:
+                raise BadRequest(
+                    "top_logprobs is not served: the engines return the sampled token's "
+                    "log-prob only (logprobs=true gives it per token)"
+                )
             prompt_ids, wanted = conversation.prompt_ids(body.messages, body.tools)
         except BadRequest as error:
             if session is not None:

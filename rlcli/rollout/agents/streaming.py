@@ -77,15 +77,15 @@ def _text_events(completion: TextCompletion, include_usage: bool) -> Iterator[st
     yield "data: [DONE]\n\n"
 
 
-def include_usage(stream_options: dict[str, Any] | None) -> bool:
+def _include_usage(stream_options: dict[str, Any] | None) -> bool:
     return bool((stream_options or {}).get("include_usage"))
 
 
 def stream_chat(completion: ChatCompletion, stream_options: dict[str, Any] | None) -> Any:
-    events = _chat_events(completion, include_usage(stream_options))
+    events = _chat_events(completion, _include_usage(stream_options))
     return StreamingResponse(events, media_type="text/event-stream")
 
 
 def stream_text(completion: TextCompletion, stream_options: dict[str, Any] | None) -> Any:
-    events = _text_events(completion, include_usage(stream_options))
+    events = _text_events(completion, _include_usage(stream_options))
     return StreamingResponse(events, media_type="text/event-stream")
