@@ -58,7 +58,9 @@ COMMON = [
 
 def placement_section(workload: Workload, work_dir: Path) -> dict:
     work = work_dir / "placement"
-    engine = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+    engine = workload.placement_engine or (
+        "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+    )
     common = [*COMMON, f"rollout.engine={engine}", *workload.placement_overrides]
     sft_dir = work / "sft"
     started = time.perf_counter()

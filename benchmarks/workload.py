@@ -93,6 +93,8 @@ class Workload:
     placement_sft_steps: int = 450
     placement_steps: int = 150
     placement_overrides: list[str] = field(default_factory=list)
+    # the placement runs' engine: "vllm" where installed, else "hf" (None), or this one
+    placement_engine: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -136,6 +138,9 @@ def workload_for(mode: str, gpu_memory_gib: float = 80.0) -> Workload:
             placement_sft_steps=10, placement_steps=3,
             placement_overrides=["data.train_batch_size=2", "rollout.n=2",
                                  "algorithm.dynamic_sampling.enabled=false"],
+            # the code paths are the engines' own; vLLM's start (7-8 s an engine, four of them)
+            # was a third of the smoke run (the rollout section times vLLM)
+            placement_engine="hf",
         )  # fmt: skip
     if mode == "cpu":
         return Workload(

@@ -144,6 +144,7 @@ def test_smoke_benchmark_writes_json_markdown_and_chart(tmp_path):
     assert sum(p["share"] for p in grpo["phases"].values()) == pytest.approx(1.0)
 
     placement = results["placement"]
+    assert placement["engine"] == workload.placement_engine == "hf"
     assert set(placement["runs"]) == {"colocated", "separate_sync", "separate_staleness_1"}
     for name, run in placement["runs"].items():
         assert run["steps"] == placement["steps"] == workload.placement_steps, name

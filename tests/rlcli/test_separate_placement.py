@@ -1,5 +1,8 @@
 """``rollout.placement=separate`` end to end, through ``rlcli train --nproc 2`` (1 trainer rank, 1
-rollout rank with its own vLLM engine), on the end-to-end tests' tiny model and task.
+rollout rank with its own engine), on the end-to-end tests' tiny model and task. The staleness 1
+run samples with vLLM (the engine that receives the weights on GPU clusters); the comparison
+with the colocated run, the killed rank and the user error, which check the placement's bookkeeping, not the
+engine, use the HF engine (each vLLM start costs a rank 7-8 s here).
 
 - staleness 0 gives the synchronous colocated run's numbers: the same samples (same rewards,
   lengths, log-prob agreement) and the same update (every logged metric, the checkpoint's model
@@ -47,7 +50,7 @@ def same_run_metrics(row: dict) -> dict:
 
 
 def test_staleness_0_separate_equals_the_colocated_synchronous_run(tmp_path):
-    steps = [*VLLM, "trainer.total_steps=3", "checkpoint.save_freq=0"]
+    steps = ["trainer.total_steps=3", "checkpoint.save_freq=0"]
     code, output = finish(rlcli_train(tmp_path / "colocated", *steps))
     assert code == 0, output[-3000:]
     code, output = finish(rlcli_train(tmp_path / "separate", *steps, *SEPARATE, nproc=2))
@@ -118,7 +121,7 @@ def test_rollout_rank_killed_with_rollouts_in_flight_resumes_without_losing_prom
         "RLCLI_TEST_KILL_AFTER": str(out / "checkpoints" / "step_000002"),
         "RLCLI_TEST_KILL_MARKER": str(marker),
     }
-    run = [*VLLM, *ASYNC, f"reward.fn={HERE / 'killing_reward.py'}:compute_score"]
+    run = [*ASYNC, f"reward.fn={HERE / 'killing_reward.py'}:compute_score"]
     proc = rlcli_train(out, *run, "trainer.total_steps=5", "--max-restarts", "2", env=env, nproc=2)
     deadline = time.monotonic() + 600
     while proc.poll() is None and time.monotonic() < deadline:
@@ -139,7 +142,6 @@ def test_a_user_error_on_a_rollout_rank_exits_2_with_its_message(tmp_path):
     code, output = finish(
         rlcli_train(
             tmp_path / "run",
-            *VLLM,
             *SEPARATE,
             f"reward.fn={HERE / 'failing_reward.py'}:compute_score",
             "trainer.total_steps=2",
