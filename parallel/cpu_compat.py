@@ -40,6 +40,13 @@ What it redirects, and why (megatron-core 0.16 - 0.19 read as ground truth):
   dispatcher's copy converts CPU tensors too, and its host-copy stream is an inert one (vLLM's
   CPU worker replaces `torch.cuda.Stream` by a stand-in whose events are None). Its collectives (all_to_all_single,
   all_gather_into_tensor, reduce_scatter_tensor) are in gloo.
+* megatron's checkpoint writer gathers its write results through a `multiprocessing` Manager
+  queue that it starts with "spawn": a fresh interpreter that imports torch to unpickle the
+  results, 1.3 s of CPU and wall time at every process's first save here. Without CUDA nothing
+  forbids forking (megatron forks its writer processes themselves), so the Manager is forked
+  (`_fork_the_write_results_queue`; megatron-core 0.16.1 and 0.19.2 name the getter differently).
+  A forked Manager imports nothing: `rlcli.process_lifetime` ties it to its rank through
+  multiprocessing's after-fork hook instead.
 
 Differences between megatron-core releases (0.16.1 on Python 3.11, 0.19.2 the GPU extra's pin;
 `make test-mcore19` runs the suite against the latter), each handled here and only here:
@@ -62,6 +69,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
 from typing import Any
 
 import torch
@@ -238,6 +246,19 @@ def _in_device_mode(backward):
     return backward_on_cpu
 
 
+def _fork_the_write_results_queue() -> None:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as writer
+
+    def forked_write_results_queue(*args: Any, **kwargs: Any):
+        if writer._results_queue is None:
+            writer._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+        return writer._results_queue
+
+    for name in ("_get_write_results_queue", "get_write_results_queue"):  # 0.16.1, 0.19.2
+        if hasattr(writer, name):
+            setattr(writer, name, forked_write_results_queue)
+
+
 def _host_splits(move_to_cpu):
     def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
         if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
@@ -284,6 +305,7 @@ def enable_cpu_compat() -> None:
     ):
         function.backward = staticmethod(_in_device_mode(function.backward))
     define_missing_te_gemm()
+    _fork_the_write_results_queue()
     from megatron.core.transformer.moe import token_dispatcher
 
     token_dispatcher.maybe_move_tensor_to_cpu = _host_splits(

@@ -4,13 +4,14 @@ agent).
 
 What runs beside a rank, and what ends it:
 
-* megatron-core's checkpoint writer starts a ``multiprocessing`` Manager (spawn) at the rank's
-  first save and keeps it for the life of the process (``filesystem_async.
-  _get_write_results_queue``; no strategy option avoids it). At a normal exit or a user error
-  multiprocessing's exit hook shuts it down; when the rank is killed nothing would. Spawn
-  children run the parent's main module (``rlcli.cli``, which calls
-  :func:`tie_spawned_helper_to_parent` as it is imported) before their target, so the Manager
-  asks Linux to kill it when the rank dies (``PR_SET_PDEATHSIG``), with no patch to megatron.
+* megatron-core's checkpoint writer starts a ``multiprocessing`` Manager (spawn; forked on CPU,
+  ``parallel.cpu_compat`` says why) at the rank's first save and keeps it for the life of the
+  process (``filesystem_async._get_write_results_queue``; no strategy option avoids it). At a
+  normal exit or a user error multiprocessing's exit hook shuts it down; when the rank is
+  killed nothing would. Spawn children run the parent's main module (``rlcli.cli``, which calls
+  :func:`tie_spawned_helper_to_parent` as it is imported) before their target, and forked ones
+  multiprocessing's after-fork hooks, which that call registers: either way the Manager asks
+  Linux to kill it when the rank dies (``PR_SET_PDEATHSIG``).
 * multiprocessing's resource tracker (started with the Manager) and the forkserver of the reward
   workers end by themselves once every process holding their pipe has ended; the reward workers
   (``rlcli.rewards.workers``) die with the forkserver, and a worker past its deadline is killed
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import threading
@@ -69,9 +71,23 @@ def die_with_parent(signal_number: int = signal.SIGKILL) -> bool:
 def tie_spawned_helper_to_parent() -> None:
     """In a process multiprocessing started (spawn; its name is not ``MainProcess``): die with
     the parent. Called while ``rlcli.cli`` is imported, which a spawn child does before running
-    its target."""
+    its target. And in the processes multiprocessing forks from this one from now on (on CPU
+    the checkpoint writer's Manager: ``parallel.cpu_compat``), which run no import: the same,
+    from multiprocessing's after-fork hook."""
     if multiprocessing.current_process().name != "MainProcess":
         die_with_parent()
+    multiprocessing.util.register_after_fork(_FORKED_HELPERS, _die_with_forking_parent)
+
+
+class _ForkedHelpers:
+    """The after-fork registry keeps a weak reference to its key: this one lives forever."""
+
+
+_FORKED_HELPERS = _ForkedHelpers()
+
+
+def _die_with_forking_parent(_: object) -> None:
+    die_with_parent()
 
 
 def tie_rank_to_agent() -> None:

@@ -1,10 +1,10 @@
 """Test-only rank for test_process_lifetime.py: makes one real megatron-core dist_checkpointing save
-(which starts its checkpoint-writer Manager, a spawn child), writes its own pid and its helper
+(which starts its checkpoint-writer Manager: spawned on GPU, forked on CPU), writes its own pid and its helper
 processes' pids and command lines to OUT_JSON, then waits to be killed.
 
 Imports ``rlcli.cli`` as the ``rlcli`` entry point does, and under torchrun ties itself to the
-agent as ``rlcli.cli.main`` does; the Manager, a spawn child, runs this script again as
-``__mp_main__`` and so imports ``rlcli.cli`` too."""
+agent as ``rlcli.cli.main`` does; a spawned Manager runs this script again as ``__mp_main__``
+and so imports ``rlcli.cli`` too, a forked one runs the after-fork hook that import registered."""
 
 import json
 import os

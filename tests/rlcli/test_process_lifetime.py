@@ -1,5 +1,5 @@
 """Helper processes end with their rank (``rlcli.process_lifetime``), checked on megatron-core's
-real checkpoint-writer Manager: it dies when its rank is SIGKILLed, and a SIGKILLed torchrun
+real checkpoint-writer Manager (a spawn child on GPU, forked on CPU): it dies when its rank is SIGKILLed, and a SIGKILLed torchrun
 agent takes its rank and the rank's helpers with it. Before the ties both cases left the Manager
 (~300 MB) and multiprocessing's resource tracker running with parent 1.
 
@@ -73,7 +73,7 @@ def _still_running(processes: list[psutil.Process], within_s: float = 20) -> lis
 def test_the_checkpoint_writer_dies_with_its_rank(tmp_path):
     proc, info = _start(tmp_path)
     helpers = _processes([helper["pid"] for helper in info["helpers"]])
-    assert any("multiprocessing.spawn" in h["cmdline"] for h in info["helpers"]), info
+    assert info["helpers"], info  # the Manager (forked on CPU: parallel.cpu_compat)
     os.kill(info["rank"], signal.SIGKILL)
     proc.wait(timeout=30)
     assert _still_running(helpers) == []
@@ -84,7 +84,7 @@ def test_a_killed_torchrun_agent_takes_its_rank_and_the_helpers(tmp_path):
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
     agent, info = _start(tmp_path, *torchrun)
     processes = _processes([info["rank"], *(helper["pid"] for helper in info["helpers"])])
-    assert any("multiprocessing.spawn" in h["cmdline"] for h in info["helpers"]), info
+    assert info["helpers"], info  # the Manager (forked on CPU: parallel.cpu_compat)
     agent.kill()
     agent.wait(timeout=30)
     assert _still_running(processes) == []
