@@ -122,6 +122,7 @@ def transformer_config_from_hf(
             aux_loss_coef=moe.aux_loss_coef,
             load_balancing=moe.load_balancing,
             token_dispatcher=moe.token_dispatcher,
+            routing_replay=moe.routing_replay,
         )
     elif ep > 1 or (etp or tp) != tp or moe.any_set:
         raise ModelConfigError(

@@ -9,7 +9,10 @@ laid end to end (megatron's THD layout) whose per-token outputs are put back per
         likewise, one packed row per micro-batch (``packed`` set, no ``attention_mask``)
 
 ``micro_batches`` are ``parallel.step_types.MicroBatch`` es; a new model input is a field there
-and the lines here that lay it out (pad it, or pack its real tokens like ``input_ids``).
+and the lines here that lay it out (pad it, or pack its real tokens like ``input_ids``): the MoE
+routing a forward replays (``routing [mb, S, L, k]``) becomes ``ModelInputs.routing [tokens, L,
+k]`` in the model's token order, and ``ModelInputs.per_row`` puts per-token values of that order
+back per row (``parallel.routing_replay``).
 
     packed = pack_rows(input_ids [mb, S], attention_mask [mb, S], length=None, multiple=1)
     model(packed.input_ids, packed.position_ids, attention_mask=None,
@@ -71,6 +74,15 @@ class PackedRows:
             valid, flat[index], torch.zeros((), dtype=flat.dtype, device=flat.device)
         )
 
+    def rows(self, per_token: torch.Tensor, width: int) -> torch.Tensor:
+        """``[t, ...]`` per-token values -> ``[mb, width, ...]``: row r's tokens at positions
+        ``j < lengths[r]``, 0 past them (no autograd use)."""
+        offsets = torch.arange(width, device=per_token.device)
+        index = (self.starts[:, None] + offsets[None, :]).clamp(max=per_token.shape[0] - 1)
+        valid = offsets[None, :] < self.lengths[:, None]
+        out = per_token[index]
+        return out * valid.reshape(*valid.shape, *[1] * (out.dim() - 2)).to(out.dtype)
+
 
 @dataclass
 class ModelInputs:
@@ -82,6 +94,35 @@ class ModelInputs:
     position_ids: torch.Tensor
     attention_mask: torch.Tensor | None = None
     packed: PackedRows | None = None
+    routing: torch.Tensor | None = None  # [tokens, L, k] int64: the experts to replay
+
+    def per_row(self, per_token: torch.Tensor, width: int) -> torch.Tensor:
+        """``[tokens, ...]`` values in the model's token order (megatron's ``[S, mb]`` flattened
+        S-major, or the packed row) -> ``[mb, width, ...]`` per row."""
+        if self.packed is not None:
+            return self.packed.rows(per_token, width)
+        rows, length = self.input_ids.shape
+        per_position = per_token.reshape(length, rows, *per_token.shape[1:])
+        return per_position.transpose(0, 1)[:, :width]
+
+
+def routing_tokens(mb: MicroBatch, inputs: ModelInputs) -> torch.Tensor:
+    """``mb.routing [mb, S, L, k]`` laid out as ``inputs`` runs: ``[tokens, L, k]`` int64 on
+    ``device()``; tokens without a recorded choice (padding) replay experts ``0..k-1``."""
+    routing = mb.routing.to(device()).long()
+    k = routing.shape[-1]
+    real = mb.attention_mask.to(device()).bool()
+    filler = torch.arange(k, device=routing.device)
+    if inputs.packed is not None:
+        chosen = routing[real]  # row-major real tokens, as pack_rows lays them out
+        missing = inputs.packed.num_tokens - chosen.shape[0]
+        return torch.cat([chosen, filler.expand(missing, chosen.shape[1], k)])
+    routing = torch.where(real[:, :, None, None], routing, filler)
+    rows, length = inputs.input_ids.shape
+    if length > routing.shape[1]:
+        extra = filler.expand(rows, length - routing.shape[1], routing.shape[2], k)
+        routing = torch.cat([routing, extra], dim=1)
+    return routing.transpose(0, 1).reshape(length * rows, *routing.shape[2:])
 
 
 def packed_length(attention_mask: torch.Tensor) -> int:
@@ -165,6 +206,8 @@ def padded_inputs(
             inputs.attention_mask = torch.nn.functional.pad(inputs.attention_mask, (0, extra))
             tail = inputs.position_ids[:, -1:] + torch.arange(1, extra + 1, device=ids.device)
             inputs.position_ids = torch.cat([inputs.position_ids, tail], dim=1)
+        if mb.routing is not None:
+            inputs.routing = routing_tokens(mb, inputs)
         padded.append(inputs)
     return padded
 
@@ -180,5 +223,8 @@ def packed_inputs(
         packed = pack_rows(
             mb.input_ids.to(device()), mb.attention_mask.to(device()), common, multiple
         )
-        inputs.append(ModelInputs(packed.input_ids, packed.position_ids, packed=packed))
+        laid_out = ModelInputs(packed.input_ids, packed.position_ids, packed=packed)
+        if mb.routing is not None:
+            laid_out.routing = routing_tokens(mb, laid_out)
+        inputs.append(laid_out)
     return inputs

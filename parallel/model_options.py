@@ -58,12 +58,13 @@ class MoeOptions:
     aux_loss_coef: float | None = None
     load_balancing: str | None = None
     token_dispatcher: str | None = None
+    # the routers can record and replay their experts (parallel.routing_replay)
+    routing_replay: bool = False
 
     @property
     def any_set(self) -> bool:
-        return any(
-            v is not None for v in (self.aux_loss_coef, self.load_balancing, self.token_dispatcher)
-        )
+        knobs = (self.aux_loss_coef, self.load_balancing, self.token_dispatcher)
+        return self.routing_replay or any(v is not None for v in knobs)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ and the routers' load per training step.
 
     is_moe(hf_config) -> bool
     moe_config_fields(hf_config, *, tp, ep, etp, grouped_gemm, aux_loss_coef=None,
-                      load_balancing=None, token_dispatcher=None) -> dict
+                      load_balancing=None, token_dispatcher=None, routing_replay=False) -> dict
     prepare_moe_chunk(chunk) -> None          (build_model calls it for MoE chunks)
     router_load_metrics(models, mesh, prefix="router") -> dict[str, float]
                                                 (collective; {} for dense models)
@@ -61,6 +61,7 @@ def moe_config_fields(
     aux_loss_coef: float | None = None,
     load_balancing: str | None = None,
     token_dispatcher: str | None = None,
+    routing_replay: bool = False,
 ) -> dict[str, Any]:
     """TransformerConfig fields of the expert layout and the MoE training knobs (module doc).
     ParallelLayoutError when `ep` / `etp` cannot split the experts; ValueError for a choice
@@ -94,6 +95,8 @@ def moe_config_fields(
         "moe_aux_loss_coeff": aux_loss_coef if load_balancing != "none" else 0.0,
         "moe_token_dispatcher_type": token_dispatcher,
         "moe_permute_fusion": False,  # its kernel is Transformer Engine's
+        # the routers' replay hooks (parallel.routing_replay); idle unless a pass arms them
+        "moe_enable_routing_replay": routing_replay,
     }
 
 
@@ -120,7 +123,10 @@ def prepare_moe_chunk(chunk: torch.nn.Module) -> None:
     let megatron's router run without Transformer Engine (`cpu_compat.define_missing_te_gemm`)."""
     from megatron.core.transformer.moe.router import TopKRouter
 
+    from parallel.routing_replay import install_measured_replay
+
     define_missing_te_gemm()
+    install_measured_replay(chunk)
     for module in chunk.modules():
         if isinstance(module, TopKRouter):
             module.routed_tokens = torch.zeros(module.config.num_moe_experts, dtype=torch.float64)

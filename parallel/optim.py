@@ -237,12 +237,17 @@ def train_step(
     # fp16 overflows are the loss scaler's business (it must see them to lower the scale); for
     # fp32 / bf16 nothing downstream would stop a NaN, so check before the optimizer runs.
     reports = [result.report for result in results]
+    changed = [r.routing_changed for r in results if r.routing_changed is not None]
+    routing_changed = torch.stack(changed).sum(dim=0) if changed else None
     fp16 = get_model_config(models[0]).fp16
     if not all_agree_finite(models, reports, check_grads=not fp16):
         for chunk in models:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        return StepResult(reports, grad_norm=float("nan"), lr=lr, skipped=True, nonfinite=True)
+        return StepResult(
+            reports, grad_norm=float("nan"), lr=lr, skipped=True, nonfinite=True,
+            routing_changed=routing_changed,
+        )  # fmt: skip
     applied, grad_norm, _ = optimizer.step()
     if applied and step_scheduler:
         scheduler.step(increment=1)
@@ -251,6 +256,7 @@ def train_step(
         grad_norm=None if grad_norm is None else float(grad_norm),
         lr=lr,
         skipped=not applied,
+        routing_changed=routing_changed,
     )
 
 

@@ -57,6 +57,7 @@ from parallel.logprobs import vocab_parallel_log_probs, vocab_parallel_log_probs
 from parallel.mesh import Mesh
 from parallel.micro_batches import micro_batches
 from parallel.model_inputs import PackedRows, packed_inputs, padded_inputs
+from parallel.routing_replay import attach_routing, routing_pass
 from parallel.step_types import LossFn, LossReport, MicroBatch, MicroBatchResult, ModelOutputs
 
 
@@ -70,6 +71,7 @@ def forward_backward(
     temperature: float = 1.0,
     compute_entropy: bool = False,
     pack_sequences: bool = False,
+    record_routing: bool = False,
 ) -> list[MicroBatchResult]:
     """Forward (and backward unless ``forward_only``) over ``micro_batches``; see module doc.
 
@@ -87,6 +89,9 @@ def forward_backward(
         compute_entropy: also compute ``entropy [mb, S-1]`` (policy models only).
         pack_sequences: run each micro-batch as one packed row (module docstring); the model
             must be built for it (``ModelBuildOptions(pack_sequences=True)``).
+        record_routing: note the experts every token goes to in this rank's MoE layers
+            (``MicroBatchResult.routing``); micro-batches that carry ``routing`` replay it
+            instead (``parallel.routing_replay``: the model must be built for it).
 
     Returns:
         One ``MicroBatchResult`` per micro-batch, in order, on every rank of the model-parallel
@@ -101,6 +106,7 @@ def forward_backward(
     multiple = mesh.tp if getattr(get_model_config(models[0]), "sequence_parallel", False) else 1
     layout = packed_inputs if pack_sequences else padded_inputs
     padded = layout(micro_batches, common_length=mesh.pp > 1, multiple=multiple)
+    routing = routing_pass(models, mesh, micro_batches, record_routing)
     lengths = [mb.input_ids.shape[1] for mb in micro_batches]
     seq_len, mb = padded[0].input_ids.shape[1], padded[0].input_ids.shape[0]
     originals: list[MicroBatch | None] = list(micro_batches)
@@ -130,21 +136,29 @@ def forward_backward(
         temperature=temperature,
         compute_entropy=compute_entropy,
         mesh=mesh,
+        routing=routing,
     )
     # The schedule pulls micro-batches per model chunk; every chunk gets the same sequence.
     chunk_iterators = [iter(padded) for _ in models]
     schedule = get_forward_backward_func()
-    with torch.no_grad() if forward_only else torch.enable_grad():
-        per_microbatch = schedule(
-            forward_step_func=forward_step,
-            data_iterator=chunk_iterators if len(models) > 1 else chunk_iterators[0],
-            model=models if len(models) > 1 else models[0],
-            num_microbatches=len(padded),
-            seq_length=seq_len,
-            micro_batch_size=mb,
-            forward_only=forward_only,
-        )
-    return _share_from_last_stage(per_microbatch[: len(micro_batches)], mesh, forward_only)
+    try:
+        with torch.no_grad() if forward_only else torch.enable_grad():
+            per_microbatch = schedule(
+                forward_step_func=forward_step,
+                data_iterator=chunk_iterators if len(models) > 1 else chunk_iterators[0],
+                model=models if len(models) > 1 else models[0],
+                num_microbatches=len(padded),
+                seq_length=seq_len,
+                micro_batch_size=mb,
+                forward_only=forward_only,
+            )
+    finally:
+        if routing is not None:
+            routing.finish()
+    results = _share_from_last_stage(per_microbatch[: len(micro_batches)], mesh, forward_only)
+    if routing is not None:
+        attach_routing(results, routing, micro_batches, padded)
+    return results
 
 
 def _interleaving_group_size(num_microbatches: int, pp: int) -> int:
@@ -176,7 +190,24 @@ def forward_log_probs(
     ``pack_sequences`` packs each micro-batch's sequences up to that budget into one row.
     """
     args = (micro_batch_size, temperature, max_tokens, pack_sequences)
-    return _forward_rows(models, mesh, input_ids, attention_mask, *args)
+    return _forward_rows(models, mesh, input_ids, attention_mask, *args)[0]
+
+
+def forward_log_probs_and_routing(
+    models: list[torch.nn.Module],
+    mesh: Mesh,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    micro_batch_size: int,
+    temperature: float = 1.0,
+    max_tokens: int = 0,
+    pack_sequences: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``forward_log_probs`` that also records the experts of every token in this rank's MoE
+    layers: ``routing [b, S, L, k]`` int16 on the CPU (None without MoE layers on this rank),
+    for a later forward of these rows to replay (``parallel.routing_replay``)."""
+    args = (micro_batch_size, temperature, max_tokens, pack_sequences)
+    return _forward_rows(models, mesh, input_ids, attention_mask, *args, record_routing=True)
 
 
 def forward_values(
@@ -192,7 +223,7 @@ def forward_values(
     ``forward_log_probs`` otherwise (values on padding are meaningless)."""
     return _forward_rows(
         models, mesh, input_ids, attention_mask, micro_batch_size, 1.0, max_tokens, pack_sequences
-    )
+    )[0]
 
 
 def _forward_rows(
@@ -204,9 +235,11 @@ def _forward_rows(
     temperature: float,
     max_tokens: int,
     pack_sequences: bool,
-) -> torch.Tensor:
+    record_routing: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The no-grad forward of a batch, micro-batched, each row's output put back at its row:
-    ``log_probs`` of a policy model or ``values`` of a value model, ``[b, <= S]`` on device()."""
+    ``log_probs`` of a policy model or ``values`` of a value model, ``[b, <= S]`` on device();
+    with ``record_routing`` also the routing per row (``forward_log_probs_and_routing``)."""
     batch = input_ids.shape[0]
     rows = MicroBatch(
         input_ids=input_ids, attention_mask=attention_mask, row_index=torch.arange(batch)
@@ -220,10 +253,15 @@ def _forward_rows(
     )
     results = forward_backward(
         models, mesh, chunks, None, forward_only=True, temperature=temperature,
-        pack_sequences=pack_sequences,
+        pack_sequences=pack_sequences, record_routing=record_routing,
     )  # fmt: skip
-    out = None
+    out = routing = None
     for chunk, result in zip(chunks, results, strict=True):
+        if result.routing is not None:
+            if routing is None:
+                routing = torch.zeros((batch, *input_ids.shape[1:], *result.routing.shape[2:]),
+                                      dtype=result.routing.dtype)  # fmt: skip
+            routing[chunk.row_index, : result.routing.shape[1]] = result.routing
         log_probs = result.outputs.log_probs
         per_row = log_probs if log_probs is not None else result.outputs.values
         if out is None:  # log-probs score S-1 next tokens, values every one of the S positions
@@ -232,7 +270,7 @@ def _forward_rows(
         # Filler rows of an equal-size last micro-batch repeat a real row: writing it twice is
         # harmless (same input, same values).
         out[chunk.row_index.to(out.device), : per_row.shape[1]] = per_row
-    return out
+    return out, routing
 
 
 def _unpadded_vocab_size(model: torch.nn.Module) -> int | None:
@@ -251,9 +289,12 @@ def _forward_step(
     temperature,
     compute_entropy,
     mesh,
+    routing,
 ):
     """Megatron forward_step_func: run one chunk; on the last stage return the loss closure."""
     inputs = next(data_iterator)
+    if routing is not None:
+        routing.before(model, inputs.routing)
     packed: PackedRows | None = inputs.packed
     # Right padding + causal attention: real tokens never attend to padding, so no mask; packed
     # rows are masked by their cu_seqlens. MoE routers take the padding positions, to leave them
@@ -267,6 +308,8 @@ def _forward_step(
         packed_seq_params=packed.params if packed is not None else None,
         **padding,
     )
+    if routing is not None:
+        routing.after(model)
     if not _is_last_stage_chunk(model, mesh):
         return output, None
     micro_batch, length = next(originals), next(lengths)

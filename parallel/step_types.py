@@ -77,6 +77,9 @@ class MicroBatch:
     # [mb, R] float32, 1 on the tokens that get a loss (generated ones; 0 on tool tokens).
     loss_mask: torch.Tensor | None = response_field(mask=True, default=None)
     row_index: torch.Tensor | None = row_field(default=None)  # [mb] int64, the batch's row numbers
+    # [mb, S, L, k] int16: the experts each token went to in this rank's L MoE layers, recorded
+    # by an earlier forward; a forward of rows that carry it replays it (parallel.routing_replay).
+    routing: torch.Tensor | None = sequence_field(default=None)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -199,10 +202,15 @@ LossFn = Callable[[ModelOutputs, Any], tuple[torch.Tensor, LossReport]]
 class MicroBatchResult:
     """``forward_backward``'s result for one micro-batch, on every model-parallel rank: the loss
     function's report (empty without a loss function) and, when ``forward_only``, the outputs
-    (detached, float32, on ``device()``)."""
+    (detached, float32, on ``device()``). This rank's own MoE layers add, when asked to record,
+    ``routing [mb, S, L, k]`` (int16, on the CPU), and when replaying, ``routing_changed``
+    (float64 ``[2]``: token-layers whose own top-k differed from the replayed one, token-layers;
+    real tokens only) (``parallel.routing_replay``)."""
 
     report: LossReport
     outputs: ModelOutputs | None = None
+    routing: torch.Tensor | None = None
+    routing_changed: torch.Tensor | None = None
 
 
 @dataclass
@@ -213,7 +221,8 @@ class StepResult:
     ``grad_norm``: the global norm before clipping (None when the optimizer gives none, NaN on a
     non-finite step); ``lr``: the rate the step used; ``skipped``: the update was not applied
     (fp16 overflow, or a non-finite loss or gradient); ``nonfinite``: it was the latter (on
-    every rank alike).
+    every rank alike); ``routing_changed``: the micro-batches' ``routing_changed`` added up
+    (this rank's MoE layers; None without replay).
     """
 
     reports: list[LossReport]
@@ -221,3 +230,4 @@ class StepResult:
     lr: float
     skipped: bool = False
     nonfinite: bool = False
+    routing_changed: torch.Tensor | None = None

@@ -102,8 +102,8 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float):
     from parallel.memory_plan import JudgeEngine, PlanInputs, RolloutEngine
     from parallel.memory_terms import TrainedModel
     from parallel.reshard import AUTO_BUCKET_MB
+    from rlcli.config.schema import mini_batch_count
     from rlcli.model.lora import lora_spec
-    from rlcli.rollout.batch import mini_batch_count
     from rlcli.validation.model import validate_against_model
     from rlcli.validation.placement import trainer_ranks
     from rlcli.validation.validate import derive_dp, validate

@@ -86,6 +86,11 @@ class ModelConfig:
     moe_aux_loss_coef: Optional[float] = None
     # MoE: how tokens reach the ranks of their experts; null: alltoall
     moe_token_dispatcher: Optional[Literal["alltoall", "allgather"]] = None
+    # MoE: routing replay. r2: the update's forwards send every token to the experts the
+    # old-log-prob pass chose (their gate weights still come from the current router), so the
+    # PPO ratio measures the policy change, not experts flipping; needs that pass (ppo_epochs
+    # > 1, several mini-batches or another reason for it). null: off.
+    moe_routing_replay: Optional[Literal["r2"]] = None
 
 
 @dataclass
@@ -341,6 +346,37 @@ class RLConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @property
+    def old_log_prob_plan(self) -> OldLogProbPlan:
+        """Where the PPO ratio's old log-probs come from, decided once per run (see
+        ``OldLogProbPlan``). The agreement with the engine is measured on the actor pass when
+        there is one, else on the update's first forward (before any optimizer step)."""
+        actor = self.actor
+        if actor.old_log_prob_source == "engine":
+            return "engine"
+        on_policy = (
+            actor.ppo_epochs == 1
+            and mini_batch_count(self.data.train_batch_size, actor.ppo_mini_batch_size) == 1
+            and not self.algorithm.use_kl_in_reward
+            # distillation's advantage needs the student's log-probs before the update
+            and not self.distill.enable
+        )
+        return "update_forward" if on_policy else "actor_pass"
+
+
+# Where the old log-probs of the PPO ratio come from (``RLConfig.old_log_prob_plan``):
+#   "actor_pass":     a separate no-grad actor forward before the update (the old_log_prob phase);
+#   "update_forward": the update's own forward, detached: the update is on-policy (one epoch,
+#                     one mini-batch, nothing before the update needs them), so the ratio is 1;
+#   "engine":         the rollout engine's sampled-token log-probs (actor.old_log_prob_source).
+OldLogProbPlan = Literal["actor_pass", "update_forward", "engine"]
+
+
+def mini_batch_count(prompts: int, mini_batch_size: int | None) -> int:
+    """Optimizer steps per PPO epoch: a step's ``prompts`` over ``ppo_mini_batch_size`` prompts
+    each (None: the whole batch, one step). The one place it is computed."""
+    return prompts // (mini_batch_size or prompts)
 
 
 def choices(section: type, name: str) -> tuple[Any, ...]:

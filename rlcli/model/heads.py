@@ -58,6 +58,12 @@ class ModelHead:
         """Response-aligned ``[B, R]`` outputs of ``model`` (see ``TrainedModel.forward``)."""
         raise TypeError(f"a model with a {type(self).__name__} has no per-token outputs")
 
+    def forward_and_routing(
+        self, model: Core, batch: RolloutBatch, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward`` plus the MoE routing it took (see ``TrainedModel.forward_and_routing``)."""
+        raise TypeError(f"a model with a {type(self).__name__} has no routing to replay")
+
     def score(
         self, model: Core, input_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> torch.Tensor:
@@ -84,6 +90,16 @@ class LanguageModelHead(ModelHead):
             temperature, m.forward_tokens, m.pack,
         )  # fmt: skip
         return response_values(per_position.cpu(), batch.response_index)
+
+    def forward_and_routing(self, model, batch, temperature):
+        from parallel.schedule import forward_log_probs_and_routing
+
+        m = model.micro_batching
+        per_position, routing = forward_log_probs_and_routing(
+            model.models, model.mesh, batch.input_ids, batch.attention_mask, m.size,
+            temperature, m.forward_tokens, m.pack,
+        )  # fmt: skip
+        return response_values(per_position.cpu(), batch.response_index), routing
 
 
 class ValueHead(ModelHead):

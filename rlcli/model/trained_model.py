@@ -174,6 +174,17 @@ class TrainedModel:
             return self.head.forward(self, batch, temperature)
 
     @torch.no_grad()
+    def forward_and_routing(
+        self, batch: RolloutBatch, temperature: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward``'s log-probs and the experts every token went to in this rank's MoE layers,
+        ``[B, S, L, k]`` int16 (None without MoE layers here): set as ``batch.routing``, the
+        update's forwards replay them (``parallel.routing_replay``; the model is built with
+        ``MoeOptions(routing_replay=True)``)."""
+        with self._without_dropout():
+            return self.head.forward_and_routing(self, batch, temperature)
+
+    @torch.no_grad()
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """A reward model's scores ``[B]`` (float32, on every model-parallel rank) of the
         right-padded sequences ``input_ids / attention_mask [B, S]``, in micro-batches of

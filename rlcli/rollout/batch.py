@@ -215,12 +215,6 @@ def take_dp_share(samples: list[Sample], dp: int, dp_rank: int) -> tuple[list[Sa
     return [s for group in parts[dp_rank] for s in group], min(len(part) for part in parts)
 
 
-def mini_batch_count(prompts: int, mini_batch_size: int | None) -> int:
-    """Optimizer steps per PPO epoch: a step's ``prompts`` over ``ppo_mini_batch_size`` prompts
-    each (None: the whole batch, one step). The one place it is computed."""
-    return prompts // (mini_batch_size or prompts)
-
-
 def split_evenly(items: list[Any], num_chunks: int) -> list[list[Any]]:
     """``num_chunks`` contiguous chunks whose sizes differ by at most one (some may be empty)."""
     base, extra = divmod(len(items), num_chunks)

@@ -2,7 +2,7 @@
 every algorithm (the estimator and the policy loss are chosen by name in ``algorithms/``).
 
 Where the PPO ratio's old log-probs come from, and so where the trainer-vs-engine log-prob
-agreement is measured, is decided once from the config (``old_log_prob_plan``). This module
+agreement is measured, is decided once from the config (``RLConfig.old_log_prob_plan``). This module
 only arranges tensors and denominators so gradient accumulation over micro-batches and
 averaging over data-parallel ranks give exactly the full-batch loss; the mini-batch loop is the
 trained-model core's (``rlcli.model.trained_model``).
@@ -10,42 +10,19 @@ trained-model core's (``rlcli.model.trained_model``).
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
+import torch.distributed as dist
 
 import algorithms
-from parallel.step_types import LossFn, LossReport, ModelOutputs
-from rlcli.config.schema import RLConfig
+from parallel.cpu_compat import device
+from parallel.mesh import Mesh
+from parallel.step_types import LossFn, LossReport, ModelOutputs, StepResult
+from rlcli.config.schema import RLConfig, mini_batch_count
 from rlcli.model.dp_stats import DataParallelStats
 from rlcli.model.trained_model import TrainedModel
-from rlcli.rollout.batch import RolloutBatch, mini_batch_count, response_values
+from rlcli.rollout.batch import RolloutBatch, response_values
 from rlcli.rollout.trajectory import response_limit
 from rlcli.train.update_metrics import mean_over_steps, reduce_step
-
-# Where the old log-probs of the PPO ratio come from (``old_log_prob_plan``):
-#   "actor_pass":     a separate no-grad actor forward before the update (the old_log_prob phase);
-#   "update_forward": the update's own forward, detached: the update is on-policy (one epoch,
-#                     one mini-batch, nothing before the update needs them), so the ratio is 1;
-#   "engine":         the rollout engine's sampled-token log-probs (actor.old_log_prob_source).
-OldLogProbPlan = Literal["actor_pass", "update_forward", "engine"]
-
-
-def old_log_prob_plan(cfg: RLConfig) -> OldLogProbPlan:
-    """Decided once per run from the config (see ``OldLogProbPlan``). The agreement with the
-    engine is measured on the actor pass when there is one, else on the update's first
-    forward (before any optimizer step)."""
-    actor = cfg.actor
-    if actor.old_log_prob_source == "engine":
-        return "engine"
-    on_policy = (
-        actor.ppo_epochs == 1
-        and mini_batch_count(cfg.data.train_batch_size, actor.ppo_mini_batch_size) == 1
-        and not cfg.algorithm.use_kl_in_reward
-        # distillation's advantage needs the student's log-probs before the update
-        and not cfg.distill.enable
-    )
-    return "update_forward" if on_policy else "actor_pass"
 
 
 def kl_metric_kind(cfg: RLConfig) -> str:
@@ -211,7 +188,7 @@ def update_actor(
     empty ones.
     """
     a = cfg.actor
-    plan = old_log_prob_plan(cfg)
+    plan = cfg.old_log_prob_plan
     record = plan != "actor_pass"
 
     def loss_for(mini: RolloutBatch, denominator: torch.Tensor, steps_so_far: int) -> LossFn:
@@ -251,4 +228,20 @@ def update_actor(
     if record:
         with_ref = batch.ref_log_probs is not None
         out.update(logprob_metrics(sums, largest, DataParallelStats(actor.mesh), with_ref))
+    if batch.routing is not None:
+        out.update(routing_replay_metrics(results, actor.mesh))
     return out
+
+
+def routing_replay_metrics(results: list[StepResult], mesh: Mesh) -> dict[str, float]:
+    """``actor/routing_replay_changed``: the share of (token, MoE layer) pairs whose own experts
+    in the update's forwards differed from the old-log-prob pass's, which R2 replayed instead
+    (over every optimizer step, every layer of every pipeline stage and DP rank)."""
+    changed = [r.routing_changed for r in results if r.routing_changed is not None]
+    total = torch.stack(changed).sum(dim=0) if changed else torch.zeros(2, dtype=torch.float64)
+    total = DataParallelStats(mesh).sum(total)
+    if mesh.pp > 1:
+        on_device = total.to(device())
+        dist.all_reduce(on_device, group=mesh.pp_group)
+        total = on_device.cpu()
+    return {"actor/routing_replay_changed": float(total[0] / total[1].clamp(min=1))}

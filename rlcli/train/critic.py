@@ -18,16 +18,17 @@ whole groups like the actor (the same loop) and into micro-batches by ``parallel
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 import algorithms
 from parallel.step_types import LossFn, LossReport, ModelOutputs, StepResult
-from rlcli.config.schema import RLConfig
+from rlcli.config.schema import RLConfig, mini_batch_count
 from rlcli.model.dp_stats import DataParallelStats
 from rlcli.model.trained_model import TrainedModel
-from rlcli.rollout.batch import RolloutBatch, mini_batch_count, response_values
+from rlcli.rollout.batch import RolloutBatch, response_values
 from rlcli.rollout.trajectory import response_limit
 from rlcli.train.update_metrics import mean_over_steps, reduce_step
 
@@ -66,7 +67,7 @@ def update_critic(
     ``batch.returns`` with the clipped value loss around ``batch.values``."""
     c = cfg.critic
     results = critic.update(
-        batch,
+        replace(batch, routing=None),  # the actor's experts, which R2 replays: not the critic's
         lambda mini, denominator, steps_so_far: make_value_loss(cfg, denominator),
         epochs=c.ppo_epochs,
         num_mini_batches=max(

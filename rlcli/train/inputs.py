@@ -185,5 +185,11 @@ def model_options(cfg: RLConfig, section: TrainedModelConfig | None = None) -> M
         transformer_impl=m.transformer_impl,
         attention_backend=m.attention_backend,
         recompute=recompute,
-        moe=MoeOptions(m.moe_aux_loss_coef, m.moe_load_balancing, m.moe_token_dispatcher),
+        moe=MoeOptions(
+            m.moe_aux_loss_coef,
+            m.moe_load_balancing,
+            m.moe_token_dispatcher,
+            # only the actor replays (its update); the reference and critic route freely
+            routing_replay=section is cfg.actor and m.moe_routing_replay is not None,
+        ),
     )

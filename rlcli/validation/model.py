@@ -15,7 +15,12 @@ if TYPE_CHECKING:
     from rlcli.config.schema import RLConfig
 
 
-MOE_SETTINGS = ("moe_load_balancing", "moe_aux_loss_coef", "moe_token_dispatcher")
+MOE_SETTINGS = (
+    "moe_load_balancing",
+    "moe_aux_loss_coef",
+    "moe_token_dispatcher",
+    "moe_routing_replay",
+)
 
 
 def check_hf_engine(key: str, section: EngineConfig) -> None:
@@ -46,6 +51,42 @@ def check_moe_settings(cfg: RLConfig) -> None:
     coef = cfg.model.moe_aux_loss_coef
     if coef is not None and coef < 0:
         raise UserError(f"model.moe_aux_loss_coef must be >= 0, got {coef}")
+    check_routing_replay(cfg)
+
+
+def check_routing_replay(cfg: RLConfig) -> None:
+    """``model.moe_routing_replay``: R2 replays the old-log-prob pass's experts in the update, so
+    that pass must run, and the layouts it cannot replay exactly are refused
+    (``parallel.routing_replay``). On a dense model: ``validate_against_model``."""
+    replay = cfg.model.moe_routing_replay
+    if replay is None:
+        return
+    key = f"model.moe_routing_replay={replay}"
+    plan = cfg.old_log_prob_plan
+    if plan == "engine":
+        raise UserError(
+            f"{key} replays the experts of the trainer's old-log-prob pass, which "
+            "actor.old_log_prob_source=engine skips: set actor.old_log_prob_source=actor, or "
+            "model.moe_routing_replay=null"
+        )
+    if plan == "update_forward":
+        raise UserError(
+            f"{key} replays the old-log-prob pass's experts in the update, but this update is "
+            "on-policy (actor.ppo_epochs=1, one mini-batch): its own forward is that pass and "
+            "nothing changes in between. Set actor.ppo_epochs > 1 or actor.ppo_mini_batch_size "
+            "below data.train_batch_size, or model.moe_routing_replay=null"
+        )
+    if cfg.parallel.sequence_parallel:
+        raise UserError(
+            f"{key} with parallel.sequence_parallel=true is not supported yet (each "
+            "tensor-parallel rank routes its own slice of the tokens); set "
+            "model.moe_routing_replay=null"
+        )
+    if cfg.parallel.pp > 1 and cfg.actor.recompute != "none":
+        raise UserError(
+            f"{key} with parallel.pp={cfg.parallel.pp} needs actor.recompute=none: a forward "
+            "recomputed in the backward pass would replay a later micro-batch's experts"
+        )
 
 
 def validate_against_model(cfg: RLConfig, model_config: dict[str, Any]) -> None:

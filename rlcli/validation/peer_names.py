@@ -72,6 +72,10 @@ LAST_PARTS = {
     "vllm_importance_sampling_correction": "algorithm.off_policy_correction",
     "vllm_importance_sampling_cap": "algorithm.tis_cap",
     "use_tis": "algorithm.off_policy_correction",
+    # MoE routing replay: verl's actor.router_replay.mode, slime's --use-routing-replay
+    "router_replay": "model.moe_routing_replay",
+    "use_routing_replay": "model.moe_routing_replay",
+    "moe_enable_routing_replay": "model.moe_routing_replay",
 }
 
 

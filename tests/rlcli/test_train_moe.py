@@ -72,6 +72,9 @@ def test_grpo_with_a_moe_model_at_ep2(tmp_path):
         "parallel.ep=2",
         "parallel.use_distributed_optimizer=true",  # experts' Adam state over the expert DP
         "rollout.engine=vllm",
+        # R2: two epochs, the second replaying the old-log-prob pass's experts
+        "actor.ppo_epochs=2",
+        "model.moe_routing_replay=r2",
         "trainer.total_steps=2",
         "checkpoint.save_freq=0",
     )
@@ -79,6 +82,10 @@ def test_grpo_with_a_moe_model_at_ep2(tmp_path):
     assert [r["step"] for r in steps] == [1, 2]
     for record in steps:
         check_step_metrics(record)  # rollout/logprob_diff_max < 1e-3, as for dense models
+        # the share of token-layers whose own experts the replay overrode, over the 4 optimizer
+        # steps: none in the first (the old pass's weights), most after it (a tiny random
+        # model's router logits are near ties: 85-98% per step here at lr 1e-3)
+        assert 0 < record["actor/routing_replay_changed"] < 1, record
         for key in [*ROUTER_METRICS, "router/aux_loss"]:
             assert key in record and math.isfinite(record[key]), (key, sorted(record))
         # max / mean tokens per expert lies in [1, E/k]; the Switch loss E * sum f_e P_e in (0, E]
@@ -136,6 +143,22 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
         ("dense", ["--nproc", "2", "parallel.ep=2"], ["parallel.ep", "no experts"]),
         ("mistral", [], ["'mistral'", "llama, qwen2, qwen2_moe, qwen3, qwen3_moe"]),
         ("moe", ["actor.lora.enable=true"], ["actor.lora.target_modules", "routed experts"]),
+        (
+            "dense",
+            ["model.moe_routing_replay=r2", "actor.ppo_epochs=2"],
+            ["model.moe_routing_replay", "no experts"],
+        ),
+        ("moe", ["model.moe_routing_replay=r2"], ["moe_routing_replay=r2", "on-policy"]),
+        (
+            "moe",
+            [
+                "model.moe_routing_replay=r2",
+                "actor.ppo_epochs=2",
+                "actor.old_log_prob_source=engine",
+            ],
+            ["moe_routing_replay=r2", "actor.old_log_prob_source=actor"],
+        ),
+        ("moe", ["model.moe_routing_replay=r3"], ["model.moe_routing_replay", "r2"]),
     ],
 )
 def test_bad_moe_settings_exit_2_naming_the_key(

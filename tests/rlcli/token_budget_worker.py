@@ -151,11 +151,10 @@ def main() -> None:
     # reward, which the update does not read, makes the plan take the separate pass).
     from dataclasses import replace
 
-    from rlcli.train.actor_update import old_log_prob_plan
 
     cfg = config("token-mean")
     cfg_full = config("token-mean", ["algorithm.use_kl_in_reward=true"])
-    assert (old_log_prob_plan(cfg), old_log_prob_plan(cfg_full)) == ("update_forward", "actor_pass")
+    assert (cfg.old_log_prob_plan, cfg_full.old_log_prob_plan) == ("update_forward", "actor_pass")
     full, skip = policy(mesh, hf_dir, 60), policy(mesh, hf_dir, 60)
     before = weights(full)
     full_batch = replace(batch, old_log_probs=full.forward(batch))
