@@ -108,11 +108,13 @@ class ModelInputs:
 
 def routing_tokens(mb: MicroBatch, inputs: ModelInputs) -> torch.Tensor:
     """``mb.routing [mb, S, L, k]`` laid out as ``inputs`` runs: ``[tokens, L, k]`` int64 on
-    ``device()``; tokens without a recorded choice (padding) replay experts ``0..k-1``."""
+    ``device()``; tokens without a recorded choice (padding, or -1: a token the recording never
+    read) replay experts ``0..k-1``."""
     routing = mb.routing.to(device()).long()
     k = routing.shape[-1]
     real = mb.attention_mask.to(device()).bool()
     filler = torch.arange(k, device=routing.device)
+    routing = torch.where(routing >= 0, routing, filler)
     if inputs.packed is not None:
         chosen = routing[real]  # row-major real tokens, as pack_rows lays them out
         missing = inputs.packed.num_tokens - chosen.shape[0]

@@ -29,6 +29,8 @@ follows its own forward, so recomputation is exact).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
@@ -59,6 +61,33 @@ class MeasuredReplay(RouterReplay):
             target = self.target_topk_idx.to(own.device)
             self.changed = (own.sort(dim=-1).values != target.sort(dim=-1).values).any(dim=-1)
         return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+
+
+@dataclass
+class RoutingNotes:
+    """What a no-grad pass over a batch noted of its routing (this rank's MoE layers):
+    ``recorded [b, S, L, k]`` int16 when it recorded, ``changed`` float64 ``[2]`` (token-layers
+    whose own experts differed from the replayed ones, token-layers) when it replayed."""
+
+    recorded: torch.Tensor | None = None
+    changed: torch.Tensor | None = None
+
+    def add(self, result: MicroBatchResult, row_index: torch.Tensor, shape: torch.Size) -> None:
+        """One micro-batch's result (its rows ``row_index`` of a batch of ``shape [b, S]``)."""
+        if result.routing is not None:
+            if self.recorded is None:
+                size = (*shape, *result.routing.shape[2:])
+                self.recorded = torch.zeros(size, dtype=result.routing.dtype)
+            self.recorded[row_index, : result.routing.shape[1]] = result.routing
+        if result.routing_changed is not None:
+            before = 0 if self.changed is None else self.changed
+            self.changed = before + result.routing_changed
+
+    @property
+    def changed_share(self) -> float | None:
+        if self.changed is None:
+            return None
+        return float(self.changed[0] / self.changed[1].clamp(min=1))
 
 
 def install_measured_replay(chunk: torch.nn.Module) -> None:
@@ -182,7 +211,9 @@ def attach_routing(
             continue
         per_row = padded[index].per_row(per_token, mb.input_ids.shape[1]).cpu()
         if routing.replaying:
-            real = mb.attention_mask.bool()[:, :, None].expand_as(per_row)
+            # tokens with a recorded choice (-1: one the recording never read)
+            known = mb.attention_mask.bool() & (mb.routing >= 0).all(dim=-1).all(dim=-1)
+            real = known[:, :, None].expand_as(per_row)
             result.routing_changed = torch.stack(
                 [per_row[real].sum().double(), torch.tensor(float(real.sum()), dtype=torch.float64)]
             )

@@ -57,7 +57,7 @@ from parallel.logprobs import vocab_parallel_log_probs, vocab_parallel_log_probs
 from parallel.mesh import Mesh
 from parallel.micro_batches import micro_batches
 from parallel.model_inputs import PackedRows, packed_inputs, padded_inputs
-from parallel.routing_replay import attach_routing, routing_pass
+from parallel.routing_replay import RoutingNotes, attach_routing, routing_pass
 from parallel.step_types import LossFn, LossReport, MicroBatch, MicroBatchResult, ModelOutputs
 
 
@@ -202,12 +202,17 @@ def forward_log_probs_and_routing(
     temperature: float = 1.0,
     max_tokens: int = 0,
     pack_sequences: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``forward_log_probs`` that also records the experts of every token in this rank's MoE
-    layers: ``routing [b, S, L, k]`` int16 on the CPU (None without MoE layers on this rank),
-    for a later forward of these rows to replay (``parallel.routing_replay``)."""
+    replay: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, RoutingNotes]:
+    """``forward_log_probs`` that records the experts of every token in this rank's MoE layers
+    (``notes.recorded [b, S, L, k]``, for a later forward of these rows to replay), or with
+    ``replay [b, S, L, k]`` sends every token to those experts and counts where the router's own
+    choice differed (``notes.changed``) (``parallel.routing_replay``)."""
     args = (micro_batch_size, temperature, max_tokens, pack_sequences)
-    return _forward_rows(models, mesh, input_ids, attention_mask, *args, record_routing=True)
+    return _forward_rows(
+        models, mesh, input_ids, attention_mask, *args, record_routing=replay is None,
+        replay=replay,
+    )  # fmt: skip
 
 
 def forward_values(
@@ -236,13 +241,17 @@ def _forward_rows(
     max_tokens: int,
     pack_sequences: bool,
     record_routing: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    replay: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, RoutingNotes]:
     """The no-grad forward of a batch, micro-batched, each row's output put back at its row:
     ``log_probs`` of a policy model or ``values`` of a value model, ``[b, <= S]`` on device();
-    with ``record_routing`` also the routing per row (``forward_log_probs_and_routing``)."""
+    the routing recorded or replayed (``forward_log_probs_and_routing``)."""
     batch = input_ids.shape[0]
     rows = MicroBatch(
-        input_ids=input_ids, attention_mask=attention_mask, row_index=torch.arange(batch)
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        row_index=torch.arange(batch),
+        routing=replay,
     )
     chunks = micro_batches(
         rows,
@@ -255,13 +264,9 @@ def _forward_rows(
         models, mesh, chunks, None, forward_only=True, temperature=temperature,
         pack_sequences=pack_sequences, record_routing=record_routing,
     )  # fmt: skip
-    out = routing = None
+    out, notes = None, RoutingNotes()
     for chunk, result in zip(chunks, results, strict=True):
-        if result.routing is not None:
-            if routing is None:
-                routing = torch.zeros((batch, *input_ids.shape[1:], *result.routing.shape[2:]),
-                                      dtype=result.routing.dtype)  # fmt: skip
-            routing[chunk.row_index, : result.routing.shape[1]] = result.routing
+        notes.add(result, chunk.row_index, input_ids.shape)
         log_probs = result.outputs.log_probs
         per_row = log_probs if log_probs is not None else result.outputs.values
         if out is None:  # log-probs score S-1 next tokens, values every one of the S positions
@@ -270,7 +275,7 @@ def _forward_rows(
         # Filler rows of an equal-size last micro-batch repeat a real row: writing it twice is
         # harmless (same input, same values).
         out[chunk.row_index.to(out.device), : per_row.shape[1]] = per_row
-    return out, routing
+    return out, notes
 
 
 def _unpadded_vocab_size(model: torch.nn.Module) -> int | None:

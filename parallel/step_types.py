@@ -78,7 +78,8 @@ class MicroBatch:
     loss_mask: torch.Tensor | None = response_field(mask=True, default=None)
     row_index: torch.Tensor | None = row_field(default=None)  # [mb] int64, the batch's row numbers
     # [mb, S, L, k] int16: the experts each token went to in this rank's L MoE layers, recorded
-    # by an earlier forward; a forward of rows that carry it replays it (parallel.routing_replay).
+    # by an earlier forward (-1: not recorded); a forward of rows that carry it replays it
+    # (parallel.routing_replay).
     routing: torch.Tensor | None = sequence_field(default=None)
 
     def __post_init__(self) -> None:

@@ -86,11 +86,12 @@ class ModelConfig:
     moe_aux_loss_coef: Optional[float] = None
     # MoE: how tokens reach the ranks of their experts; null: alltoall
     moe_token_dispatcher: Optional[Literal["alltoall", "allgather"]] = None
-    # MoE: routing replay. r2: the update's forwards send every token to the experts the
-    # old-log-prob pass chose (their gate weights still come from the current router), so the
-    # PPO ratio measures the policy change, not experts flipping; needs that pass (ppo_epochs
-    # > 1, several mini-batches or another reason for it). null: off.
-    moe_routing_replay: Optional[Literal["r2"]] = None
+    # MoE: routing replay (gate weights still come from the current router). r2: the update's
+    # forwards send every token to the experts the old-log-prob pass chose, so the PPO ratio
+    # measures the policy change, not experts flipping; needs that pass (ppo_epochs > 1 or
+    # several mini-batches). r3: the trainer's passes send every token to the experts the
+    # rollout engine chose (rollout.engine=hf). null: off.
+    moe_routing_replay: Optional[Literal["r2", "r3"]] = None
 
 
 @dataclass

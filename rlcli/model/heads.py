@@ -23,6 +23,7 @@ from rlcli.rollout.batch import RolloutBatch, response_values
 
 if TYPE_CHECKING:
     from parallel.mesh import Mesh
+    from parallel.routing_replay import RoutingNotes
 
 
 class Batching(Protocol):
@@ -60,7 +61,7 @@ class ModelHead:
 
     def forward_and_routing(
         self, model: Core, batch: RolloutBatch, temperature: float
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, RoutingNotes]:
         """``forward`` plus the MoE routing it took (see ``TrainedModel.forward_and_routing``)."""
         raise TypeError(f"a model with a {type(self).__name__} has no routing to replay")
 
@@ -95,11 +96,11 @@ class LanguageModelHead(ModelHead):
         from parallel.schedule import forward_log_probs_and_routing
 
         m = model.micro_batching
-        per_position, routing = forward_log_probs_and_routing(
+        per_position, notes = forward_log_probs_and_routing(
             model.models, model.mesh, batch.input_ids, batch.attention_mask, m.size,
-            temperature, m.forward_tokens, m.pack,
+            temperature, m.forward_tokens, m.pack, replay=batch.routing,
         )  # fmt: skip
-        return response_values(per_position.cpu(), batch.response_index), routing
+        return response_values(per_position.cpu(), batch.response_index), notes
 
 
 class ValueHead(ModelHead):

@@ -46,6 +46,7 @@ from rlcli.model.heads import LanguageModelHead, ModelHead
 from rlcli.rollout.batch import RolloutBatch, split_evenly
 
 if TYPE_CHECKING:
+    from parallel.routing_replay import RoutingNotes
     from rlcli.config.schema import TrainedModelConfig
 
 
@@ -176,11 +177,12 @@ class TrainedModel:
     @torch.no_grad()
     def forward_and_routing(
         self, batch: RolloutBatch, temperature: float = 1.0
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``forward``'s log-probs and the experts every token went to in this rank's MoE layers,
-        ``[B, S, L, k]`` int16 (None without MoE layers here): set as ``batch.routing``, the
-        update's forwards replay them (``parallel.routing_replay``; the model is built with
-        ``MoeOptions(routing_replay=True)``)."""
+    ) -> tuple[torch.Tensor, RoutingNotes]:
+        """``forward``'s log-probs and what the pass noted of its MoE routing: without
+        ``batch.routing`` the experts every token went to in this rank's MoE layers
+        (``notes.recorded [B, S, L, k]``, for the update to replay), with it a replay of those
+        and the share the router would have changed (``notes.changed``)
+        (``parallel.routing_replay``; the model is built with ``MoeOptions(routing_replay=True)``)."""
         with self._without_dropout():
             return self.head.forward_and_routing(self, batch, temperature)
 

@@ -39,6 +39,9 @@ class SamplingConfig:
     stop_token_ids: list[int] = field(default_factory=list)  # besides the model's EOS
     seed: int | None = None
     logprobs: bool = True  # return the sampled tokens' log-probs
+    # MoE models: also return the experts of every token the model read (Completion.routing);
+    # only engines that can read their routers take it (the HF engine)
+    routing: bool = False
 
 
 @dataclass
@@ -49,6 +52,9 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: Literal["stop", "length"]
+    # [prompt + response - 1, L, k] int16 when asked (SamplingConfig.routing): the experts each
+    # token the model read went to, in every MoE layer (the last response token is never read)
+    routing: torch.Tensor | None = None
 
 
 @dataclass
@@ -65,7 +71,12 @@ class GenerationRequest:
 def copies(completion: Completion, n: int) -> list[Completion]:
     """`n` independent copies (greedy decoding samples one completion per prompt)."""
     return [
-        Completion(list(completion.token_ids), list(completion.logprobs), completion.finish_reason)
+        Completion(
+            list(completion.token_ids),
+            list(completion.logprobs),
+            completion.finish_reason,
+            completion.routing,
+        )
         for _ in range(n)
     ]
 

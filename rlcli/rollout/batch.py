@@ -48,6 +48,9 @@ class Sample:
     # Per response token: an engine teacher's log-prob of it (distill.teacher.engine=vllm / hf;
     # None: no such teacher, or a Megatron one, which fills the batch's field itself).
     teacher_log_probs: list[float] | None = None
+    # [num_tokens - 1, L, k] int16: the engine's experts for every token it read (R3:
+    # model.moe_routing_replay=r3; None otherwise)
+    routing: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -142,6 +145,7 @@ def collate(samples: list[Sample], pad_id: int) -> RolloutBatch:
             s.engine_log_probs[:n_resp], dtype=torch.float32
         )
     return RolloutBatch(
+        routing=_engine_routing(samples, seq_len),
         teacher_log_probs=_teacher_log_probs(samples, resp_len),
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -166,6 +170,19 @@ def _trajectory_index(samples: list[Sample]) -> torch.Tensor:
         key = ("agent", agent.session) if agent is not None else row
         index.append(ids.setdefault(key, len(ids)))
     return torch.tensor(index, dtype=torch.long)
+
+
+def _engine_routing(samples: list[Sample], seq_len: int) -> torch.Tensor | None:
+    """``[B, S, L, k]`` of the samples' engine routing (R3), or None without. A row's last token
+    and its padding were never read by the engine: -1 there (replayed as some experts no loss
+    reads: the last position scores no token; not counted as a mismatch)."""
+    if not samples or any(s.routing is None for s in samples):
+        return None
+    layers, k = samples[0].routing.shape[1:]
+    routing = torch.full((len(samples), seq_len, layers, k), -1, dtype=torch.int16)
+    for row, s in enumerate(samples):
+        routing[row, : s.routing.shape[0]] = s.routing
+    return routing
 
 
 def _teacher_log_probs(samples: list[Sample], resp_len: int) -> torch.Tensor | None:

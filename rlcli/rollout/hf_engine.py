@@ -3,7 +3,8 @@ engine and the fallback where vLLM is not installed. One full model per rank (ro
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from itertools import groupby
 
 import torch
@@ -110,7 +111,10 @@ class HFEngine(RolloutEngine):
             output_scores=True,  # after temperature / top-k / top-p, like vLLM's processed
             return_dict_in_generate=True,
         )
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with (
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+            _routers_recorded(self.model, sampling.routing) as routed,
+        ):
             torch.manual_seed(seed)
             out = self.model.generate(
                 input_ids=input_ids, attention_mask=attention_mask, generation_config=config
@@ -122,6 +126,11 @@ class HFEngine(RolloutEngine):
             _completion(tokens.tolist(), row_logprobs.tolist(), set(stops), sampling)
             for tokens, row_logprobs in zip(new_tokens, logprobs, strict=True)
         ]
+        if sampling.routing:
+            rows = _routing_per_row(routed, len(completions), width)
+            for row, completion in enumerate(completions):
+                read = len(prompts[row // n]) + len(completion.token_ids) - 1
+                completion.routing = rows[row, width - len(prompts[row // n]) :][:read]
         return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     @torch.no_grad()
@@ -183,6 +192,45 @@ def _load_checkpoint_names(model: torch.nn.Module, tensors: dict[str, torch.Tens
         raise KeyError(f"{unknown} are not weights of {type(model).__name__}")
 
 
+@contextmanager
+def _routers_recorded(model: torch.nn.Module, record: bool) -> Iterator[list[list[torch.Tensor]]]:
+    """With ``record``, the top-k expert indices every MoE router of ``model`` hands its experts,
+    per layer, one ``[tokens, k]`` entry per forward (transformers' ``*TopKRouter`` modules return
+    ``(logits, weights, indices)`` over the flattened ``[batch * length]`` tokens)."""
+    if not record:
+        yield []
+        return
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    if not routers:
+        raise UserError(
+            "model.moe_routing_replay=r3 reads the engine's MoE routers, and this model has "
+            "none (a dense model): set model.moe_routing_replay=null"
+        )
+    routed: list[list[torch.Tensor]] = [[] for _ in routers]
+    hooks = [
+        router.register_forward_hook(
+            lambda module, args, outputs, seen=seen: seen.append(outputs[-1].to("cpu", torch.int16))
+        )
+        for router, seen in zip(routers, routed, strict=True)
+    ]
+    try:
+        yield routed
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _routing_per_row(routed: list[list[torch.Tensor]], rows: int, width: int) -> torch.Tensor:
+    """``[rows, width + steps - 1, L, k]``: each row's experts at every position ``generate``
+    read: the ``width`` left-padded prompt columns (the first forward), then one token a step."""
+    per_layer = []
+    for forwards in routed:
+        prompt = forwards[0].reshape(rows, width, -1)
+        steps = [f.reshape(rows, 1, -1) for f in forwards[1:]]
+        per_layer.append(torch.cat([prompt, *steps], dim=1))
+    return torch.stack(per_layer, dim=2)
+
+
 def _key(sampling: SamplingConfig) -> tuple:
     """What must be equal for requests to share one `generate` call."""
     return (
@@ -192,6 +240,7 @@ def _key(sampling: SamplingConfig) -> tuple:
         sampling.max_tokens,
         tuple(sampling.stop_token_ids),
         sampling.logprobs,
+        sampling.routing,
     )
 
 

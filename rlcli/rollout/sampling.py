@@ -109,6 +109,7 @@ class Sampler:
                         engine_log_probs=list(completion.logprobs),
                         finish_reason=completion.finish_reason,
                         item=item,
+                        routing=completion.routing,
                     )
                 )
         return _gathered(local, replica)
@@ -377,4 +378,5 @@ def sampling_params(
             {*r.stop_token_ids, *([eos_token_id] if eos_token_id is not None else [])}
         ),
         seed=cfg.trainer.seed * 100_003 + step * 7_919,
+        routing=train and cfg.model.moe_routing_replay == "r3",  # R3 replays the engine's experts
     )

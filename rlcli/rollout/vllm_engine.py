@@ -162,6 +162,12 @@ class VLLMEngine(RolloutEngine):
             )
         if not requests and not self._joins_world:
             return []  # (ranks of one TP replica must all step the engine, prompts or not)
+        if any(request.sampling.routing for request in requests):
+            # vLLM returns routed experts only from its GPU model runner (V2), not wired here
+            raise UserError(
+                "model.moe_routing_replay=r3 needs rollout.engine=hf: this vLLM engine does not "
+                "return the experts it routed to"
+            )
         params = [self._sampling_params(request, SamplingParams) for request in requests]
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_token_ids)) for r in requests]
         outputs = self._llm.generate(

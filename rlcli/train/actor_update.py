@@ -16,7 +16,7 @@ import torch.distributed as dist
 import algorithms
 from parallel.cpu_compat import device
 from parallel.mesh import Mesh
-from parallel.step_types import LossFn, LossReport, ModelOutputs, StepResult
+from parallel.step_types import LossFn, LossReport, ModelOutputs
 from rlcli.config.schema import RLConfig, mini_batch_count
 from rlcli.model.dp_stats import DataParallelStats
 from rlcli.model.trained_model import TrainedModel
@@ -229,19 +229,41 @@ def update_actor(
         with_ref = batch.ref_log_probs is not None
         out.update(logprob_metrics(sums, largest, DataParallelStats(actor.mesh), with_ref))
     if batch.routing is not None:
-        out.update(routing_replay_metrics(results, actor.mesh))
+        changed = [r.routing_changed for r in results if r.routing_changed is not None]
+        out["actor/routing_replay_changed"] = routing_share(changed, actor.mesh)
+        if cfg.model.moe_routing_replay == "r3" and plan != "actor_pass":
+            # the first forward ran the engine's weights: where the trainer's routers disagree
+            out["rollout/routing_mismatch"] = routing_share(changed[:1], actor.mesh)
     return out
 
 
-def routing_replay_metrics(results: list[StepResult], mesh: Mesh) -> dict[str, float]:
-    """``actor/routing_replay_changed``: the share of (token, MoE layer) pairs whose own experts
-    in the update's forwards differed from the old-log-prob pass's, which R2 replayed instead
-    (over every optimizer step, every layer of every pipeline stage and DP rank)."""
-    changed = [r.routing_changed for r in results if r.routing_changed is not None]
+def old_log_prob_pass(
+    actor: TrainedModel, batch: RolloutBatch, cfg: RLConfig, temperature: float
+) -> dict[str, float]:
+    """The old_log_prob phase: ``batch.old_log_probs`` under the current weights. Routing
+    replay R2 records the experts of this pass for the update to replay (``batch.routing``);
+    R3 replays the engine's (``batch.routing`` from the rollout) and reports the share of
+    (token, MoE layer) pairs the trainer's own routers would have sent elsewhere:
+    ``rollout/routing_mismatch`` (docs/algorithms.md)."""
+    replay = cfg.model.moe_routing_replay
+    if replay is None:
+        batch.old_log_probs = actor.forward(batch, temperature)
+        return {}
+    batch.old_log_probs, notes = actor.forward_and_routing(batch, temperature)
+    if replay == "r2":
+        batch.routing = notes.recorded
+        return {}
+    changed = [] if notes.changed is None else [notes.changed]
+    return {"rollout/routing_mismatch": routing_share(changed, actor.mesh)}
+
+
+def routing_share(changed: list[torch.Tensor], mesh: Mesh) -> float:
+    """Changed token-layers over token-layers from ``[2]`` partial counts (``routing_changed``),
+    over every pipeline stage's MoE layers and every DP rank."""
     total = torch.stack(changed).sum(dim=0) if changed else torch.zeros(2, dtype=torch.float64)
     total = DataParallelStats(mesh).sum(total)
     if mesh.pp > 1:
         on_device = total.to(device())
         dist.all_reduce(on_device, group=mesh.pp_group)
         total = on_device.cpu()
-    return {"actor/routing_replay_changed": float(total[0] / total[1].clamp(min=1))}
+    return float(total[0] / total[1].clamp(min=1))

@@ -41,7 +41,7 @@ from rlcli.rollout.placement import Rollouts
 from rlcli.run.metrics import METRICS_FILE_NAME, TENSORBOARD_DIR_NAME, MetricsLogger
 from rlcli.run.state import RunState
 from rlcli.run.system_metrics import SystemMonitor, system_metrics
-from rlcli.train.actor_update import agreement_of_actor_pass, update_actor
+from rlcli.train.actor_update import agreement_of_actor_pass, old_log_prob_pass, update_actor
 from rlcli.train.advantages import KLController, compute_advantages
 from rlcli.train.critic import update_critic, value_metrics
 from rlcli.train.save_resume import RunCheckpoints
@@ -299,10 +299,7 @@ def learn(t: Trainer, batch: RolloutBatch, fewest_groups: int, phases: StepPhase
         batch.old_log_probs = batch.engine_log_probs
     elif old_log_probs == "actor_pass":
         with phases("old_log_prob"):
-            if cfg.model.moe_routing_replay == "r2":  # the update replays this pass's experts
-                batch.old_log_probs, batch.routing = t.actor.forward_and_routing(batch, temperature)
-            else:
-                batch.old_log_probs = t.actor.forward(batch, temperature)
+            metrics.update(old_log_prob_pass(t.actor, batch, cfg, temperature))
     if t.reference is not None:
         with phases("ref"):
             batch.ref_log_probs = t.reference.forward(batch, temperature)

@@ -62,14 +62,16 @@ def check_routing_replay(cfg: RLConfig) -> None:
     if replay is None:
         return
     key = f"model.moe_routing_replay={replay}"
+    if replay == "r3":
+        _check_engine_routing(cfg, key)
     plan = cfg.old_log_prob_plan
-    if plan == "engine":
+    if replay == "r2" and plan == "engine":
         raise UserError(
             f"{key} replays the experts of the trainer's old-log-prob pass, which "
             "actor.old_log_prob_source=engine skips: set actor.old_log_prob_source=actor, or "
             "model.moe_routing_replay=null"
         )
-    if plan == "update_forward":
+    if replay == "r2" and plan == "update_forward":
         raise UserError(
             f"{key} replays the old-log-prob pass's experts in the update, but this update is "
             "on-policy (actor.ppo_epochs=1, one mini-batch): its own forward is that pass and "
@@ -86,6 +88,31 @@ def check_routing_replay(cfg: RLConfig) -> None:
         raise UserError(
             f"{key} with parallel.pp={cfg.parallel.pp} needs actor.recompute=none: a forward "
             "recomputed in the backward pass would replay a later micro-batch's experts"
+        )
+
+
+def _check_engine_routing(cfg: RLConfig, key: str) -> None:
+    """R3 reads the experts the engine routed every token to: the HF engine reads them (vLLM
+    returns them only from its GPU model runner, not wired yet), for single-turn samples whose
+    tokens the engine read in one sequence, on one pipeline stage (the engine's layers are all
+    the trainer's)."""
+    r = cfg.rollout
+    if r.engine != "hf":
+        raise UserError(
+            f"{key} needs rollout.engine=hf (the {r.engine} engine does not return the experts "
+            "it routed to); or use model.moe_routing_replay=r2"
+        )
+    if r.multi_turn.enable or r.agent is not None:
+        raise UserError(
+            f"{key} replays the engine's experts of single-turn samples: turn off "
+            "rollout.multi_turn.enable / rollout.agent, or use model.moe_routing_replay=r2"
+        )
+    if r.is_separate:
+        raise UserError(f"{key} needs rollout.placement=colocated (not built for separate yet)")
+    if cfg.parallel.pp > 1:
+        raise UserError(
+            f"{key} needs parallel.pp=1 (the engine's routing covers every layer; a pipeline "
+            "stage's share of it is not cut out yet)"
         )
 
 

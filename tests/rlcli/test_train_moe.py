@@ -158,7 +158,13 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
             ],
             ["moe_routing_replay=r2", "actor.old_log_prob_source=actor"],
         ),
-        ("moe", ["model.moe_routing_replay=r3"], ["model.moe_routing_replay", "r2"]),
+        ("moe", ["model.moe_routing_replay=r4"], ["model.moe_routing_replay", "r2", "r3"]),
+        ("moe", ["model.moe_routing_replay=r3", "rollout.engine=vllm"], ["rollout.engine=hf"]),
+        (
+            "moe",
+            ["model.moe_routing_replay=r3", "rollout.engine=hf", "rollout.multi_turn.enable=true"],
+            ["moe_routing_replay=r3", "single-turn"],
+        ),
     ],
 )
 def test_bad_moe_settings_exit_2_naming_the_key(

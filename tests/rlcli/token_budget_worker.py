@@ -151,7 +151,6 @@ def main() -> None:
     # reward, which the update does not read, makes the plan take the separate pass).
     from dataclasses import replace
 
-
     cfg = config("token-mean")
     cfg_full = config("token-mean", ["algorithm.use_kl_in_reward=true"])
     assert (cfg.old_log_prob_plan, cfg_full.old_log_prob_plan) == ("update_forward", "actor_pass")
