@@ -30,6 +30,7 @@ import torch  # noqa: E402
 from tests.gpu.checks_attention import check_attention_backends, check_first_offload  # noqa: E402
 from tests.gpu.checks_engine import check_engine_sync, check_memory_phases  # noqa: E402
 from tests.gpu.checks_model import check_actor, check_parity  # noqa: E402
+from tests.gpu.checks_moe import check_moe_routing_replay  # noqa: E402
 from tests.gpu.checks_perf import check_cli_train_resume, check_throughput  # noqa: E402
 from tests.gpu.common import Context  # noqa: E402
 
@@ -45,6 +46,10 @@ CHECKS = [
         check_attention_backends,
     ),
     ("first offload at the pinned-copy floor (buffers reserved at build)", check_first_offload),
+    (
+        "MoE routing: bf16 engine vs trainer experts, log-prob gap without / with replay (R3, R2)",
+        check_moe_routing_replay,
+    ),
 ]
 
 

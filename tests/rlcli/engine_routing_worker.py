@@ -33,16 +33,20 @@ from rlcli.rollout.hf_engine import HFEngine
 PROMPTS, N = 6, 2
 
 
-def sampled(model_dir: str, dtype: str) -> list[Sample]:
+def sampled(
+    model_dir: str, dtype: str, prompts: int = PROMPTS, max_tokens: int = 10
+) -> list[Sample]:
+    """``N`` samples for each of ``prompts`` random prompts, with the engine's routing."""
     engine = HFEngine(model_dir, dtype=dtype, seed=3)
     vocab = engine.model.config.vocab_size
     generator = torch.Generator().manual_seed(4)
-    prompts = [
+    prompt_ids = [
         torch.randint(3, vocab, (int(length),), generator=generator).tolist()
-        for length in torch.randint(4, 12, (PROMPTS,), generator=generator)
+        for length in torch.randint(4, 12, (prompts,), generator=generator)
     ]
-    sampling = SamplingConfig(temperature=1.0, max_tokens=10, seed=5, routing=True)
-    outputs = engine.generate(prompts, N, sampling)
+    sampling = SamplingConfig(temperature=1.0, max_tokens=max_tokens, seed=5, routing=True)
+    outputs = engine.generate(prompt_ids, N, sampling)
+    engine.close()
     return [
         Sample(
             group=g,
@@ -53,12 +57,13 @@ def sampled(model_dir: str, dtype: str) -> list[Sample]:
             item=None,
             routing=c.routing,
         )
-        for g, (prompt, completions) in enumerate(zip(prompts, outputs, strict=True))
+        for g, (prompt, completions) in enumerate(zip(prompt_ids, outputs, strict=True))
         for c in completions
     ]
 
 
 def compare(models, mesh, samples: list[Sample]) -> dict:
+    """The engine's routing and log-probs against the trainer's (module docstring)."""
     batch = collate(samples, pad_id=0)
     ids, mask = batch.input_ids, batch.attention_mask
     _, own = forward_log_probs_and_routing(models, mesh, ids, mask, 4)
