@@ -23,6 +23,7 @@ from benchmarks.formatting import (
     pct,
     threads_note,
 )
+from benchmarks.mismatch import mismatch_table
 from benchmarks.placement import placement_table
 
 
@@ -71,6 +72,7 @@ def markdown_table(results: dict) -> str:
     lines += _lora_rows(results.get("lora"), results.get("train"))
     lines += _grpo_table(results.get("grpo"))
     lines += placement_table(results.get("placement"))
+    lines += mismatch_table(results.get("mismatch"))
     lines += _memory_table(results)
     errors = results.get("errors", {})
     if errors:

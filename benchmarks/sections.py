@@ -17,6 +17,9 @@ one section into the next; a smoke run saves the start-up cost and runs them all
     placement  colocated vs separate (synchronous, staleness 1) `rlcli train --nproc 2` runs of
              the quickstart task: steps/s, idle shares, held-out accuracy per second
              (placement.py)
+    mismatch bf16 engine under the fp32 trainer: KL, log-prob gap, masked tokens and held-out
+             accuracy per rollout correction; MoE experts routed differently per routing replay
+             (mismatch.py)
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from benchmarks.hardware import detect_hardware, measure_matmul_flops
 from benchmarks.lifetime import take_group_down_with_parent
 from benchmarks.lora_section import lora_section
 from benchmarks.memory import measure_peak_memory
+from benchmarks.mismatch import mismatch_section
 from benchmarks.placement import placement_section
 from benchmarks.sync_section import sync_section
 from benchmarks.train_section import train_section
@@ -128,6 +132,7 @@ SECTIONS: dict[str, Callable[[Workload, Path], dict]] = {
     "lora": lora_section,
     "grpo": grpo_section,
     "placement": placement_section,
+    "mismatch": mismatch_section,
 }
 
 

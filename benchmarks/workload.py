@@ -95,6 +95,13 @@ class Workload:
     placement_overrides: list[str] = field(default_factory=list)
     # the placement runs' engine: "vllm" where installed, else "hf" (None), or this one
     placement_engine: str | None = None
+    # trainer/engine mismatch (benchmarks/mismatch.py): the quickstart's SFT warm start, then this
+    # many GRPO steps per rollout correction and per MoE routing replay, one process each
+    mismatch_sft_steps: int = 600
+    mismatch_steps: int = 20
+    mismatch_overrides: list[str] = field(default_factory=list)
+    mismatch_corrections: list[str] = field(default_factory=list)  # empty: every one
+    mismatch_replays: list[str] = field(default_factory=list)  # empty: none, r2, r3
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -141,6 +148,10 @@ def workload_for(mode: str, gpu_memory_gib: float = 80.0) -> Workload:
             # the code paths are the engines' own; vLLM's start (7-8 s an engine, four of them)
             # was a third of the smoke run (the rollout section times vLLM)
             placement_engine="hf",
+            mismatch_sft_steps=0, mismatch_steps=1,
+            mismatch_corrections=["token_mis"], mismatch_replays=["r3"],
+            mismatch_overrides=["data.train_batch_size=2", "rollout.n=2", "rollout.max_tokens=8",
+                                "algorithm.dynamic_sampling.enabled=false"],
         )  # fmt: skip
     if mode == "cpu":
         return Workload(

@@ -173,7 +173,7 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float):
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         max_model_len=cfg.rollout.max_model_len or seq_len,
         sequences=-(-sequences // engines),
-        dtype=cfg.model.dtype,
+        dtype=cfg.rollout.engine_dtype(cfg.model.dtype),
         sync_bucket_bytes=(cfg.rollout.sync_bucket_mb or AUTO_BUCKET_MB) * 1024**2,
     )
     critic = trained(cfg.critic, critic=True) if cfg.algorithm.uses_critic else None

@@ -117,6 +117,9 @@ class RolloutConfig(EngineConfig):
     placement: Literal["colocated", "separate"] = "colocated"
     num_ranks: int = 0  # separate: ranks that only run engines (a multiple of rollout.tp)
     n: int = 8  # samples per prompt
+    # the engine's weights and compute; null: model.dtype. bfloat16 under an fp32 trainer samples
+    # faster and is how the trainer/engine mismatch arises (docs/algorithms.md: rollout correction)
+    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
     temperature: float = 1.0  # sampling temperature (the trainer's log-probs use the same)
     top_p: float = 1.0  # nucleus sampling (1.0: off)
     top_k: int = -1  # top-k sampling (-1: off)
@@ -150,6 +153,10 @@ class RolloutConfig(EngineConfig):
     def is_separate(self) -> bool:
         """Engines on ranks of their own (``rollout.placement=separate``)."""
         return self.placement == "separate"
+
+    def engine_dtype(self, model_dtype: str) -> str:
+        """The dtype the rollout engine runs in (``rollout.dtype``, else ``model.dtype``)."""
+        return self.dtype or model_dtype
 
 
 @dataclass

@@ -67,7 +67,7 @@ def build_sampler(
     engine = make_engine(
         r,
         inputs.model_dir,
-        dtype=cfg.model.dtype,
+        dtype=r.engine_dtype(cfg.model.dtype),
         seed=cfg.trainer.seed,  # engines space request seeds per replica themselves
         max_model_len=max_model_len,
         max_lora_rank=cfg.actor.lora.rank if adapters else 0,

