@@ -33,8 +33,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 SECTIONS = ("device", "rollout", "sync", "train", "lora", "grpo", "placement", "mismatch")
 # What `make benchmark` runs (about 4 min on 2 CPU cores): the rollout engines, weight sync, LoRA
-# and a GRPO step's phases. The train section's attention / packing comparisons and the placement
-# runs (about 14 min more there) need `--full` (`make benchmark-full`).
+# and a GRPO step's phases. The train section's attention / packing comparisons, the placement
+# runs and the mismatch runs (about 26 min more there) need `--full` (`make benchmark-full`).
 QUICK_SECTIONS = ("device", "rollout", "sync", "lora", "grpo")
 SECTION_TIMEOUT_S = {"smoke": 600, "cpu": 900, "gpu": 1800}
 LOG_TAIL_LINES = 30

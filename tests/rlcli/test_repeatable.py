@@ -1,6 +1,6 @@
-"""Runs that repeat: the same seed, thread count and layout give bitwise the same weights
-(SFT here; GRPO in test_run_survival.py, whose stopped-and-resumed run equals the uninterrupted
-one with ``trainer.deterministic=true``)."""
+"""Runs that repeat: the same seed, thread count and layout give bitwise the same weights (SFT)
+and the same metrics (GRPO at DP 2); test_run_survival.py's stopped-and-resumed GRPO run equals
+the uninterrupted one with ``trainer.deterministic=true``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -53,3 +54,20 @@ def test_deterministic_mode_switches_torch_to_deterministic_algorithms():
         [sys.executable, "-c", program], cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert shown.stdout.split() == ["True", ":4096:8"], shown.stderr[-2000:]
+
+
+@pytest.mark.dist
+def test_two_dp2_grpo_runs_with_one_seed_give_identical_metrics(tmp_path):
+    """Two `rlcli train --nproc 2` GRPO runs (DP 2, the HF engine, `trainer.deterministic=true`)
+    with one seed: every metric but time and memory equal, step for step."""
+    from tests.rlcli.test_run_survival import comparable, finish, rlcli_train, rows
+
+    runs = [tmp_path / "a", tmp_path / "b"]
+    procs = [rlcli_train(out, "trainer.total_steps=2", *SMALL, nproc=2) for out in runs]
+    for proc in procs:  # both at once: two ranks each on two cores, one thread per rank
+        code, output = finish(proc)
+        assert code == 0, output[-3000:]
+    first, second = (rows(out) for out in runs)
+    assert [r["step"] for r in first] == [1, 2]
+    assert [comparable(r) for r in first] == [comparable(r) for r in second]
+    assert any(r.get("actor/pg_loss") for r in first)  # it trained
