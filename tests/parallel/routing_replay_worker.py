@@ -74,14 +74,16 @@ def run_layout(hf_dir: str, pp: int, pack: bool) -> dict:
     ids, mask = rows(seed=10 + mesh.dp_rank)
     budget = dict(max_tokens=30 * pack, pack_sequences=pack)
     # 1. W0's routing
-    lp0, routing0 = forward_log_probs_and_routing(models, mesh, ids, mask, 2, **budget)
+    lp0, notes0 = forward_log_probs_and_routing(models, mesh, ids, mask, 2, **budget)
+    routing0 = notes0.recorded
     experts = routers(models)[0].config.num_moe_experts
     # 2. W1: the routers moved
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for router in routers(models):
             router.weight += 0.1 * torch.randn(router.weight.shape, generator=generator)
-    lp1, routing1 = forward_log_probs_and_routing(models, mesh, ids, mask, 2, **budget)
+    lp1, notes1 = forward_log_probs_and_routing(models, mesh, ids, mask, 2, **budget)
+    routing1 = notes1.recorded
     real = mask.bool()[:, :, None].expand(*routing0.shape[:3])
     flipped = (routing0.sort(-1).values != routing1.sort(-1).values).any(-1)[real]
     # 3. replay W0 under W1, cut differently; the routers' own outputs, per row by hand
