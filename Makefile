@@ -40,9 +40,9 @@ install-slurm:
 	   --no-install-recommends slurm-wlm munge >/dev/null)
 
 # Two pytest-xdist workers of one OpenMP thread each: tests/conftest.py keeps each test module (its
-# shared model builds and engines) on one worker. On a 2-core AMD EPYC the one-process run
-# (`make test-serial`) took 41 min 35 s and this one 25 min 32 s (both 799 passed, 12 skipped);
-# CI runs this one. The slowest tests are listed at the end.
+# shared model builds and engines) on one worker: 1.6x as fast as the one-process run (`make
+# test-serial`: 41 min 35 s against 25 min 32 s on a 2-core AMD EPYC, an older tree); the README
+# gives the latest times. CI runs this one. The slowest tests are listed at the end.
 test: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25
 
