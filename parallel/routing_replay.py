@@ -131,18 +131,15 @@ class RoutingPass:
         self.replaying = replaying
         self.replays = {id(chunk): routers_of(chunk) for chunk in models}
         self.noted: dict[int, list[torch.Tensor]] = {id(chunk): [] for chunk in models}
-
-    def _first_layer(self, chunk: torch.nn.Module) -> int:
-        """Where ``chunk``'s MoE layers start along ``L`` (the earlier chunks' come first)."""
+        # where each chunk's MoE layers start along L (the earlier chunks' come first)
+        self.first_layer: dict[int, int] = {}
         count = 0
-        for other in self.models:
-            if other is chunk:
-                return count
-            count += len(self.replays[id(other)])
-        raise ValueError("the chunk is not one of this pass's models")
+        for chunk in models:
+            self.first_layer[id(chunk)] = count
+            count += len(self.replays[id(chunk)])
 
     def before(self, chunk: torch.nn.Module, routing: torch.Tensor | None) -> None:
-        start = self._first_layer(chunk)
+        start = self.first_layer[id(chunk)]
         for layer, replay in enumerate(self.replays[id(chunk)]):
             replay.clear_indices()
             replay.changed = None
