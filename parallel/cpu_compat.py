@@ -48,6 +48,16 @@ What it redirects, and why (megatron-core 0.16 - 0.19 read as ground truth):
   A forked Manager imports nothing: `rlcli.process_lifetime` ties it to its rank through
   multiprocessing's after-fork hook instead.
 
+* Gated DeltaNet (hybrid linear-attention models) without flash-linear-attention: `fla` is Triton
+  and does not import on CPU. megatron's `GatedDeltaNet` refuses to build without it
+  (`HAVE_FLA`), though with `deterministic_mode` it runs its own pure-torch chunked delta rule
+  and a torch conv1d; only its query / key L2 norm still comes from `fla`.
+  `gated_delta_net_without_fla()` (called by `parallel.linear_attention` when `fla` is missing
+  on CPU) supplies that norm in torch, computed as `fla`'s `l2norm` and transformers' Qwen3.5
+  (x / sqrt(sum x^2 + 1e-6) over the head dimension, in fp32), and lets the layer build.
+  megatron-core 0.16.1 keeps these names in `ssm/gated_delta_net.py`, 0.19.2 in
+  `ssm/gated_delta_net/common.py` (and imports them into `gdn.py`).
+
 Differences between megatron-core releases (0.16.1 on Python 3.11, 0.19.2 the GPU extra's pin;
 `make test-mcore19` runs the suite against the latter), each handled here and only here:
 
@@ -68,6 +78,7 @@ Use `device()` for the torch.device that training code should place tensors on.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import multiprocessing
 from typing import Any
@@ -266,6 +277,23 @@ def _host_splits(move_to_cpu):
         return move_to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
     return to_host
+
+
+def _l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    squares = x.float().pow(2).sum(dim=dim, keepdim=True)
+    return (x.float() * torch.rsqrt(squares + eps)).to(x.dtype)
+
+
+def gated_delta_net_without_fla() -> None:
+    """Let megatron's GatedDeltaNet build and run without `fla` (module docstring)."""
+    for name in ("megatron.core.ssm.gated_delta_net", "megatron.core.ssm.gated_delta_net.common"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if getattr(module, "HAVE_FLA", True) is False:  # the module that checks and uses it
+            module.HAVE_FLA = True
+            module.l2norm = _l2norm
 
 
 def enable_cpu_compat() -> None:

@@ -75,6 +75,11 @@ from megatron.core.transformer import TransformerConfig
 from parallel.attention import SDPAttention, sdpa_unsupported_options
 from parallel.convert.registry import get_family
 from parallel.cpu_compat import device
+from parallel.linear_attention import (
+    check_linear_attention,
+    hybrid_block_spec,
+    linear_attention_fields,
+)
 from parallel.mesh import Mesh, ParallelLayoutError
 from parallel.model_backends import (
     Backends,
@@ -173,6 +178,7 @@ def transformer_config_from_hf(
         attention_softmax_in_fp32=True,
         **fused_kernel_options(transformer_impl),
         **architecture,
+        **linear_attention_fields(architecture),
         **experts,
         **recompute.config_fields(),
     )
@@ -245,8 +251,11 @@ def _same_on_tensor_parallel_ranks(module: torch.nn.Module) -> None:
 def layer_spec(config: TransformerConfig, backends: Backends, vp_stage: int | None = None):
     """Megatron's layer spec for resolved backends: TE's, or the local one with its core
     attention as chosen (megatron's DotProductAttention, or SDPAttention); for a MoE model, the
-    block spec of this rank's layers (MoE and dense layers as `config.moe_layer_freq` says)."""
+    block spec of this rank's layers (MoE and dense layers as `config.moe_layer_freq` says); for
+    a hybrid linear-attention model, `parallel.linear_attention.hybrid_block_spec`."""
     te = backends.transformer_impl == "transformer_engine"
+    if config.experimental_attention_variant is not None:
+        return hybrid_block_spec(config, backends, vp_stage)
     if config.num_moe_experts is not None:
         spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=te, normalization=config.normalization, vp_stage=vp_stage
@@ -316,6 +325,7 @@ def build_model(
         options.pack_sequences,
         hf_config,
     )
+    check_linear_attention(hf_config, mesh.tp, options.pack_sequences)
     config = transformer_config_from_hf(
         hf_config,
         tp=mesh.tp,

@@ -2,8 +2,9 @@
 
 rope_parameters(hf_config) -> dict    (rope_type, rope_theta, scaling fields)
 rope_model_kwargs(hf_config) -> dict  (GPTModel's position_embedding_type, rotary_base,
-                                       rope_scaling, rope_scaling_factor); ValueError for
-                                       a scaling megatron-core does not implement
+                                       rotary_percent, rope_scaling, rope_scaling_factor);
+                                       ValueError for a scaling megatron-core does not
+                                       implement
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
 def rope_model_kwargs(hf_config: Any) -> dict[str, Any]:
     rope = rope_parameters(hf_config)
     kwargs = {"position_embedding_type": "rope", "rotary_base": rope["rope_theta"]}
+    partial = float(rope.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:  # Qwen3.5: RoPE on the first quarter of each head's dimensions
+        kwargs["rotary_percent"] = partial
     if rope["rope_type"] == "default":
         return kwargs
     if rope["rope_type"] == "llama3" and all(

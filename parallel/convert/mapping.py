@@ -24,13 +24,17 @@ Public API (stable; the bucketed resharder in rlcli builds on it):
         -> list[ParamMapping]   (etp / etp_rank: expert tensor parallel, default tp / tp_rank;
         the base weights only: LoRA adapters, parameters marked `is_lora_adapter`, are skipped)
     hf_rule(hf_config, global_name) -> (Rule, skip_export)   (HF names of that one parameter)
+    stored_shifted(hf_config, hf_name) -> bool   (held as 1 + w: a zero-centred norm)
     megatron_to_hf(hf_config, tp, global_name, full, *, etp=None) -> list[(hf_name, tensor)]
         (works on ranks that do not hold the parameter: needs only its global name)
     renumber_expert(global_name, offset) -> str   (the same weight of another routed expert)
 
 Layouts (megatron-core GPTModel):
     linear_qkv  [ng * (q_per_group + 2) * d, h]: for each KV group g, its q heads, then k_g, v_g;
-                TP splits whole groups (rank r holds groups [r*ng/tp, (r+1)*ng/tp)).
+                TP splits whole groups (rank r holds groups [r*ng/tp, (r+1)*ng/tp)). With an
+                output gate (`gated_qkv`) each group holds its q heads, their gates, k_g, v_g.
+    parts       Gated DeltaNet's in_proj (q, k, v, z, beta, alpha) and conv1d (q, k, v): TP
+                shard r is [part_0 rows r; part_1 rows r; ...], like linear_fc1's gate and up.
     linear_fc1  TP shard r is [gate rows r; up rows r], so the TP-gathered tensor is
                 [gate_0; up_0; gate_1; up_1; ...] (a routed expert's: over expert TP).
     vocab       rows [r*Vp/tp, (r+1)*Vp/tp) on TP rank r; rows >= V are padding (zeros).
@@ -57,6 +61,7 @@ VALUE_HEAD_RULES = {
 }
 
 Reader = Callable[[str, int | None, int, int], torch.Tensor]
+PART_KINDS = ("linear_in_proj", "linear_conv")
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # A routed expert's index inside a layer name: SequentialMLP's module list, or TE's grouped
 # GEMM weights (one per local expert). Rules name it `{expert}`.
@@ -137,6 +142,67 @@ def _qkv_shard(read: Reader, names: tuple[str, ...], geo: _Geometry, tp_rank: in
     return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
+def _gated_qkv_to_hf(full: torch.Tensor, names: tuple[str, ...], geo: _Geometry):
+    per_group = geo.num_heads // geo.num_kv_heads
+    rest = full.shape[1:]
+    grouped = full.reshape(geo.num_kv_heads, 2 * per_group + 2, geo.head_dim, *rest)
+    query_and_gate = torch.stack([grouped[:, :per_group], grouped[:, per_group:-2]], dim=2)
+    k = grouped[:, -2].reshape(-1, *rest)
+    v = grouped[:, -1].reshape(-1, *rest)
+    return list(zip(names, (query_and_gate.reshape(-1, *rest), k, v), strict=True))
+
+
+def _gated_qkv_shard(read: Reader, names: tuple[str, ...], geo: _Geometry, tp_rank: int):
+    groups = geo.num_kv_heads // geo.tp
+    per_group = geo.num_heads // geo.num_kv_heads
+    d = geo.head_dim
+    first = tp_rank * groups
+    q_rows = 2 * per_group * d  # each head's query rows, then its gate's
+    query_and_gate = read(names[0], 0, first * q_rows, (first + groups) * q_rows)
+    k = read(names[1], 0, first * d, (first + groups) * d)
+    v = read(names[2], 0, first * d, (first + groups) * d)
+    rest = k.shape[1:]
+    query_and_gate = query_and_gate.reshape(groups, per_group, 2, d, *rest)
+    q, gate = query_and_gate[:, :, 0], query_and_gate[:, :, 1]
+    k = k.reshape(groups, 1, d, *rest)
+    v = v.reshape(groups, 1, d, *rest)
+    return torch.cat([q, gate, k, v], dim=1).reshape(-1, *rest)
+
+
+def _parts(kind: str, names: tuple[str, ...], hf_config: Any) -> list[tuple[str, int, int]]:
+    """(HF name, first row, rows) of each part of a Gated DeltaNet tensor, in megatron's order:
+    conv1d runs over q, k, v (all in HF's conv1d); in_proj makes q, k, v (HF's in_proj_qkv),
+    the output gate z, beta and alpha (in_proj_z, _b, _a)."""
+    key = hf_config.linear_key_head_dim * hf_config.linear_num_key_heads
+    value = hf_config.linear_value_head_dim * hf_config.linear_num_value_heads
+    qkv = [(names[0], 0, key), (names[0], key, key), (names[0], 2 * key, value)]
+    if kind == "linear_conv":
+        return qkv
+    heads = hf_config.linear_num_value_heads
+    return [*qkv, (names[1], 0, value), (names[2], 0, heads), (names[3], 0, heads)]
+
+
+def _parts_shard(read: Reader, parts: list[tuple[str, int, int]], tp: int, tp_rank: int):
+    pieces = []
+    for name, start, rows in parts:
+        per_rank = rows // tp
+        first = start + tp_rank * per_rank
+        pieces.append(read(name, 0, first, first + per_rank))
+    return torch.cat(pieces)
+
+
+def _parts_to_hf(full: torch.Tensor, parts: list[tuple[str, int, int]], tp: int):
+    sizes = [rows // tp for _, _, rows in parts]
+    by_part: list[list[torch.Tensor]] = [[] for _ in parts]
+    for shard in full.split(sum(sizes)):
+        for pieces, piece in zip(by_part, shard.split(sizes), strict=True):
+            pieces.append(piece)
+    by_name: dict[str, list[torch.Tensor]] = {}
+    for (name, _, _), pieces in zip(parts, by_part, strict=True):
+        by_name.setdefault(name, []).append(torch.cat(pieces))
+    return [(name, torch.cat(tensors)) for name, tensors in by_name.items()]
+
+
 def _gate_up_to_hf(full: torch.Tensor, names: tuple[str, ...], ffn: int, tp: int):
     per_rank = full.reshape(tp, 2, ffn // tp, *full.shape[1:])
     gate = per_rank[:, 0].reshape(ffn, *full.shape[1:])
@@ -193,6 +259,15 @@ def hf_rule(hf_config: Any, global_name: str) -> tuple[Rule, bool]:
     return rule, False
 
 
+def stored_shifted(hf_config: Any, hf_name: str) -> bool:
+    """Whether Megatron holds this HF tensor as 1 + w (a zero-centred norm, rule `plus_one`):
+    exported, it equals the HF tensor up to that addition's rounding, not bit for bit."""
+    family = get_family(hf_config.model_type)
+    rules = [*family.layer_rules.values(), *family.global_rules.values()]
+    shifted = {name for rule in rules if rule.kind == "plus_one" for name in rule.hf_names}
+    return any(hf_name == name or hf_name.endswith("." + name) for name in shifted)
+
+
 def megatron_to_hf(
     hf_config: Any, tp: int, global_name: str, full: torch.Tensor, *, etp: int | None = None
 ) -> list[tuple[str, torch.Tensor]]:
@@ -202,6 +277,12 @@ def megatron_to_hf(
     geo = _Geometry.from_hf(hf_config, tp)
     if rule.kind == "qkv":
         return _qkv_to_hf(full, rule.hf_names, geo)
+    if rule.kind == "gated_qkv":
+        return _gated_qkv_to_hf(full, rule.hf_names, geo)
+    if rule.kind in PART_KINDS:
+        return _parts_to_hf(full, _parts(rule.kind, rule.hf_names, hf_config), tp)
+    if rule.kind == "plus_one":
+        return [(rule.hf_names[0], full - 1)]
     if rule.kind == "gate_up":
         split = (etp or tp) if rule.expert else tp
         return _gate_up_to_hf(full, rule.hf_names, getattr(hf_config, rule.ffn), split)
@@ -219,10 +300,17 @@ def _shard_from_hf(
     like: torch.Tensor,
     ffn: int,
     split: tuple[int, int],
+    hf_config: Any,
 ) -> torch.Tensor:
     """`split`: (TP size, TP rank) of this parameter's group (expert TP for routed experts)."""
     if rule.kind == "qkv":
         return _qkv_shard(read, rule.hf_names, geo, tp_rank)
+    if rule.kind == "gated_qkv":
+        return _gated_qkv_shard(read, rule.hf_names, geo, tp_rank)
+    if rule.kind in PART_KINDS:
+        return _parts_shard(read, _parts(rule.kind, rule.hf_names, hf_config), *split)
+    if rule.kind == "plus_one":
+        return _copy_shard(read, rule.hf_names[0], dim, split[1], like) + 1
     if rule.kind == "gate_up":
         return _gate_up_shard(read, rule.hf_names, ffn, *split)
     if rule.kind == "vocab":
@@ -285,7 +373,10 @@ def param_mappings(
                 continue  # parallel.lora's adapters are not HF weights (parallel.lora_io)
             global_name = _global_name(chunk, local_name, expert_offset)
             rule, skip_export = hf_rule(hf_config, global_name)
-            dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+            # megatron's GatedDeltaNet marks conv1d, A_log and dt_bias TP-split without a
+            # partition_dim: they are split along their first dimension
+            split_dim = getattr(param, "partition_dim", 0)
+            dim = split_dim if getattr(param, "tensor_model_parallel", False) else None
             split = (etp, etp_rank) if rule.expert else (tp, tp_rank)
             mappings.append(
                 ParamMapping(
@@ -307,6 +398,7 @@ def param_mappings(
                         like=param,
                         ffn=getattr(hf_config, rule.ffn, 0),
                         split=split,
+                        hf_config=hf_config,
                     ),
                 )
             )
