@@ -28,6 +28,42 @@ def num_experts_of(cfg: dict[str, Any]) -> int:
 
 
 @dataclass(frozen=True)
+class LinearAttentionShape:
+    """The Gated DeltaNet layers of a hybrid model (config.json's linear_* keys)."""
+
+    layers: tuple[int, ...]  # 1 = Gated DeltaNet, 0 = full attention
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> LinearAttentionShape | None:
+        layer_types = cfg.get("layer_types") or []
+        if "linear_attention" not in layer_types:
+            return None
+        return cls(
+            layers=tuple(int(kind == "linear_attention") for kind in layer_types),
+            key_heads=cfg["linear_num_key_heads"],
+            value_heads=cfg["linear_num_value_heads"],
+            key_dim=cfg["linear_key_head_dim"],
+            value_dim=cfg["linear_value_head_dim"],
+            conv_kernel=cfg["linear_conv_kernel_dim"],
+        )
+
+    def params(self, hidden: int, tp: int) -> int:
+        """One Gated DeltaNet on one TP rank: in_proj (q, k, v, output gate z, beta, alpha),
+        the depthwise conv over q, k, v, A_log and dt_bias per value head (all split over TP),
+        the gated output norm (head_dim, replicated) and out_proj."""
+        keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
+        in_proj = hidden * (2 * keys + 2 * values + 2 * self.value_heads) // tp
+        conv = (2 * keys + values) * self.conv_kernel // tp
+        per_head = 2 * self.value_heads // tp
+        return in_proj + conv + per_head + self.value_dim + values * hidden // tp
+
+
+@dataclass(frozen=True)
 class ModelShape:
     hidden: int
     layers: int
@@ -44,17 +80,23 @@ class ModelShape:
     moe_ffn: int = 0  # one routed expert's width
     shared_ffn: int = 0  # the shared expert's width (0: none)
     moe_layers: tuple[int, ...] | None = None  # 1 = MoE layer, 0 = dense MLP; None: all MoE
+    attention_gate: bool = False  # Qwen3.5: a sigmoid output gate per query head
+    linear: LinearAttentionShape | None = None  # Qwen3.5's Gated DeltaNet layers, if any
 
     @property
     def is_moe(self) -> bool:
         return self.experts > 0
+
+    def is_linear_layer(self, layer: int) -> bool:
+        return self.linear is not None and bool(self.linear.layers[layer])
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.is_moe and (self.moe_layers is None or bool(self.moe_layers[layer]))
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelShape:
-        """From an HF config.json dict (Qwen2 / Llama / Qwen3 / Qwen2-MoE / Qwen3-MoE)."""
+        """From an HF config.json dict (Qwen2 / Llama / Qwen3 / Qwen2-MoE / Qwen3-MoE /
+        Qwen3.5 text)."""
         heads = cfg["num_attention_heads"]
         model_type = cfg.get("model_type")
         qkv_bias = model_type == "qwen2" or bool(cfg.get("attention_bias", False))
@@ -84,7 +126,9 @@ class ModelShape:
             vocab=cfg["vocab_size"],
             tied=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_5_text"),
+            attention_gate=model_type == "qwen3_5_text",
+            linear=LinearAttentionShape.from_hf_config(cfg),
             **moe,
         )
 
@@ -129,10 +173,14 @@ def known_shape(model_path: str) -> ModelShape | None:
 # Parameters (exact for megatron-core's GPTModel with the local / TE layer spec)
 
 
-def attention_params(shape: ModelShape, tp: int) -> int:
-    """One layer's attention and its two RMSNorms on one TP rank: fused QKV (+ bias for Qwen2),
-    output projection, column / row split over TP; Qwen3's QK-norms (replicated)."""
-    qkv_out = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
+def attention_params(shape: ModelShape, tp: int, layer: int = 0) -> int:
+    """One layer's attention and its two RMSNorms on one TP rank: fused QKV (+ bias for Qwen2;
+    + the query heads' output gates for Qwen3.5), output projection, column / row split over
+    TP; Qwen3's QK-norms (replicated). A Gated DeltaNet layer: `LinearAttentionShape.params`."""
+    if shape.is_linear_layer(layer):
+        return 2 * shape.hidden + shape.linear.params(shape.hidden, tp)
+    gates = shape.heads if shape.attention_gate else 0
+    qkv_out = (shape.heads + gates + 2 * shape.kv_heads) * shape.head_dim
     attn = (qkv_out * shape.hidden + (qkv_out if shape.qkv_bias else 0)) // tp
     attn += shape.hidden * shape.heads * shape.head_dim // tp
     return 2 * shape.hidden + attn + (2 * shape.head_dim if shape.qk_norm else 0)
@@ -142,7 +190,7 @@ def layer_params(shape: ModelShape, tp: int, layer: int = 0) -> int:
     """One transformer layer's parameters on one TP rank, routed experts excluded (see
     `expert_layer_params`): attention, and the gated dense MLP (fc1 2 * ffn, fc2) or the MoE
     layer's replicated router and its shared expert."""
-    params = attention_params(shape, tp)
+    params = attention_params(shape, tp, layer)
     if not shape.is_moe_layer(layer):
         return params + 3 * shape.ffn * shape.hidden // tp
     params += shape.experts * shape.hidden  # router

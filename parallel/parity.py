@@ -2,6 +2,7 @@
 
     megatron_logits(models, mesh, tokens) -> full-vocab logits [b, s, V] on last-stage ranks
     verify_conversion(hf_dir, mesh, tolerance) -> ParityReport
+    round_trip_equal(hf_config, hf_name, exported, original) -> bool
 
 Both are collective: every rank of the job calls them. ``rlcli convert verify`` runs them and
 prints the report; the CLI holds no Megatron code.
@@ -80,7 +81,7 @@ def megatron_logits(
     return torch.cat(shards, dim=-1)[..., : models[-1].unpadded_vocab_size]
 
 
-def _round_trip_equal(hf_config, name: str, exported: torch.Tensor, original: torch.Tensor) -> bool:
+def round_trip_equal(hf_config, name: str, exported: torch.Tensor, original: torch.Tensor) -> bool:
     """Bit for bit, except a zero-centred norm Megatron holds as 1 + w: within the rounding of
     that addition (half a unit in the last place of 1 + |w|)."""
     if torch.equal(exported, original):
@@ -118,7 +119,7 @@ def verify_conversion(hf_dir: str | Path, mesh: Mesh, tolerance: float) -> Parit
         reader = HFCheckpointReader(hf_dir, stack)
         for name, tensor in iter_hf_weights(models, mesh):
             seen.add(name)
-            if mesh.rank == 0 and not _round_trip_equal(
+            if mesh.rank == 0 and not round_trip_equal(
                 hf_config, name, tensor.cpu(), reader(name, None, 0, 0)
             ):
                 mismatched.append(name)

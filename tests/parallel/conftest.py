@@ -45,3 +45,9 @@ def tiny_qwen3_moe_dir(tmp_path_factory) -> Path:
 def tiny_qwen2_moe_dir(tmp_path_factory) -> Path:
     """Qwen2-MoE: 8 experts, top-2 not renormalised, a gated shared expert, layer 1 dense."""
     return make_tiny_hf_model(tmp_path_factory.mktemp("qwen2_moe"), "qwen2_moe", seed=5)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_dir(tmp_path_factory) -> Path:
+    """Qwen3.5 text: Gated DeltaNet layers and a gated full-attention layer (hybrid)."""
+    return make_tiny_hf_model(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5", seed=6)

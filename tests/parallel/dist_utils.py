@@ -50,6 +50,17 @@ FAMILY_CONFIG = {
     "qwen2_moe": dict(
         norm_topk_prob=False, mlp_only_layers=[1], shared_expert_intermediate_size=48, **TINY_MOE
     ),
+    # Qwen3.5 text: three Gated DeltaNet layers, then gated full attention (its own pattern of
+    # 3:1); 2 key heads of 16 and 4 value heads of 16 split evenly at TP2; RoPE on a quarter of
+    # each head (partial_rotary_factor 0.25, the config's default).
+    "qwen3_5": dict(
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+    ),
 }
 
 
@@ -64,6 +75,11 @@ def _model_classes(family: str, head: str = "causal_lm"):
         "qwen2_moe": "Qwen2Moe",
     }
     suffix = {"causal_lm": "ForCausalLM", "sequence_classification": "ForSequenceClassification"}
+    if family == "qwen3_5":  # the text model of Qwen3.5 (its checkpoints' model_type qwen3_5_text)
+        model = {"causal_lm": "Qwen3_5ForCausalLM"}.get(
+            head, "Qwen3_5TextForSequenceClassification"
+        )
+        return transformers.Qwen3_5TextConfig, getattr(transformers, model)
     prefix = names[family]
     return getattr(transformers, f"{prefix}Config"), getattr(transformers, prefix + suffix[head])
 
@@ -87,10 +103,10 @@ def make_tiny_hf_model(
         "tie_word_embeddings": tie_word_embeddings,
         **config_overrides,
     }
-    rope_theta = options.pop("rope_theta")
-    config = config_cls(
-        **options, rope_parameters={"rope_type": "default", "rope_theta": rope_theta}
-    )
+    rope = {"rope_type": "default", "rope_theta": options.pop("rope_theta")}
+    if family == "qwen3_5":
+        rope["partial_rotary_factor"] = 0.25
+    config = config_cls(**options, rope_parameters=rope)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
     # HF initialises norms to 1 and biases to 0; randomise them so a mapping mistake shows up.
@@ -100,6 +116,8 @@ def make_tiny_hf_model(
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
                 param.normal_(mean=1.0 if "norm" in name else 0.0, std=0.1)
+            elif name.endswith("dt_bias"):  # HF starts it at ones: a split error would not show
+                param.normal_(mean=1.0, std=0.3)
             elif name.endswith("mlp.gate.weight"):
                 param.normal_(std=0.5)
     out_dir = Path(out_dir)

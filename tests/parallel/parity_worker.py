@@ -12,7 +12,8 @@ between layouts, so each layout sees what a launch of its own would.
 For each HF model directory: build the Megatron chunks, load the HF weights, run a forward
 through megatron's pipeline schedule and compare the (TP-gathered, unpadded) logits with HF
 transformers; gather the weights back with iter_hf_weights and compare them bit-exactly with the
-safetensors on disk (on every rank); for the first model also write them with
+safetensors on disk (on every rank; a zero-centred norm, held as 1 + w, up to that addition's
+rounding); for the first model also write them with
 save_hf_checkpoint and compare the written file. Before loading, DP replicas must hold equal
 random weights (routed experts: the replicas of each expert). For MoE models, every Megatron
 router of this rank must choose the same top-k experts for every token as HF's router of that
@@ -45,6 +46,7 @@ from parallel.model import build_model
 from parallel.model_backends import transformer_engine_status
 from parallel.model_options import ModelBuildOptions, MoeOptions
 from parallel.model_shapes import ModelShape, stage_expert_params, stage_params
+from parallel.parity import round_trip_equal
 from parallel.moe import is_moe
 from tests.parallel.moe_checks import (
     hf_router_choices,
@@ -171,7 +173,7 @@ def check_model(hf_dir: Path, mesh: Mesh, export_dir: Path | None) -> dict:
     on_disk = load_file(hf_dir / "model.safetensors")
     gathered = {name: tensor.clone() for name, tensor in iter_hf_weights(models, mesh)}
     exact = gathered.keys() == on_disk.keys() and all(
-        torch.equal(gathered[n], on_disk[n]) for n in on_disk
+        round_trip_equal(hf_config, n, gathered[n], on_disk[n]) for n in on_disk
     )
     report["round_trip_exact"] = _all_true(exact)
     report["round_trip_missing"] = sorted(on_disk.keys() - gathered.keys())
@@ -184,7 +186,7 @@ def check_model(hf_dir: Path, mesh: Mesh, export_dir: Path | None) -> dict:
         if mesh.rank == 0:
             written = load_file(export_dir / "model.safetensors")
             report["saved_exact"] = written.keys() == on_disk.keys() and all(
-                torch.equal(written[n], on_disk[n]) for n in on_disk
+                round_trip_equal(hf_config, n, written[n], on_disk[n]) for n in on_disk
             )
             written_config = json.loads((export_dir / "config.json").read_text())
             report["saved_config_ok"] = written_config == json.loads(
@@ -195,13 +197,14 @@ def check_model(hf_dir: Path, mesh: Mesh, export_dir: Path | None) -> dict:
 
 def _ddp_round_trip(models, mesh: Mesh, on_disk: dict) -> bool:
     """iter_hf_weights on megatron-DDP-wrapped chunks (as the trainer holds them)."""
+    hf_config = models[0].hf_config
     wrapped = [
         DistributedDataParallel(chunk.config, DistributedDataParallelConfig(), chunk)
         for chunk in models
     ]
     gathered = {name: tensor.clone() for name, tensor in iter_hf_weights(wrapped, mesh)}
     return gathered.keys() == on_disk.keys() and all(
-        torch.equal(gathered[n], on_disk[n]) for n in on_disk
+        round_trip_equal(hf_config, n, gathered[n], on_disk[n]) for n in on_disk
     )
 
 

@@ -1,5 +1,5 @@
 """Megatron <-> HF parity per parallel layout (torchrun, gloo, tiny fp32 Qwen2 / Llama / Qwen3 /
-Qwen3-MoE / Qwen2-MoE).
+Qwen3-MoE / Qwen2-MoE / Qwen3.5 text, the hybrid of Gated DeltaNet and gated attention).
 
 One torchrun launch per process count runs every check of its layouts, one layout after the
 other (see parity_worker.py): Megatron logits vs HF
@@ -28,12 +28,13 @@ LOGIT_TOLERANCE = 1e-4
 HAVE_TRANSFORMER_ENGINE = importlib.util.find_spec("transformer_engine") is not None
 
 DENSE = ["tiny_qwen2_dir", "tiny_qwen2_tied_dir", "tiny_llama_dir"]
-NEW = ["tiny_qwen3_dir", "tiny_qwen3_moe_dir", "tiny_qwen2_moe_dir"]
+NEW = ["tiny_qwen3_dir", "tiny_qwen3_moe_dir", "tiny_qwen2_moe_dir", "tiny_qwen3_5_dir"]
 MOE = ["tiny_qwen3_moe_dir", "tiny_qwen2_moe_dir"]
+HYBRID = ["tiny_qwen3_5_dir"]
 LAYOUTS = [
     # (tp, pp, vpp, ep, expert tp, processes, models): tp1 x pp1 on 2 processes is dp=2.
     # The first model of a layout also runs the export, DDP and critic checks.
-    pytest.param(1, 1, None, 1, None, 2, DENSE + MOE, id="tp1-pp1-dp2"),
+    pytest.param(1, 1, None, 1, None, 2, DENSE + MOE + HYBRID, id="tp1-pp1-dp2"),
     pytest.param(2, 1, None, 1, None, 2, DENSE + NEW, id="tp2"),
     pytest.param(1, 2, None, 1, None, 2, DENSE + NEW, id="pp2"),
     pytest.param(2, 2, None, 1, None, 4, DENSE, id="tp2-pp2"),
