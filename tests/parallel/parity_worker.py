@@ -46,8 +46,8 @@ from parallel.model import build_model
 from parallel.model_backends import transformer_engine_status
 from parallel.model_options import ModelBuildOptions, MoeOptions
 from parallel.model_shapes import ModelShape, stage_expert_params, stage_params
-from parallel.parity import round_trip_equal
 from parallel.moe import is_moe
+from parallel.parity import round_trip_equal
 from tests.parallel.moe_checks import (
     hf_router_choices,
     megatron_router_choices_equal,
