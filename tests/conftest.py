@@ -95,6 +95,7 @@ SLOW = tuple(
         "rlcli/test_token_budget.py",
         "rlcli/test_train_e2e.py",
         "rlcli/test_train_errors.py",
+        "rlcli/test_train_hybrid.py",
         "rlcli/test_train_moe.py",
     )
 )

@@ -10,7 +10,8 @@
     megatron_to_hf(hf_config, tp, global_name, full, *, etp)  TP-gathered tensor -> HF tensors
     get_family(model_type), supported_model_types()           the per-family registry
 
-Families live one per file (`llama.py`, `qwen2.py`, `qwen3.py`, `qwen2_moe.py`, `qwen3_moe.py`);
+Families live one per file (`llama.py`, `qwen2.py`, `qwen3.py`, `qwen2_moe.py`, `qwen3_moe.py`,
+`qwen3_5.py`);
 see `registry.py`. Building chunks and
 loading them in one call: `parallel.hf_model.load_hf_model`; Megatron-vs-HF checks:
 `parallel.parity`.

@@ -47,7 +47,8 @@ class DataConfig:
 class ModelBuildConfig:
     """A small random model built locally when ``model.build`` is true (quickstart, tests)."""
 
-    architecture: Literal["qwen2", "llama"] = "qwen2"  # the HF model family built
+    # the HF model family built; qwen3_5: Qwen3.5's hybrid of Gated DeltaNet and attention
+    architecture: Literal["qwen2", "llama", "qwen3_5"] = "qwen2"
     hidden_size: int = 256  # width of the residual stream
     num_layers: int = 4  # transformer layers
     num_heads: int = 4  # attention heads (head size: hidden_size / num_heads)

@@ -58,15 +58,47 @@ def train_tokenizer(corpus: list[str], vocab_size: int, chat_template: str = "no
     return tokenizer
 
 
+def _hybrid_layers(spec: ModelBuildConfig) -> dict:
+    """Qwen3.5's layout at the spec's size: three Gated DeltaNet layers, then one gated
+    full-attention layer (Qwen3.5's own 3:1), the DeltaNet's key heads as many as the KV heads
+    and its value heads as the query heads, every head of the attention's head size."""
+    if spec.architecture != "qwen3_5":
+        return {}
+    head_dim = spec.hidden_size // spec.num_heads
+    return {
+        "head_dim": head_dim,
+        "layer_types": [
+            "full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+            for i in range(spec.num_layers)
+        ],
+        "linear_num_key_heads": spec.num_kv_heads,
+        "linear_num_value_heads": spec.num_heads,
+        "linear_key_head_dim": head_dim,
+        "linear_value_head_dim": head_dim,
+    }
+
+
 def build_random_model(
     spec: ModelBuildConfig, vocab_size: int, eos_id: int, pad_id: int, seed: int
 ):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3_5ForCausalLM,
+        Qwen3_5TextConfig,
+    )
 
     # One entry per choice of model.spec.architecture (its Literal type in rlcli.config.schema).
-    families = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+    families = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
+    }
     config_cls, model_cls = families[spec.architecture]
     config = config_cls(
+        **_hybrid_layers(spec),
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,

@@ -1,7 +1,7 @@
 """The checks of a config about the model's structure: its LoRA adapters (``actor.lora``), its
 expert layout (``parallel.ep``, ``parallel.expert_tp``, the MoE training knobs), the latter also
-against the model's config.json (``validate_against_model``), and how an engine section holds
-the model (``check_hf_engine``)."""
+against the model's config.json (``validate_against_model``, with a hybrid model's Gated
+DeltaNet layers), and how an engine section holds the model (``check_hf_engine``)."""
 
 from __future__ import annotations
 
@@ -122,6 +122,7 @@ def validate_against_model(cfg: RLConfig, model_config: dict[str, Any]) -> None:
     sequence parallelism (megatron-core's MoE layer refuses to train so)."""
     from parallel.model_shapes import num_experts_of
 
+    check_linear_attention(cfg, model_config)
     par, experts = cfg.parallel, num_experts_of(model_config)
     model = f"{model_config.get('model_type')!r} model"
     if not experts:
@@ -161,6 +162,44 @@ def validate_against_model(cfg: RLConfig, model_config: dict[str, Any]) -> None:
                 f"no LoRA adapters ({', '.join(sorted(mlp))}); set actor.lora.target_modules="
                 "[linear_qkv,linear_proj]"
             )
+
+
+def check_linear_attention(cfg: RLConfig, model_config: dict[str, Any]) -> None:
+    """A hybrid model's Gated DeltaNet layers (Qwen3.5; `model.spec.architecture=qwen3_5`
+    builds one): what megatron-core's DeltaNet, the adapters and the CPU engines cannot take."""
+    layer_types = model_config.get("layer_types") or []
+    if "linear_attention" not in layer_types and model_config.get("model_type") != "qwen3_5":
+        return
+    model = "this model's Gated DeltaNet (linear-attention) layers"
+    for key, section in (("actor", cfg.actor), ("critic", cfg.critic)):
+        if section.pack_sequences:
+            raise UserError(
+                f"{key}.pack_sequences=true cannot serve {model}: megatron-core's DeltaNet has "
+                f"no packed-sequence path here; set {key}.pack_sequences=false"
+            )
+    if cfg.actor.lora.enable:
+        raise UserError(
+            f"actor.lora.enable=true: LoRA does not adapt {model} yet (their in_proj / "
+            "out_proj); train the full model (actor.lora.enable=false)"
+        )
+    if cfg.rollout.engine == "vllm" and not _has_cuda():
+        raise UserError(
+            f"rollout.engine=vllm: vLLM's CPU engine runs {model} only in bf16 and with "
+            "torchvision importable, which this CPU install removes; set rollout.engine=hf"
+        )
+    for key in ("linear_num_key_heads", "linear_num_value_heads"):
+        heads = model_config.get(key)
+        if heads and heads % cfg.parallel.tp:
+            raise UserError(
+                f"parallel.tp={cfg.parallel.tp} must divide the model's {heads} "
+                f"linear-attention heads (config.json {key})"
+            )
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def check_lora(cfg: RLConfig) -> None:

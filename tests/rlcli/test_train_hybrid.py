@@ -1,0 +1,88 @@
+"""Qwen3.5's hybrid layers in training (``model.spec.architecture=qwen3_5``: three Gated
+DeltaNet layers, then gated full attention): a GRPO run on the HF engine whose trainer and engine
+agree after a weight sync, a checkpoint that exports to a folder transformers loads, and the
+settings the DeltaNet layers cannot take, refused by `rlcli config validate` naming the key.
+Conversion itself (logits vs transformers at TP1 / TP2 / PP2): tests/parallel/test_convert_parity.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.rlcli.test_train_e2e import REPO, TINY
+
+HYBRID = [
+    *(o for o in TINY if not o.startswith("model.spec.num_layers")),
+    "model.spec.architecture=qwen3_5",
+    "model.spec.num_layers=4",
+    "rollout.engine=hf",
+]
+
+
+def rlcli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rlcli.cli", *args],
+        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+def test_grpo_on_qwen3_5_syncs_exactly_and_exports(tmp_path):
+    out, model = tmp_path / "run", tmp_path / "model"
+    recipe = str(REPO / "recipes" / "quickstart.yaml")
+    proc = rlcli(
+        "train", recipe, *HYBRID, f"model.path={model}", f"trainer.output_dir={out}",
+        "trainer.total_steps=2", "checkpoint.save_freq=2",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        # fp32 engine and trainer, the engine's weights synced after step 1's update
+        assert record["rollout/logprob_diff_max"] < 1e-5, record
+        assert math.isfinite(record["actor/grad_norm"]) and record["actor/grad_norm"] > 0, record
+
+    exported = tmp_path / "exported"
+    proc = rlcli("export", str(out / "checkpoints" / "step_000002"), "--out", str(exported))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    before, after = (
+        load_file(model / "model.safetensors"),
+        load_file(exported / "model.safetensors"),
+    )
+    assert set(after) == set(before)
+    moved = {k for k in before if not torch.equal(after[k], before[k])}
+    for part in ("linear_attn.in_proj_qkv", "linear_attn.conv1d", "linear_attn.A_log",
+                 "self_attn.q_proj", "input_layernorm"):  # fmt: skip
+        assert any(part in k for k in moved), (part, sorted(moved))
+    loaded = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
+    assert loaded.config.model_type == "qwen3_5_text"
+    assert loaded.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("actor.pack_sequences=true", "actor.pack_sequences"),
+        ("actor.lora.enable=true", "actor.lora.enable"),
+        ("rollout.engine=vllm", "rollout.engine=vllm"),
+    ],
+)
+def test_settings_the_delta_net_cannot_take_exit_2(override, key, tmp_path):
+    if override == "rollout.engine=vllm" and torch.cuda.is_available():
+        pytest.skip("vLLM's GPU engine runs Qwen3.5")
+    recipe = str(REPO / "recipes" / "quickstart.yaml")
+    proc = rlcli(
+        "config", "validate", recipe, *HYBRID, f"model.path={tmp_path / 'model'}", override,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert key in proc.stderr + proc.stdout and "Traceback" not in proc.stderr, proc.stderr
