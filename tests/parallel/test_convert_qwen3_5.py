@@ -15,6 +15,7 @@ from parallel.convert import hf_rule, megatron_to_hf
 from parallel.convert.mapping import _Geometry, _shard_from_hf, stored_shifted
 from parallel.convert.qwen3_5 import linear_attention_pattern, megatron_options
 from parallel.model_shapes import ModelShape
+from tests.parallel.test_convert_mapping import _rows
 
 LAYER_TYPES = ["linear_attention", "full_attention"]
 
@@ -36,11 +37,6 @@ def _config(**overrides) -> Qwen3_5TextConfig:
         linear_conv_kernel_dim=2,
     )
     return Qwen3_5TextConfig(**{**options, **overrides})
-
-
-def _rows(*values: float) -> torch.Tensor:
-    """[len(values), 4] tensor whose row i is filled with values[i]."""
-    return torch.tensor(values).unsqueeze(1).expand(-1, 4).clone()
 
 
 def _shards(
