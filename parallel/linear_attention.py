@@ -9,10 +9,10 @@ The family (`parallel/convert/qwen3_5.py`) declares the architecture: `experimen
 variant="gated_delta_net"` and `linear_attention_freq`, the per-layer pattern (1 = DeltaNet).
 megatron-core builds such a block only with Transformer Engine
 (`get_transformer_block_with_experimental_attention_variant_spec`); with megatron's local
-layers the block is assembled here the same way: the local layer spec, its self-attention
-swapped for a `GatedDeltaNet` (column-parallel in_proj, the local RMSNorm as its gated output
-norm, row-parallel out_proj) in the DeltaNet layers; the input norm stays a layer norm of its own
-(TE fuses it into in_proj).
+layers the block is assembled here the same way: each layer's local spec (a dense MLP or the
+MoE layer, as `moe_layer_freq` says), its self-attention swapped for a `GatedDeltaNet`
+(column-parallel in_proj, the local RMSNorm as its gated output norm, row-parallel out_proj) in
+the DeltaNet layers; the input norm stays a layer norm of its own (TE fuses it into in_proj).
 
 The DeltaNet's chunked kernel and its L2 norm come from flash-linear-attention (`fla`), which is
 Triton: where it does not import, on CPU, megatron-core's own pure-torch chunked delta rule runs
@@ -28,7 +28,7 @@ import importlib
 from typing import Any
 
 import torch
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -87,19 +87,15 @@ def check_linear_attention(hf_config: Any, tp: int, pack_sequences: bool) -> Non
         )
 
 
-def _delta_net_layer(attention_layer: ModuleSpec) -> ModuleSpec:
+def _delta_net_attention(norm: Any) -> ModuleSpec:
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 
-    layer = copy.deepcopy(attention_layer)
-    layer.submodules.self_attention = ModuleSpec(
+    return ModuleSpec(
         module=GatedDeltaNet,
         submodules=GatedDeltaNetSubmodules(
-            in_proj=ColumnParallelLinear,
-            out_norm=attention_layer.submodules.input_layernorm,
-            out_proj=RowParallelLinear,
+            in_proj=ColumnParallelLinear, out_norm=norm, out_proj=RowParallelLinear
         ),
     )
-    return layer
 
 
 def hybrid_block_spec(
@@ -115,18 +111,17 @@ def hybrid_block_spec(
         return get_transformer_block_with_experimental_attention_variant_spec(config, vp_stage)
     from parallel.attention import SDPAttention
 
-    attention_layer = get_gpt_layer_local_spec(
-        normalization=config.normalization, qk_layernorm=config.qk_layernorm
-    )
-    if backends.attention == "sdpa":
-        attention_layer.submodules.self_attention.submodules.core_attention = SDPAttention
-    delta_net_layer = _delta_net_layer(attention_layer)
-    pattern = config.linear_attention_freq
+    # every layer's local spec, dense or MoE as config.moe_layer_freq says (one shared spec
+    # object per kind: copied before its attention is swapped)
+    layers = get_gpt_decoder_layer_specs(config, False, normalization=config.normalization)
+    norm = layers[0].submodules.input_layernorm
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
-    count = get_num_layers_to_build(config, vp_stage=vp_stage)
-    layers = [
-        delta_net_layer if pattern[i] else attention_layer for i in range(offset, offset + count)
-    ]
-    return TransformerBlockSubmodules(
-        layer_specs=layers, layer_norm=attention_layer.submodules.input_layernorm
-    )
+    built = []
+    for index in range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage)):
+        layer = copy.deepcopy(layers[index])
+        if config.linear_attention_freq[index]:
+            layer.submodules.self_attention = _delta_net_attention(norm)
+        elif backends.attention == "sdpa":
+            layer.submodules.self_attention.submodules.core_attention = SDPAttention
+        built.append(layer)
+    return TransformerBlockSubmodules(layer_specs=built, layer_norm=norm)

@@ -155,7 +155,9 @@ def transformer_config_from_hf(
     return TransformerConfig(
         num_layers=num_layers,
         hidden_size=hf_config.hidden_size,
-        ffn_hidden_size=hf_config.intermediate_size,
+        # a MoE model whose every layer is MoE may have no dense width (Qwen3.5-MoE)
+        ffn_hidden_size=getattr(hf_config, "intermediate_size", None)
+        or hf_config.moe_intermediate_size,
         num_attention_heads=hf_config.num_attention_heads,
         num_query_groups=num_kv_heads,
         kv_channels=head_dim,

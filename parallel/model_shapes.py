@@ -15,7 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_5_moe_text", "qwen3_next")
+# Qwen3.5 and Qwen3-Next: Qwen3's QK-norm, a gate per query head, Gated DeltaNet layers
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 
 # The Megatron linears of a layer that take LoRA adapters (parallel.lora), in layer order.
 LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -96,7 +98,7 @@ class ModelShape:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelShape:
         """From an HF config.json dict (Qwen2 / Llama / Qwen3 / Qwen2-MoE / Qwen3-MoE /
-        Qwen3.5 text)."""
+        Qwen3.5 text / Qwen3.5-MoE text / Qwen3-Next)."""
         heads = cfg["num_attention_heads"]
         model_type = cfg.get("model_type")
         qkv_bias = model_type == "qwen2" or bool(cfg.get("attention_bias", False))
@@ -122,12 +124,12 @@ class ModelShape:
             heads=heads,
             kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            ffn=cfg["intermediate_size"],
+            ffn=cfg.get("intermediate_size") or cfg.get("moe_intermediate_size", 0),
             vocab=cfg["vocab_size"],
             tied=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_5_text"),
-            attention_gate=model_type == "qwen3_5_text",
+            qk_norm=model_type in ("qwen3", "qwen3_moe", *HYBRID_MODEL_TYPES),
+            attention_gate=model_type in HYBRID_MODEL_TYPES,
             linear=LinearAttentionShape.from_hf_config(cfg),
             **moe,
         )

@@ -33,8 +33,8 @@ Layouts (megatron-core GPTModel):
     linear_qkv  [ng * (q_per_group + 2) * d, h]: for each KV group g, its q heads, then k_g, v_g;
                 TP splits whole groups (rank r holds groups [r*ng/tp, (r+1)*ng/tp)). With an
                 output gate (`gated_qkv`) each group holds its q heads, their gates, k_g, v_g.
-    parts       Gated DeltaNet's in_proj (q, k, v, z, beta, alpha) and conv1d (q, k, v): TP
-                shard r is [part_0 rows r; part_1 rows r; ...], like linear_fc1's gate and up.
+    DeltaNet    Gated DeltaNet's in_proj (q, k, v, z, beta, alpha) and conv1d (q, k, v): TP
+                shard r is [part_0 heads r; part_1 heads r; ...] (`delta_net_layout`).
     linear_fc1  TP shard r is [gate rows r; up rows r], so the TP-gathered tensor is
                 [gate_0; up_0; gate_1; up_1; ...] (a routed expert's: over expert TP).
     vocab       rows [r*Vp/tp, (r+1)*Vp/tp) on TP rank r; rows >= V are padding (zeros).
@@ -51,6 +51,12 @@ from typing import Any
 
 import torch
 
+from parallel.convert.delta_net_layout import (
+    DELTA_NET_KINDS,
+    delta_net_parts,
+    parts_shard,
+    parts_to_hf,
+)
 from parallel.convert.registry import Rule, get_family
 from parallel.vocab import padded_vocab_size
 
@@ -61,7 +67,6 @@ VALUE_HEAD_RULES = {
 }
 
 Reader = Callable[[str, int | None, int, int], torch.Tensor]
-PART_KINDS = ("linear_in_proj", "linear_conv")
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # A routed expert's index inside a layer name: SequentialMLP's module list, or TE's grouped
 # GEMM weights (one per local expert). Rules name it `{expert}`.
@@ -169,40 +174,6 @@ def _gated_qkv_shard(read: Reader, names: tuple[str, ...], geo: _Geometry, tp_ra
     return torch.cat([q, gate, k, v], dim=1).reshape(-1, *rest)
 
 
-def _parts(kind: str, names: tuple[str, ...], hf_config: Any) -> list[tuple[str, int, int]]:
-    """(HF name, first row, rows) of each part of a Gated DeltaNet tensor, in megatron's order:
-    conv1d runs over q, k, v (all in HF's conv1d); in_proj makes q, k, v (HF's in_proj_qkv),
-    the output gate z, beta and alpha (in_proj_z, _b, _a)."""
-    key = hf_config.linear_key_head_dim * hf_config.linear_num_key_heads
-    value = hf_config.linear_value_head_dim * hf_config.linear_num_value_heads
-    qkv = [(names[0], 0, key), (names[0], key, key), (names[0], 2 * key, value)]
-    if kind == "linear_conv":
-        return qkv
-    heads = hf_config.linear_num_value_heads
-    return [*qkv, (names[1], 0, value), (names[2], 0, heads), (names[3], 0, heads)]
-
-
-def _parts_shard(read: Reader, parts: list[tuple[str, int, int]], tp: int, tp_rank: int):
-    pieces = []
-    for name, start, rows in parts:
-        per_rank = rows // tp
-        first = start + tp_rank * per_rank
-        pieces.append(read(name, 0, first, first + per_rank))
-    return torch.cat(pieces)
-
-
-def _parts_to_hf(full: torch.Tensor, parts: list[tuple[str, int, int]], tp: int):
-    sizes = [rows // tp for _, _, rows in parts]
-    by_part: list[list[torch.Tensor]] = [[] for _ in parts]
-    for shard in full.split(sum(sizes)):
-        for pieces, piece in zip(by_part, shard.split(sizes), strict=True):
-            pieces.append(piece)
-    by_name: dict[str, list[torch.Tensor]] = {}
-    for (name, _, _), pieces in zip(parts, by_part, strict=True):
-        by_name.setdefault(name, []).append(torch.cat(pieces))
-    return [(name, torch.cat(tensors)) for name, tensors in by_name.items()]
-
-
 def _gate_up_to_hf(full: torch.Tensor, names: tuple[str, ...], ffn: int, tp: int):
     per_rank = full.reshape(tp, 2, ffn // tp, *full.shape[1:])
     gate = per_rank[:, 0].reshape(ffn, *full.shape[1:])
@@ -279,8 +250,8 @@ def megatron_to_hf(
         return _qkv_to_hf(full, rule.hf_names, geo)
     if rule.kind == "gated_qkv":
         return _gated_qkv_to_hf(full, rule.hf_names, geo)
-    if rule.kind in PART_KINDS:
-        return _parts_to_hf(full, _parts(rule.kind, rule.hf_names, hf_config), tp)
+    if rule.kind in DELTA_NET_KINDS:
+        return parts_to_hf(full, delta_net_parts(rule.kind, rule.hf_names, hf_config), tp)
     if rule.kind == "plus_one":
         return [(rule.hf_names[0], full - 1)]
     if rule.kind == "gate_up":
@@ -307,8 +278,8 @@ def _shard_from_hf(
         return _qkv_shard(read, rule.hf_names, geo, tp_rank)
     if rule.kind == "gated_qkv":
         return _gated_qkv_shard(read, rule.hf_names, geo, tp_rank)
-    if rule.kind in PART_KINDS:
-        return _parts_shard(read, _parts(rule.kind, rule.hf_names, hf_config), *split)
+    if rule.kind in DELTA_NET_KINDS:
+        return parts_shard(read, delta_net_parts(rule.kind, rule.hf_names, hf_config), *split)
     if rule.kind == "plus_one":
         return _copy_shard(read, rule.hf_names[0], dim, split[1], like) + 1
     if rule.kind == "gate_up":

@@ -24,15 +24,21 @@ SHARED_EXPERT_RULES = {
 LAYER_RULES = {**QWEN2_LAYER_RULES, **ROUTED_EXPERT_RULES, **SHARED_EXPERT_RULES}
 
 
+def shared_expert_options(hf_config: Any) -> dict[str, Any]:
+    """megatron's SharedExpertMLP with its sigmoid gate, when config.json has a shared expert."""
+    if not getattr(hf_config, "shared_expert_intermediate_size", 0):
+        return {}
+    return {
+        "moe_shared_expert_intermediate_size": hf_config.shared_expert_intermediate_size,
+        "moe_shared_expert_gate": True,
+    }
+
+
 def megatron_options(hf_config: Any) -> dict[str, Any]:
     if getattr(hf_config, "use_sliding_window", False):
         raise ValueError("Qwen2-MoE with use_sliding_window=true (config.json) is not supported")
     options = {"add_qkv_bias": bool(getattr(hf_config, "qkv_bias", True))}
-    options.update(routed_expert_options(hf_config))
-    if getattr(hf_config, "shared_expert_intermediate_size", 0):
-        options["moe_shared_expert_intermediate_size"] = hf_config.shared_expert_intermediate_size
-        options["moe_shared_expert_gate"] = True
-    return options
+    return {**options, **routed_expert_options(hf_config), **shared_expert_options(hf_config)}
 
 
 FAMILY = ModelFamily(

@@ -1,6 +1,8 @@
 """Qwen3.5 text family (`qwen3_5_text`, the language model of Qwen3.5 as Qwen3_5ForCausalLM
 saves it): a hybrid of Gated DeltaNet linear-attention layers and gated full-attention layers
-(`layer_types` in config.json), each followed by a dense gated MLP.
+(`layer_types` in config.json), each followed by a dense gated MLP. Its mixture-of-experts
+siblings (`qwen3_5_moe.py`, `qwen3_next.py`) share these rules (`HYBRID_RULES`,
+`hybrid_options`).
 
 Megatron side: megatron-core's own `GatedDeltaNet` (`experimental_attention_variant=
 "gated_delta_net"`, `linear_attention_freq` the per-layer pattern) and its self-attention with
@@ -30,7 +32,7 @@ from parallel.convert.registry import ModelFamily, Rule
 _NORM = "plus_one"
 _LINEAR = "linear_attn."
 
-LAYER_RULES = {
+HYBRID_RULES = {  # the layers' attention and norms; the MLP follows (dense here)
     # local spec                                  HF suffix in model.layers.{i}.
     "input_layernorm.weight": Rule(_NORM, ("input_layernorm.weight",)),
     "pre_mlp_layernorm.weight": Rule(_NORM, ("post_attention_layernorm.weight",)),
@@ -56,10 +58,12 @@ LAYER_RULES = {
     "self_attention.dt_bias": Rule("copy", (_LINEAR + "dt_bias",)),
     "self_attention.out_norm.weight": Rule("copy", (_LINEAR + "norm.weight",)),
     "self_attention.out_proj.weight": Rule("copy", (_LINEAR + "out_proj.weight",)),
-    # dense MLP
+}
+DENSE_MLP_RULES = {
     "mlp.linear_fc1.weight": Rule("gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
     "mlp.linear_fc2.weight": Rule("copy", ("mlp.down_proj.weight",)),
 }
+LAYER_RULES = {**HYBRID_RULES, **DENSE_MLP_RULES}
 
 GLOBAL_RULES = {
     **LLAMA_GLOBAL_RULES,
@@ -81,7 +85,7 @@ def linear_attention_pattern(hf_config: Any) -> list[int]:
     return [kinds[kind] for kind in layer_types]
 
 
-def megatron_options(hf_config: Any) -> dict[str, Any]:
+def hybrid_options(hf_config: Any) -> dict[str, Any]:
     """Gated attention with QK-norm in the full-attention layers, Gated DeltaNet in the others."""
     if getattr(hf_config, "attention_bias", False):
         raise ValueError(f"{hf_config.model_type} with attention_bias=true is not supported")
@@ -98,6 +102,8 @@ def megatron_options(hf_config: Any) -> dict[str, Any]:
         "linear_num_value_heads": hf_config.linear_num_value_heads,
     }
 
+
+megatron_options = hybrid_options
 
 FAMILY = ModelFamily(
     name="qwen3_5",

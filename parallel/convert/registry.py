@@ -13,8 +13,9 @@ Rule kinds (how one Megatron tensor relates to HF tensors; see `parallel.convert
     "gated_qkv"  like "qkv", with each query head's output gate (HF: beside its query in q_proj;
                Megatron: the group's gates after its queries)
     "plus_one" a zero-centred norm (HF computes x * (1 + w)): Megatron holds 1 + w
-    "linear_in_proj", "linear_conv"  Gated DeltaNet's fused in_proj (HF in_proj_qkv, _z, _b, _a)
-               and its conv1d over q, k, v: split over TP part by part
+    "linear_in_proj", "grouped_in_proj", "linear_conv"  Gated DeltaNet's fused in_proj (HF
+               in_proj_qkv, _z, _b, _a; Qwen3-Next's in_proj_qkvz, _ba grouped by key head) and
+               its conv1d over q, k, v: split over TP part by part (`delta_net_layout`)
 
 Routed experts: a rule whose Megatron name and HF names hold `{expert}` is one rule for every
 expert (megatron's SequentialMLP `mlp.experts.local_experts.{expert}.`, Transformer Engine's
@@ -36,7 +37,7 @@ from algorithms.registry import Registry
 
 
 class Rule(NamedTuple):
-    kind: str  # "copy" | "qkv" | "gated_qkv" | "gate_up" | "vocab" | "plus_one" | "linear_*"
+    kind: str  # "copy" | "qkv" | "gated_qkv" | "gate_up" | "vocab" | "plus_one" | DeltaNet
     hf_names: tuple[str, ...]  # routed experts: with `{expert}` in a family's table
     ffn: str = "intermediate_size"  # gate_up only: the config.json key of gate's / up's width
     expert: bool = False  # a routed expert's weight; `mapping.hf_rule` sets it (names resolved)

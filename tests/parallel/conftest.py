@@ -51,3 +51,15 @@ def tiny_qwen2_moe_dir(tmp_path_factory) -> Path:
 def tiny_qwen3_5_dir(tmp_path_factory) -> Path:
     """Qwen3.5 text: Gated DeltaNet layers and a gated full-attention layer (hybrid)."""
     return make_tiny_hf_model(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5", seed=6)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_moe_dir(tmp_path_factory) -> Path:
+    """Qwen3.5-MoE text: the hybrid layers with 8 experts (top-2) and a gated shared expert."""
+    return make_tiny_hf_model(tmp_path_factory.mktemp("qwen3_5_moe"), "qwen3_5_moe", seed=7)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_next_dir(tmp_path_factory) -> Path:
+    """Qwen3-Next: DeltaNet projections grouped by key head, layer 1 a dense MLP."""
+    return make_tiny_hf_model(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next", seed=8)

@@ -3,7 +3,7 @@
     make_tiny_hf_model(out_dir, family="qwen2", tie_word_embeddings=False, seed=0,
                        head="causal_lm", **config_overrides)
         -> Path   (random transformers model saved as safetensors + config.json, fp32;
-                   families: qwen2, llama, qwen3, qwen3_moe, qwen2_moe;
+                   families: qwen2, llama, qwen3, qwen3_moe, qwen2_moe, qwen3_5, qwen3_5_moe, qwen3_next;
                    head="sequence_classification": a one-label reward model)
     run_torchrun(script, nproc, *args, timeout_s=600) -> str   (combined output; raises on failure
         with the first worker traceback, i.e. the failing assertion and its values, up front)
@@ -62,6 +62,19 @@ FAMILY_CONFIG = {
         layer_types=["linear_attention"] * 3 + ["full_attention"],
     ),
 }
+# Its mixture-of-experts siblings: the same hybrid layers, 8 experts top-2 and a shared expert;
+# Qwen3-Next with its DeltaNet projections grouped by key head and layer 1 a dense MLP.
+FAMILY_CONFIG["qwen3_5_moe"] = dict(
+    FAMILY_CONFIG["qwen3_5"], shared_expert_intermediate_size=48, **TINY_MOE
+)
+FAMILY_CONFIG["qwen3_next"] = dict(
+    FAMILY_CONFIG["qwen3_5_moe"], norm_topk_prob=True, mlp_only_layers=[1]
+)
+HYBRID_CLASSES = {  # family: (config class, causal LM, sequence classifier)
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "Qwen3_5TextForSequenceClassification"),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", None),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", "Qwen3NextForSequenceClassification"),
+}
 
 
 def _model_classes(family: str, head: str = "causal_lm"):
@@ -75,11 +88,10 @@ def _model_classes(family: str, head: str = "causal_lm"):
         "qwen2_moe": "Qwen2Moe",
     }
     suffix = {"causal_lm": "ForCausalLM", "sequence_classification": "ForSequenceClassification"}
-    if family == "qwen3_5":  # the text model of Qwen3.5 (its checkpoints' model_type qwen3_5_text)
-        model = {"causal_lm": "Qwen3_5ForCausalLM"}.get(
-            head, "Qwen3_5TextForSequenceClassification"
-        )
-        return transformers.Qwen3_5TextConfig, getattr(transformers, model)
+    if family in HYBRID_CLASSES:  # Qwen3.5's text models are named apart from their family
+        config, causal_lm, classifier = HYBRID_CLASSES[family]
+        model = causal_lm if head == "causal_lm" else classifier
+        return getattr(transformers, config), getattr(transformers, model)
     prefix = names[family]
     return getattr(transformers, f"{prefix}Config"), getattr(transformers, prefix + suffix[head])
 
@@ -104,7 +116,7 @@ def make_tiny_hf_model(
         **config_overrides,
     }
     rope = {"rope_type": "default", "rope_theta": options.pop("rope_theta")}
-    if family == "qwen3_5":
+    if family in HYBRID_CLASSES:
         rope["partial_rotary_factor"] = 0.25
     config = config_cls(**options, rope_parameters=rope)
     torch.manual_seed(seed)

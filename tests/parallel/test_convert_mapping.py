@@ -81,7 +81,8 @@ def test_te_and_local_norm_names_map_to_the_same_hf_tensor():
 def test_unknown_names_and_model_types_are_explained():
     with pytest.raises(KeyError, match="parallel/convert/qwen2.py"):
         hf_rule(_config(), "decoder.layers.0.mlp.router.weight")
-    with pytest.raises(ValueError, match="valid names: llama, qwen2, qwen2_moe, qwen3, qwen3_moe"):
+    names = "llama, qwen2, qwen2_moe, qwen3, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next"
+    with pytest.raises(ValueError, match=f"valid names: {names}"):
         get_family("mistral")
 
 

@@ -1,5 +1,6 @@
 """Megatron <-> HF parity per parallel layout (torchrun, gloo, tiny fp32 Qwen2 / Llama / Qwen3 /
-Qwen3-MoE / Qwen2-MoE / Qwen3.5 text, the hybrid of Gated DeltaNet and gated attention).
+Qwen3-MoE / Qwen2-MoE, and the hybrids of Gated DeltaNet and gated attention: Qwen3.5 text,
+Qwen3.5-MoE text and Qwen3-Next).
 
 One torchrun launch per process count runs every check of its layouts, one layout after the
 other (see parity_worker.py): Megatron logits vs HF
@@ -29,19 +30,19 @@ HAVE_TRANSFORMER_ENGINE = importlib.util.find_spec("transformer_engine") is not 
 
 DENSE = ["tiny_qwen2_dir", "tiny_qwen2_tied_dir", "tiny_llama_dir"]
 NEW = ["tiny_qwen3_dir", "tiny_qwen3_moe_dir", "tiny_qwen2_moe_dir", "tiny_qwen3_5_dir"]
-MOE = ["tiny_qwen3_moe_dir", "tiny_qwen2_moe_dir"]
-HYBRID = ["tiny_qwen3_5_dir"]
+HYBRID_MOE = ["tiny_qwen3_5_moe_dir", "tiny_qwen3_next_dir"]  # Gated DeltaNet + experts
+MOE = ["tiny_qwen3_moe_dir", "tiny_qwen2_moe_dir", *HYBRID_MOE]
 LAYOUTS = [
     # (tp, pp, vpp, ep, expert tp, processes, models): tp1 x pp1 on 2 processes is dp=2.
     # The first model of a layout also runs the export, DDP and critic checks.
-    pytest.param(1, 1, None, 1, None, 2, DENSE + MOE + HYBRID, id="tp1-pp1-dp2"),
-    pytest.param(2, 1, None, 1, None, 2, DENSE + NEW, id="tp2"),
+    pytest.param(1, 1, None, 1, None, 2, DENSE + MOE + ["tiny_qwen3_5_dir"], id="tp1-pp1-dp2"),
+    pytest.param(2, 1, None, 1, None, 2, DENSE + NEW + HYBRID_MOE, id="tp2"),
     pytest.param(1, 2, None, 1, None, 2, DENSE + NEW, id="pp2"),
     pytest.param(2, 2, None, 1, None, 4, DENSE, id="tp2-pp2"),
     # interleaving adds no new mapping; keep the launch short
     pytest.param(1, 2, 2, 1, None, 2, ["tiny_qwen2_tied_dir"], id="pp2-vpp2"),
     pytest.param(1, 1, None, 2, None, 2, MOE, id="ep2"),
-    pytest.param(2, 1, None, 2, 1, 2, MOE, id="tp2-ep2-etp1"),
+    pytest.param(2, 1, None, 2, 1, 2, MOE[:2], id="tp2-ep2-etp1"),
 ]
 
 

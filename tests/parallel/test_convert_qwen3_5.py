@@ -92,6 +92,27 @@ def test_delta_net_in_proj_is_split_over_tp_part_by_part():
     assert all(torch.equal(out[key], hf[key]) for key in hf)
 
 
+def test_qwen3_next_groups_its_projections_by_key_head():
+    # HF in_proj_qkvz per key head g: [q_g, k_g, its 2 value heads' v, their z];
+    # in_proj_ba per key head: [their b, their a]. Megatron's shards are Qwen3.5's above.
+    from transformers import Qwen3NextConfig
+
+    config = Qwen3NextConfig(**{**_config().to_dict(), "model_type": "qwen3_next"})
+    prefix = "model.layers.0.linear_attn."
+    hf = {
+        prefix + "in_proj_qkvz.weight": _rows(10, 20, 30, 31, 40, 41, 11, 21, 32, 33, 42, 43),
+        prefix + "in_proj_ba.weight": _rows(50, 51, 60, 61, 52, 53, 62, 63),
+    }
+    tp2 = _rows(10, 20, 30, 31, 40, 41, 50, 51, 60, 61, 11, 21, 32, 33, 42, 43, 52, 53, 62, 63)
+    tp1 = _rows(10, 11, 20, 21, 30, 31, 32, 33, 40, 41, 42, 43, 50, 51, 52, 53, 60, 61, 62, 63)
+    name = "decoder.layers.0.self_attention.in_proj.weight"
+    assert torch.equal(_shards(config, name, hf, 2), tp2)
+    assert torch.equal(_shards(config, name, hf, 1), tp1)
+    for tp, full in ((1, tp1), (2, tp2)):
+        out = dict(megatron_to_hf(config, tp, name, full))
+        assert out.keys() == hf.keys() and all(torch.equal(out[k], hf[k]) for k in hf)
+
+
 def test_delta_net_conv_runs_over_q_k_v_channels_split_part_by_part():
     config = _config()
     hf_name = "model.layers.0.linear_attn.conv1d.weight"
