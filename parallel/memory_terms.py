@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from parallel.model_shapes import (
     LORA_TARGET_MODULES,
+    LinearAttentionShape,
     ModelShape,
     lora_stage_params,
     max_stage_params,
@@ -219,7 +220,8 @@ def layer_activation_bytes(model: TrainedModel, *, recompute_attention: bool) ->
     its own tokens) divided by the expert TP instead of t, plus the shared expert's width, plus
     the dispatcher's permuted tokens in and out (2 k h) and the router's E probabilities per
     token. Every layer of a MoE model is counted as a MoE layer (an upper bound when some are
-    dense)."""
+    dense). A hybrid model's layers (Qwen3.5: Gated DeltaNet or attention) are each counted as
+    the larger kind (`delta_net_bytes_per_token`)."""
     if model.attention not in ATTENTIONS:
         raise ValueError(f"attention {model.attention!r}: choose one of {ATTENTIONS}")
     s, b, e, t = model.seq_len, model.micro_batch_size, DTYPE_BYTES[model.dtype], model.tp
@@ -241,8 +243,29 @@ def layer_activation_bytes(model: TrainedModel, *, recompute_attention: bool) ->
         else:
             attention = 4 * a * e + sh.heads * s * (4 + (e if e != 4 else 0))
         inside = attention + 5 * ffn * e
+    if sh.linear is not None:  # a hybrid: count each layer as the larger of its two kinds
+        inside = max(inside, inside - attention + delta_net_bytes_per_token(sh.linear, e))
     outside /= t if model.sequence_parallel else 1
     return int(s * b * (outside + inside / t))
+
+
+DELTA_NET_CHUNK = 64  # tokens per chunk of the chunked delta rule (fla's and megatron's torch one)
+
+
+def delta_net_bytes_per_token(linear: LinearAttentionShape, e: int) -> float:
+    """What one Gated DeltaNet saves for backward per token, all inside the TP region (an
+    estimate from the layer's structure, not measured): in_proj's output (q, k, v, z, beta,
+    alpha), the conv's input to its activation and the activation's output over q, k, v, the
+    L2-normed q and k repeated to the value heads, the delta rule's output and the gated norm's
+    input and output (3 V), all e bytes; and the recurrent state the chunked rule keeps at each
+    chunk boundary, value heads x key dim x value dim in fp32 per 64 tokens."""
+    keys = linear.key_heads * linear.key_dim
+    values = linear.value_heads * linear.value_dim
+    in_proj = 2 * keys + 2 * values + 2 * linear.value_heads
+    conv = 2 * (2 * keys + values)
+    normed = 2 * linear.value_heads * linear.key_dim
+    state = linear.value_heads * linear.key_dim * linear.value_dim * 4 / DELTA_NET_CHUNK
+    return (in_proj + conv + normed + 3 * values) * e + state
 
 
 # Bytes per entry of this TP rank's [tokens, V/tp] logits at the log-prob peak. Forward only:

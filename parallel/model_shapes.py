@@ -143,6 +143,26 @@ def _qwen3(h, layers, heads, kv, ffn, tied, **moe) -> ModelShape:
     return ModelShape(h, layers, heads, kv, 128, ffn, 151936, tied, False, True, **moe)
 
 
+def _hybrid_moe(layers: int, ffn: int, vocab: int, experts: int, topk: int) -> ModelShape:
+    """Qwen3-Next / Qwen3.5-MoE: hidden 2048, 16 query / 2 KV heads of 256, three Gated DeltaNet
+    layers (16 key / 32 value heads of 128, conv 4) to each gated attention layer, routed
+    experts of 512 and a shared expert of 512 in every layer (`ffn`: the dense MLP's width that
+    config.json states, used by no layer of these two)."""
+    linear = LinearAttentionShape(
+        layers=tuple(int((i + 1) % 4 != 0) for i in range(layers)),
+        key_heads=16,
+        value_heads=32,
+        key_dim=128,
+        value_dim=128,
+        conv_kernel=4,
+    )
+    return ModelShape(
+        2048, layers, 16, 2, 256, ffn, vocab, False, False, True,
+        experts=experts, topk=topk, moe_ffn=512, shared_ffn=512, attention_gate=True,
+        linear=linear,
+    )  # fmt: skip
+
+
 # HF config.json shapes of common checkpoints, for planning before the weights are on disk.
 KNOWN_SHAPES: dict[str, ModelShape] = {
     "qwen2.5-0.5b": _qwen(896, 24, 14, 2, 4864, 151936, True),
@@ -160,6 +180,8 @@ KNOWN_SHAPES: dict[str, ModelShape] = {
     "qwen3-32b": _qwen3(5120, 64, 64, 8, 25600, False),
     "qwen3-30b-a3b": _qwen3(2048, 48, 32, 4, 6144, False, experts=128, topk=8, moe_ffn=768),
     "qwen3-235b-a22b": _qwen3(4096, 94, 64, 4, 12288, False, experts=128, topk=8, moe_ffn=1536),
+    "qwen3-next-80b-a3b": _hybrid_moe(48, 5632, 151936, experts=512, topk=10),
+    "qwen3.5-35b-a3b": _hybrid_moe(40, 512, 248320, experts=256, topk=8),
 }
 
 

@@ -395,3 +395,35 @@ def test_a_distillation_teacher_is_counted_where_resident():
     assert [n for n, p in offloaded.phases.items() if "teacher weights" in p.terms] == ["log_probs"]
     without = plan_memory(dataclasses.replace(inputs, teacher=None))
     assert plan.phases["update"].total - without.phases["update"].total == weights
+
+
+def test_hybrid_known_shapes_are_the_checkpoints_configs():
+    # transformers documents its Qwen3-Next and Qwen3.5-MoE config defaults as these checkpoints'
+    from transformers import Qwen3_5MoeTextConfig, Qwen3NextConfig
+
+    from parallel.model_shapes import KNOWN_SHAPES, ModelShape
+
+    for name, config in (
+        ("qwen3-next-80b-a3b", Qwen3NextConfig()),
+        ("qwen3.5-35b-a3b", Qwen3_5MoeTextConfig()),
+    ):
+        assert ModelShape.from_hf_config(config.to_dict()) == KNOWN_SHAPES[name], name
+
+
+def test_delta_net_activations_by_hand():
+    from parallel.memory_terms import DELTA_NET_CHUNK, delta_net_bytes_per_token
+    from parallel.model_shapes import LinearAttentionShape
+
+    linear = LinearAttentionShape((1,), key_heads=2, value_heads=4, key_dim=8, value_dim=4,
+                                  conv_kernel=4)  # fmt: skip
+    # K = 16, V = 16: in_proj 2K + 2V + 2 x 4 heads = 72, conv 2 (2K + V) = 96, normed q and k
+    # at the value heads 2 x 4 x 8 = 64, output and gated norm 3V = 48; state 4 x 8 x 4 x 4 bytes
+    assert delta_net_bytes_per_token(linear, 2) == 2 * (72 + 96 + 64 + 48) + 512 / DELTA_NET_CHUNK
+
+
+def test_qwen3_5_moe_recipe_fits_its_stated_cluster(capsys):
+    recipe = ["plan", "recipes/grpo_qwen3_5_35b_a3b.yaml", "--nodes", "2", "--gpus-per-node", "8"]
+    code, out, _ = run_cli(capsys, *recipe, "--gpu-memory-gb", "80")
+    assert code == 0 and "-> fits" in out, out
+    assert "known shape for 'Qwen3.5-35B-A3B'" in out
+    assert "experts: 256 per MoE layer, top-8, ep=8 expert_tp=1 (expert dp=2)" in out
