@@ -52,8 +52,8 @@ What it redirects, and why (megatron-core 0.16 - 0.19 read as ground truth):
   and does not import on CPU. megatron's `GatedDeltaNet` refuses to build without it
   (`HAVE_FLA`), though with `deterministic_mode` it runs its own pure-torch chunked delta rule
   and a torch conv1d; only its query / key L2 norm still comes from `fla`.
-  `gated_delta_net_without_fla()` (called by `parallel.linear_attention` when `fla` is missing
-  on CPU) supplies that norm in torch, computed as `fla`'s `l2norm` and transformers' Qwen3.5
+  `gated_delta_net_without_fla()` (called by `parallel.linear_attention` when `fla` is missing,
+  on CPU and, with a warning, on a GPU node without it) supplies that norm in torch, computed as `fla`'s `l2norm` and transformers' Qwen3.5
   (x / sqrt(sum x^2 + 1e-6) over the head dimension, in fp32), and lets the layer build.
   megatron-core 0.16.1 keeps these names in `ssm/gated_delta_net.py`, 0.19.2 in
   `ssm/gated_delta_net/common.py` (and imports them into `gdn.py`).

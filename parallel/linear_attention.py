@@ -1,7 +1,8 @@
 """Hybrid linear-attention models (Qwen3.5): megatron-core's Gated DeltaNet layers among its
 full-attention layers.
 
-    linear_attention_fields(architecture) -> TransformerConfig fields this machine needs
+    linear_attention_fields(architecture, transformer_impl) -> TransformerConfig fields this
+                                                               machine needs
     hybrid_block_spec(config, backends, vp_stage) -> TransformerBlockSubmodules of this rank
     check_linear_attention(hf_config, tp, pack_sequences) -> ModelConfigError / ParallelLayoutError
 
@@ -15,9 +16,10 @@ MoE layer, as `moe_layer_freq` says), its self-attention swapped for a `GatedDel
 the DeltaNet layers; the input norm stays a layer norm of its own (TE fuses it into in_proj).
 
 The DeltaNet's chunked kernel and its L2 norm come from flash-linear-attention (`fla`), which is
-Triton: where it does not import, on CPU, megatron-core's own pure-torch chunked delta rule runs
-(its `deterministic_mode` path) with `parallel.cpu_compat`'s L2 norm; on a GPU without `fla` the
-build stops and says to install it.
+Triton: where it does not import (CPU, or a GPU node without it: with a warning, it is much
+slower) megatron-core's own pure-torch chunked delta rule runs (its `deterministic_mode` path)
+with `parallel.cpu_compat`'s L2 norm; with Transformer Engine's layers, whose attention refuses
+that mode, the build stops and says to install `fla`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import warnings
 from typing import Any
 
 import torch
@@ -52,17 +55,26 @@ def fla_importable() -> bool:
     return True
 
 
-def linear_attention_fields(architecture: dict[str, Any]) -> dict[str, Any]:
+def linear_attention_fields(architecture: dict[str, Any], transformer_impl: str) -> dict[str, Any]:
     """Extra TransformerConfig fields for a hybrid model on this machine: none with `fla`;
-    without it, on CPU, the torch delta rule (`deterministic_mode`); on a GPU, an error."""
+    without it, megatron-core's pure-torch delta rule (`deterministic_mode`), on CPU as the only
+    way, on a GPU with a warning (slow); TE's attention refuses to run in that mode, so TE layers
+    without `fla` are an error naming the fix."""
     if architecture.get("experimental_attention_variant") != "gated_delta_net":
         return {}
     if fla_importable():
         return {}
-    if torch.cuda.is_available():
+    install = "pip install flash-linear-attention"
+    if transformer_impl == "transformer_engine":
         raise ModelConfigError(
-            "this model's Gated DeltaNet layers need flash-linear-attention on a GPU: "
-            "pip install flash-linear-attention"
+            "this model's Gated DeltaNet layers need flash-linear-attention with Transformer "
+            f"Engine's layers: {install}, or set model.transformer_impl=local"
+        )
+    if torch.cuda.is_available():
+        warnings.warn(
+            "flash-linear-attention is not installed: the Gated DeltaNet layers run megatron-"
+            f"core's pure-torch delta rule, much slower than its kernels ({install})",
+            stacklevel=2,
         )
     gated_delta_net_without_fla()
     return {"deterministic_mode": True}

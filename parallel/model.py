@@ -180,7 +180,7 @@ def transformer_config_from_hf(
         attention_softmax_in_fp32=True,
         **fused_kernel_options(transformer_impl),
         **architecture,
-        **linear_attention_fields(architecture),
+        **linear_attention_fields(architecture, transformer_impl),
         **experts,
         **recompute.config_fields(),
     )

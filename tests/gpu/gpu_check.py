@@ -29,6 +29,7 @@ import torch  # noqa: E402
 
 from tests.gpu.checks_attention import check_attention_backends, check_first_offload  # noqa: E402
 from tests.gpu.checks_engine import check_engine_sync, check_memory_phases  # noqa: E402
+from tests.gpu.checks_hybrid import check_hybrid_layers  # noqa: E402
 from tests.gpu.checks_model import check_actor, check_parity  # noqa: E402
 from tests.gpu.checks_moe import check_moe_routing_replay  # noqa: E402
 from tests.gpu.checks_perf import check_cli_train_resume, check_throughput  # noqa: E402
@@ -49,6 +50,10 @@ CHECKS = [
     (
         "MoE routing: bf16 engine vs trainer experts, log-prob gap without / with replay (R3, R2)",
         check_moe_routing_replay,
+    ),
+    (
+        "hybrid layers (Qwen3.5 Gated DeltaNet + gated attention): fp32 / bf16 logits vs HF, grads",
+        check_hybrid_layers,
     ),
 ]
 

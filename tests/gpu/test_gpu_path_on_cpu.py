@@ -274,13 +274,14 @@ def test_gpu_check_without_a_gpu_checks_nothing_and_exits_0(tmp_path):
 
 @pytest.mark.dist
 def test_gpu_check_cpu_dry_run_passes(tmp_path):
-    """Checks 1, 2, 3, 5, 6, 7, 8, 9 on CPU (tiny shapes, bf16, the hf engine): among them the bf16
+    """Checks 1-3 and 5-10 on CPU (tiny shapes, bf16, the hf engine): among them the bf16
     model-only resume, which reverts without `reload_master_weights` (point 3), the attentions
-    with and without packing, and the varlen call of packed rows (on meta tensors)."""
+    with and without packing, the varlen call of packed rows (on meta tensors) and the hybrid
+    layers' gradients."""
     env = {**_env(), "OUT": str(tmp_path)}
     out = subprocess.run(
         [sys.executable, "tests/gpu/gpu_check.py", "--cpu-dry-run", "--engine", "hf"]
-        + ["--only", "1,2,3,5,6,7,8,9"],
+        + ["--only", "1,2,3,5,6,7,8,9,10"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -289,11 +290,12 @@ def test_gpu_check_cpu_dry_run_passes(tmp_path):
     )
     log = (tmp_path / "gpu_check.log").read_text()
     assert out.returncode == 0, log + out.stderr[-3000:]
-    for number in (1, 2, 3, 5, 6, 7, 8, 9):
+    for number in (1, 2, 3, 5, 6, 7, 8, 9, 10):
         assert f"{number}. PASS" in log, log
     assert "with reload_master_weights" in log and "kept" in log
     assert "routed differently" in log and "with R3" in log
     assert "sdpa + packing" in log and "varlen on meta tensors" in log
+    assert "DeltaNet grads finite on 15 tensors" in log
 
 
 @needs_vllm
