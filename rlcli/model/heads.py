@@ -83,7 +83,7 @@ class LanguageModelHead(ModelHead):
         )
 
     def forward(self, model, batch, temperature):
-        from parallel.schedule import forward_log_probs
+        from parallel.forward_passes import forward_log_probs
 
         m = model.micro_batching
         per_position = forward_log_probs(
@@ -93,7 +93,7 @@ class LanguageModelHead(ModelHead):
         return response_values(per_position.cpu(), batch.response_index)
 
     def forward_and_routing(self, model, batch, temperature):
-        from parallel.schedule import forward_log_probs_and_routing
+        from parallel.forward_passes import forward_log_probs_and_routing
 
         m = model.micro_batching
         per_position, notes = forward_log_probs_and_routing(
@@ -115,7 +115,7 @@ class ValueHead(ModelHead):
         )
 
     def forward(self, model, batch, temperature):
-        from parallel.schedule import forward_values
+        from parallel.forward_passes import forward_values
 
         m = model.micro_batching
         per_position = forward_values(

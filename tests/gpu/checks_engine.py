@@ -24,7 +24,7 @@ LOGPROB_MEAN_TOLERANCE = 0.05
 
 def _trainer_vs_engine(ctx: Context, actor, engine, vocab: int) -> tuple[float, float, int]:
     """Sample with the engine, score the samples with Megatron: (mean, max |d log-prob|, n)."""
-    from parallel.schedule import forward_log_probs
+    from parallel.forward_passes import forward_log_probs
     from rlcli.rollout import SamplingConfig
 
     generator = torch.Generator().manual_seed(5)
@@ -103,8 +103,8 @@ def check_engine_sync(ctx: Context) -> tuple[bool, str]:
 def check_memory_phases(ctx: Context) -> tuple[bool, str]:
     """generate -> sleep -> log-probs -> update -> sync -> wake, three cycles; the memory in use
     after each phase (cudaMemGetInfo; RSS on CPU) must not grow from cycle to cycle."""
+    from parallel.forward_passes import forward_log_probs
     from parallel.reshard import sync_weights
-    from parallel.schedule import forward_log_probs
     from rlcli.rollout import SamplingConfig
 
     kind = ctx.engine

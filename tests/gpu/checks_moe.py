@@ -44,9 +44,9 @@ def make_moe_model(out_dir: Path, shape: dict, seed: int) -> Path:
 
 
 def check_moe_routing_replay(ctx: Context) -> tuple[bool, str]:
+    from parallel.forward_passes import forward_log_probs, forward_log_probs_and_routing
     from parallel.hf_model import load_hf_model
     from parallel.model_options import ModelBuildOptions, MoeOptions
-    from parallel.schedule import forward_log_probs, forward_log_probs_and_routing
     from rlcli.rollout.batch import collate
     from tests.rlcli.engine_routing_worker import compare, sampled
 

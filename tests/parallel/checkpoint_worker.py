@@ -27,10 +27,10 @@ from transformers import AutoConfig
 
 from parallel.checkpoint import load_checkpoint, save_checkpoint
 from parallel.convert import load_hf_weights
+from parallel.forward_passes import forward_log_probs
 from parallel.mesh import Mesh, init_parallel
 from parallel.model import build_model
 from parallel.optim import OptimizerSettings, build_optimizer, train_step, wrap_for_training
-from parallel.schedule import forward_log_probs
 from parallel.step_types import LossReport, MicroBatch, ModelOutputs
 
 ROWS, SEQ = 4, 9

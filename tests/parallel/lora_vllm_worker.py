@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
+from parallel.forward_passes import forward_log_probs
 from parallel.hf_model import load_hf_model
 from parallel.lora import LoraSpec, adapter_params, apply_lora, lora_disabled
 from parallel.lora_io import load_peft_adapter, sync_lora_adapter
 from parallel.mesh import destroy_parallel, init_parallel
 from parallel.reshard import sync_weights
-from parallel.schedule import forward_log_probs
 from rlcli.config.schema import RolloutConfig
 from rlcli.rollout import SamplingConfig
 from rlcli.rollout.vllm_engine import VLLMEngine

@@ -28,10 +28,10 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from parallel.convert import iter_hf_weights, load_hf_weights, mesh_mappings
+from parallel.forward_passes import forward_log_probs
 from parallel.mesh import destroy_parallel, init_parallel
 from parallel.model import build_model
 from parallel.reshard import iter_inference_buckets, sync_weights
-from parallel.schedule import forward_log_probs
 from rlcli.config.schema import RolloutConfig
 from rlcli.rollout import SamplingConfig, make_engine
 

@@ -24,11 +24,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.router import TopKRouter
 
+from parallel.forward_passes import forward_log_probs, forward_log_probs_and_routing
 from parallel.hf_model import load_hf_model
 from parallel.mesh import init_parallel
 from parallel.micro_batches import micro_batches
 from parallel.model_options import ModelBuildOptions, MoeOptions
-from parallel.schedule import forward_backward, forward_log_probs, forward_log_probs_and_routing
+from parallel.schedule import forward_backward
 from parallel.step_types import LossReport, MicroBatch
 
 LAYOUTS = {"dp2": 1, "pp2": 2}

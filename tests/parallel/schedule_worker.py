@@ -23,9 +23,10 @@ from megatron.core import parallel_state
 from transformers import AutoConfig, Qwen2ForCausalLM, Qwen2ForTokenClassification
 
 from parallel.convert import load_hf_weights
+from parallel.forward_passes import forward_log_probs
 from parallel.mesh import Mesh, init_parallel
 from parallel.model import build_model
-from parallel.schedule import forward_backward, forward_log_probs
+from parallel.schedule import forward_backward
 from parallel.step_types import LossReport, MicroBatch, ModelOutputs
 
 TEMPERATURE = 0.7

@@ -22,10 +22,10 @@ import sys
 
 import torch
 
+from parallel.forward_passes import forward_log_probs, forward_log_probs_and_routing
 from parallel.hf_model import load_hf_model
 from parallel.mesh import init_parallel
 from parallel.model_options import ModelBuildOptions, MoeOptions
-from parallel.schedule import forward_log_probs, forward_log_probs_and_routing
 from rlcli.rollout.base import SamplingConfig
 from rlcli.rollout.batch import Sample, collate, response_values
 from rlcli.rollout.hf_engine import HFEngine
