@@ -27,7 +27,7 @@ import typer
 from benchmarks.common import SEED, random_token_ids
 from benchmarks.train_section import megatron_actor, nll_loss
 from benchmarks.workload import CPU_25M, ModelShape, ensure_model
-from rlcli.config.schema import ModelBuildConfig
+from rlcli.config.model import ModelBuildConfig
 
 _QUICKSTART_SPEC = ModelBuildConfig()
 QUICKSTART = ModelShape(

@@ -184,7 +184,7 @@ def ensure_model(shape: ModelShape, root: Path, dtype: str, seed: int = 0) -> Pa
         return out
     import torch
 
-    from rlcli.config.schema import ModelBuildConfig
+    from rlcli.config.model import ModelBuildConfig
     from rlcli.model.builder import build_random_model
 
     spec = ModelBuildConfig(

@@ -27,6 +27,7 @@ REGENERATE = "rlcli config docs --output docs/config.md"
 # Every module that declares config sections; ``rlcli.config.schema`` assembles them into ``RLConfig``.
 CONFIG_MODULES = (
     "rlcli.config.schema",
+    "rlcli.config.model",
     "rlcli.config.agentic",
     "rlcli.config.algorithm",
     "rlcli.config.engine",

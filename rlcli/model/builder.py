@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from rlcli.config.schema import ModelBuildConfig
+from rlcli.config.model import ModelBuildConfig
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"

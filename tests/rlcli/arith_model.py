@@ -9,7 +9,7 @@ from pathlib import Path
 def build_arith_model(root: Path, **spec: int) -> Path:
     """Write the arith data under ``root/data`` and a model of ``spec`` (``ModelBuildConfig``
     fields) into ``root/model``; returns the model folder."""
-    from rlcli.config.schema import ModelBuildConfig
+    from rlcli.config.model import ModelBuildConfig
     from rlcli.data import read_sft_pairs, write_arith_dataset
     from rlcli.model.builder import build_model_dir
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlcli.config.schema import ModelBuildConfig
+from rlcli.config.model import ModelBuildConfig
 from rlcli.data import arith_split
 from rlcli.model.builder import build_model_dir
 
