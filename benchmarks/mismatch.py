@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from benchmarks.formatting import pct
 from benchmarks.placement import QUICKSTART_RECIPE, REPO_ROOT, _rlcli
 from benchmarks.workload import Workload
 
@@ -134,9 +135,6 @@ def mismatch_table(mismatch: dict | None) -> list[str]:
 
     def num(value: float | None, scale: float = 1.0, digits: str = ".2e") -> str:
         return "n/a" if value is None else format(scale * value, digits)
-
-    def pct(value: float | None) -> str:
-        return "n/a" if value is None else f"{100 * value:.1f}%"
 
     lines = [
         "",

@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.formatting import pct
 from benchmarks.workload import Workload
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -158,9 +159,6 @@ def placement_table(placement: dict | None) -> list[str]:
     """The section as Markdown (benchmarks/report.py)."""
     if not placement:
         return []
-
-    def pct(value: float | None) -> str:
-        return "n/a" if value is None else f"{100 * value:.1f}%"
 
     lines = [
         "",

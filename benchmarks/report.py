@@ -62,14 +62,18 @@ def markdown_table(results: dict) -> str:
         f"torch {hardware.get('torch_version', '?')}; "
         f"load average {load.get('start', ['?'])[0]} at start, {load.get('end', ['?'])[0]} at "
         f"end; whole run {results.get('wall_seconds', 0):.0f} s.",
-        "",
-        "| what | rlcli | simplest alternative | floor / ceiling | rlcli vs alternative |",
-        "| --- | --- | --- | --- | --- |",
     ]
-    lines += _rollout_rows(results.get("rollout"))
-    lines += _sync_rows(results.get("sync"))
-    lines += _train_rows(results.get("train"), device)
-    lines += _lora_rows(results.get("lora"), results.get("train"))
+    rows = _rollout_rows(results.get("rollout"))
+    rows += _sync_rows(results.get("sync"))
+    rows += _train_rows(results.get("train"), device)
+    rows += _lora_rows(results.get("lora"), results.get("train"))
+    if rows:  # a run of other sections only has no main table
+        lines += [
+            "",
+            "| what | rlcli | simplest alternative | floor / ceiling | rlcli vs alternative |",
+            "| --- | --- | --- | --- | --- |",
+            *rows,
+        ]
     lines += _grpo_table(results.get("grpo"))
     lines += placement_table(results.get("placement"))
     lines += mismatch_table(results.get("mismatch"))

@@ -169,7 +169,7 @@ def test_smoke_benchmark_writes_json_markdown_and_chart(tmp_path):
     assert 0 <= moe["routing_replay_changed"] <= 1, moe
 
     table = outputs.files["md"].read_text()
-    for fragment in ("rollout new tokens/s", "weight sync", "actor update tokens/s", "GRPO step",
+    for fragment in ("| what | rlcli |", "rollout new tokens/s", "weight sync", "actor update tokens/s", "GRPO step",
                      "Peak memory per phase", "actor update with LoRA",
                      "LoRA weight sync into vLLM", "core attention, same batch",
                      "packed", "separate 1 + 1, staleness 1", "Trainer/engine mismatch",
@@ -192,6 +192,13 @@ def test_command_runs_one_section_and_rejects_an_unknown_one(tmp_path):
     wrong = runner.invoke(app, ["--smoke", "--section", "rollouts"])
     assert wrong.exit_code == 2, wrong.output
     assert "'rollouts' is not a section" in wrong.output and "--section" in wrong.output
+
+
+def test_a_run_of_other_sections_has_no_empty_main_table():
+    from benchmarks.report import markdown_table
+
+    results = {"host": "vm", "date": "2026-12-06", "mode": "smoke", "device": {}}
+    assert "| what | rlcli |" not in markdown_table(results)  # the full run's: smoke test above
 
 
 def test_only_a_full_run_takes_the_days_report_name():
