@@ -75,7 +75,12 @@ from megatron.core.transformer.utils import (
 
 from parallel.convert.mapping import unwrap_chunk
 from parallel.convert.registry import get_family
-from parallel.model_shapes import LORA_TARGET_MODULES, ModelShape, lora_target_features
+from parallel.model_shapes import (
+    LORA_TARGET_MODULES,
+    ModelShape,
+    layer_lora_targets,
+    lora_target_features,
+)
 
 # Megatron linear -> (its parent in a TransformerLayer, the rule key of its weight, kind).
 _TARGETS = {
@@ -156,7 +161,7 @@ def lora_modules(hf_config: Any, spec: LoraSpec) -> list[LoraModule]:
     modules = []
     for layer in range(hf_config.num_hidden_layers):
         prefix = family.hf_layer_prefix.format(layer=layer)
-        for target in spec.targets():
+        for target in layer_lora_targets(shape, layer, spec.targets()):
             names = family.layer_rules[_TARGETS[target][1]].hf_names
             features = lora_target_features(shape, target)
             for name, (fan_in, fan_out, parallel) in zip(names, features, strict=True):
@@ -216,6 +221,7 @@ class LoraAdapter(torch.nn.Module):
                 m.hf_module.rpartition(".")[2], LoraPiece(m, spec, tp, tp_rank, linear.weight)
             )
         self.query_groups = linear.config.num_query_groups // tp  # linear_qkv only
+        self.output_gate = bool(linear.config.attention_output_gate)  # Qwen3.5's gated q_proj
 
     @property
     def pieces(self) -> dict[str, LoraPiece]:
@@ -245,9 +251,13 @@ class LoraAdapter(torch.nn.Module):
         outs = [
             F.linear(h, p.lora_B) for h, p in zip(low.split(self.rank, -1), pieces, strict=True)
         ]
-        if self.target == "linear_qkv":  # per query group: [its q heads, k, v]
+        if self.target == "linear_qkv":  # per query group: [its q heads, (their gates,) k, v]
             groups = self.query_groups
             outs = [o.unflatten(-1, (groups, -1)) for o in outs]
+            if self.output_gate:  # HF's q_proj rows: each head's query, then its gate
+                head_dim = outs[1].shape[-1]
+                query_and_gate = outs[0].unflatten(-1, (-1, 2, head_dim))
+                outs[0] = query_and_gate.transpose(-3, -2).flatten(-3)
             return torch.cat(outs, dim=-1).flatten(-2) * self.scaling
         return torch.cat(outs, dim=-1) * self.scaling  # linear_fc1's shard is [gate; up]
 
@@ -300,11 +310,13 @@ def apply_lora(models: Sequence[torch.nn.Module], spec: LoraSpec) -> list[LoraAd
         for layer in chunk.decoder.layers:
             index = layer.layer_number - 1
             for target in targets:
+                modules = [m for m in by_layer[index] if m.target == target]
+                if not modules:  # a Gated DeltaNet layer: no attention linears to adapt
+                    continue
                 parent_name = _TARGETS[target][0]
                 parent = getattr(layer, parent_name)
                 linear = getattr(parent, target, None)
                 _check_linear(linear, target)
-                modules = [m for m in by_layer[index] if m.target == target]
                 name = f"decoder.layers.{index}.{parent_name}.{target}"
                 adapter = LoraAdapter(linear, target, modules, spec, name)
                 parent.add_module(target + ADAPTER_SUFFIX, adapter)

@@ -301,25 +301,38 @@ def max_stage_params(
 # tests/parallel/lora_worker.py at TP1, TP2 and PP2)
 
 
+ATTENTION_TARGETS = ("linear_qkv", "linear_proj")  # a Gated DeltaNet layer has neither
+
+
 def lora_target_features(shape: ModelShape, target: str) -> list[tuple[int, int, str]]:
     """(in_features, out_features, "column" | "row") of each HF module a Megatron linear holds:
-    linear_qkv is q, k, v; linear_proj o; linear_fc1 gate, up; linear_fc2 down."""
+    linear_qkv is q, k, v (Qwen3.5's q_proj also makes each head's output gate: twice the
+    rows); linear_proj o; linear_fc1 gate, up; linear_fc2 down."""
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    q_rows = 2 * q if shape.attention_gate else q
     return {
-        "linear_qkv": [(shape.hidden, n, "column") for n in (q, kv, kv)],
+        "linear_qkv": [(shape.hidden, n, "column") for n in (q_rows, kv, kv)],
         "linear_proj": [(q, shape.hidden, "row")],
         "linear_fc1": [(shape.hidden, shape.ffn, "column")] * 2,
         "linear_fc2": [(shape.ffn, shape.hidden, "row")],
     }[target]
 
 
+def layer_lora_targets(shape: ModelShape, layer: int, targets: tuple[str, ...]) -> tuple[str, ...]:
+    """The targets layer `layer` has: all of them, but a Gated DeltaNet layer's attention ones
+    (its in_proj / out_proj take no adapters)."""
+    if shape.is_linear_layer(layer):
+        return tuple(t for t in targets if t not in ATTENTION_TARGETS)
+    return targets
+
+
 def lora_layer_params(
-    shape: ModelShape, *, tp: int, rank: int, target_modules: tuple[str, ...]
+    shape: ModelShape, *, tp: int, rank: int, target_modules: tuple[str, ...], layer: int = 0
 ) -> int:
     """One layer's adapter parameters on one TP rank: per HF module A [r, in] and B [out, r];
     column-parallel modules split B's rows over TP, row-parallel ones A's columns."""
     count = 0
-    for target in target_modules:
+    for target in layer_lora_targets(shape, layer, target_modules):
         for fan_in, fan_out, parallel in lora_target_features(shape, target):
             if parallel == "column":
                 count += rank * fan_in + fan_out // tp * rank
@@ -331,10 +344,16 @@ def lora_layer_params(
 def lora_stage_params(
     shape: ModelShape, *, tp: int, pp: int, rank: int, target_modules: tuple[str, ...]
 ) -> int:
-    """Adapter parameters (all trainable) on one (TP rank, pipeline stage); the same on every
-    stage, since layers split evenly. `target_modules`: names from LORA_TARGET_MODULES."""
+    """Adapter parameters (all trainable) on one TP rank of the pipeline stage holding the most
+    (every stage alike but in a hybrid model). `target_modules`: names from
+    LORA_TARGET_MODULES."""
     unknown = set(target_modules) - set(LORA_TARGET_MODULES)
     if unknown:
         raise ValueError(f"unknown LoRA target modules {sorted(unknown)}: {LORA_TARGET_MODULES}")
-    per_layer = lora_layer_params(shape, tp=tp, rank=rank, target_modules=target_modules)
-    return shape.layers // pp * per_layer
+    return max(
+        sum(
+            lora_layer_params(shape, tp=tp, rank=rank, target_modules=target_modules, layer=i)
+            for i in _stage_layers(shape, pp, pp_rank)
+        )
+        for pp_rank in range(pp)
+    )

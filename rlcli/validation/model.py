@@ -166,7 +166,8 @@ def validate_against_model(cfg: RLConfig, model_config: dict[str, Any]) -> None:
 
 def check_linear_attention(cfg: RLConfig, model_config: dict[str, Any]) -> None:
     """A hybrid model's Gated DeltaNet layers (Qwen3.5; `model.spec.architecture=qwen3_5`
-    builds one): what megatron-core's DeltaNet, the adapters and the CPU engines cannot take."""
+    builds one): what megatron-core's DeltaNet and the CPU engines cannot take. (LoRA adapts
+    the attention layers and the MLPs and leaves the DeltaNets alone: `parallel.lora`.)"""
     layer_types = model_config.get("layer_types") or []
     if "linear_attention" not in layer_types and model_config.get("model_type") != "qwen3_5":
         return
@@ -177,11 +178,6 @@ def check_linear_attention(cfg: RLConfig, model_config: dict[str, Any]) -> None:
                 f"{key}.pack_sequences=true cannot serve {model}: megatron-core's DeltaNet has "
                 f"no packed-sequence path here; set {key}.pack_sequences=false"
             )
-    if cfg.actor.lora.enable:
-        raise UserError(
-            f"actor.lora.enable=true: LoRA does not adapt {model} yet (their in_proj / "
-            "out_proj); train the full model (actor.lora.enable=false)"
-        )
     if cfg.rollout.engine == "vllm" and not _has_cuda():
         raise UserError(
             f"rollout.engine=vllm: vLLM's CPU engine runs {model} only in bf16 and with "

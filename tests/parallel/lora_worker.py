@@ -21,6 +21,8 @@ last stage must not break the embedding-gradient all-reduce):
   * save_peft_adapter writes a folder PEFT loads: tensors equal to the model's, logits equal to
     Megatron's after the step;
   * TP2: a megatron dist checkpoint holds the adapters at their full shapes and loads back;
+  * a Qwen3.5 text model (`--hybrid`) at TP2: the checks above but the checkpoint, dropout and
+    DP extras (adapters on its gated attention and MLPs, none in its Gated DeltaNet layers);
   * DP2: the distributed optimizer's state is the adapters' (summed over DP); full activation
     recomputation still gives PEFT's gradients (the first layer's adapters included); a bad
     starting adapter (rank, shape, missing modules) raises LoraConfigError naming the key.
@@ -55,7 +57,7 @@ from parallel.optim import (
     train_step,
     wrap_for_training,
 )
-from parallel.parity import megatron_logits
+from parallel.parity import megatron_logits, round_trip_equal
 from parallel.reshard import iter_adapter_buckets, iter_inference_buckets
 from parallel.step_types import LossReport, MicroBatch, ModelOutputs
 
@@ -223,9 +225,9 @@ def check_layout(mesh: Mesh, hf_dir: str, args) -> dict:
     )
     base_file = load_file(Path(hf_dir) / "model.safetensors")
     unmerged = {n: t.clone() for b in iter_inference_buckets(models, mesh, 0, False) for n, t in b}
-    report["unmerged_is_base_file"] = all_true(
+    report["unmerged_is_base_file"] = all_true(  # a zero-centred norm: up to 1 + w's rounding
         unmerged.keys() == base_file.keys()
-        and all(torch.equal(unmerged[n], base_file[n]) for n in base_file)
+        and all(round_trip_equal(hf_config, n, unmerged[n], base_file[n]) for n in base_file)
     )
 
     base_before = [
@@ -265,10 +267,10 @@ def check_layout(mesh: Mesh, hf_dir: str, args) -> dict:
     }
     report["exported_targets"] = sorted(saved["target_modules"])
 
-    if mesh.tp > 1:
+    if mesh.tp > 1 and not args.hybrid_layout:
         report.update(check_checkpoint(models, mesh, hf_dir, Path(args.out) / "ckpt", input_ids))
         report.update(check_dropout(mesh, hf_dir, args, input_ids, mask, peft_logits))
-    if mesh.dp > 1:
+    if mesh.dp > 1 and not args.hybrid_layout:
         report.update(check_dp_extras(mesh, hf_dir, args, input_ids, mask, counted))
     return report
 
@@ -364,15 +366,26 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     for name in ("untied", "tied", "peft", "bad-rank", "bad-shape", "qv-only"):
         parser.add_argument(f"--{name}", required=True)
+    parser.add_argument("--hybrid", help="a Qwen3.5 text model, checked at TP2 with its adapter")
+    parser.add_argument("--hybrid-peft")
     parser.add_argument("--out", required=True)
     parser.add_argument("--result", required=True)
     args = parser.parse_args()
+    args.hybrid_layout = False
     results = {}
     for tp, pp, model in LAYOUTS:
         mesh = init_parallel(tp=tp, pp=pp, seed=3)
         # The adapter's shapes are the base config's: one PEFT folder fits both models.
         hf_dir = args.untied if model == "untied" else args.tied
         results[f"tp{tp}-pp{pp}-dp{mesh.dp}"] = check_layout(mesh, hf_dir, args)
+        parallel_state.destroy_model_parallel()
+    if args.hybrid:
+        # Qwen3.5: adapters on the gated attention's q (its gates too), k, v, o in the
+        # attention layer, on every layer's MLP, none in the DeltaNet layers.
+        mesh = init_parallel(tp=2, pp=1, seed=3)
+        hybrid = argparse.Namespace(**{**vars(args), "peft": args.hybrid_peft})
+        hybrid.hybrid_layout, hybrid.out = True, str(Path(args.out) / "hybrid")
+        results["hybrid-tp2"] = check_layout(mesh, args.hybrid, hybrid)
         parallel_state.destroy_model_parallel()
     if dist.get_rank() == 0:
         Path(args.result).write_text(json.dumps(results, indent=1))

@@ -62,16 +62,20 @@ def adapters(tiny_qwen2_dir, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.mark.dist
-def test_lora_matches_peft_at_tp2_pp2_dp2(tiny_qwen2_dir, tiny_qwen2_tied_dir, adapters, tmp_path):
+def test_lora_matches_peft_at_tp2_pp2_dp2(
+    tiny_qwen2_dir, tiny_qwen2_tied_dir, tiny_qwen3_5_dir, adapters, tmp_path
+):
     result = tmp_path / "result.json"
     args = ["--untied", tiny_qwen2_dir, "--tied", tiny_qwen2_tied_dir]
     args += ["--peft", adapters["peft"], "--bad-rank", adapters["bad_rank"]]
     args += ["--bad-shape", adapters["bad_shape"], "--qv-only", adapters["qv_only"]]
+    hybrid_peft = make_peft_adapter(tiny_qwen3_5_dir, tmp_path / "hybrid_peft")
+    args += ["--hybrid", tiny_qwen3_5_dir, "--hybrid-peft", hybrid_peft]
     args += ["--out", tmp_path / "out", "--result", result]
     run_torchrun(WORKER, 2, *args, timeout_s=900)
     reports = json.loads(result.read_text())
     print(json.dumps(reports, indent=1))  # the numbers, shown with -s
-    assert set(reports) == {"tp2-pp1-dp1", "tp1-pp2-dp1", "tp1-pp1-dp2"}
+    assert set(reports) == {"tp2-pp1-dp1", "tp1-pp2-dp1", "tp1-pp1-dp2", "hybrid-tp2"}
     for layout, report in reports.items():
         for check in (
             "b_zero_bit_exact",
@@ -159,3 +163,17 @@ def test_memory_terms_count_only_adapters_as_trainable():
     assert optimizer_bytes(lora) == 4 * 3 * adapters  # fp32 master + Adam's two moments
     assert weight_bytes(lora) == 2 * (full.params + adapters)  # the frozen base stays resident
     assert grad_bytes(lora) < grad_bytes(full) / 50
+
+
+def test_hybrid_layers_adapt_attention_only_where_there_is_attention(tiny_qwen3_5_dir):
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(tiny_qwen3_5_dir)  # 3 DeltaNet layers, then attention
+    spec = LoraSpec(rank=4, alpha=8, target_modules=("all",))
+    modules = lora_modules(hf_config, spec)
+    delta_net = [m.hf_module.rpartition(".")[2] for m in modules if m.layer == 0]
+    assert delta_net == ["gate_proj", "up_proj", "down_proj"]
+    attention = {m.hf_module.rpartition(".")[2]: m for m in modules if m.layer == 3}
+    assert list(attention) == HF_TARGETS
+    # q_proj makes 4 heads x 32 queries and as many gate rows; k and v 2 heads x 32
+    assert attention["q_proj"].out_features == 2 * 4 * 32 and attention["k_proj"].out_features == 64

@@ -72,7 +72,7 @@ def test_grpo_on_qwen3_5_syncs_exactly_and_exports(tmp_path):
     "override, key",
     [
         ("actor.pack_sequences=true", "actor.pack_sequences"),
-        ("actor.lora.enable=true", "actor.lora.enable"),
+        ("critic.pack_sequences=true", "critic.pack_sequences"),
         ("rollout.engine=vllm", "rollout.engine=vllm"),
     ],
 )
