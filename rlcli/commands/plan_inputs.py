@@ -31,19 +31,22 @@ def model_shape(cfg, model_config: Optional[Path]):
         if path is model_config:
             raise UserError(f"--model-config {path}: no such config.json")
     if cfg.model.build:
+        from rlcli.model.builder import hybrid_layers
+
         spec = cfg.model.spec
-        shape = ModelShape(
-            spec.hidden_size,
-            spec.num_layers,
-            spec.num_heads,
-            spec.num_kv_heads,
-            spec.hidden_size // spec.num_heads,
-            spec.intermediate_size,
-            spec.vocab_size,
-            spec.tie_word_embeddings,
-            spec.architecture == "qwen2",
-        )
-        return shape, "model.spec (built locally)"
+        model_type = {"qwen3_5": "qwen3_5_text"}.get(spec.architecture, spec.architecture)
+        config = {
+            "model_type": model_type,
+            "hidden_size": spec.hidden_size,
+            "num_hidden_layers": spec.num_layers,
+            "num_attention_heads": spec.num_heads,
+            "num_key_value_heads": spec.num_kv_heads,
+            "intermediate_size": spec.intermediate_size,
+            "vocab_size": spec.vocab_size,
+            "tie_word_embeddings": spec.tie_word_embeddings,
+            **hybrid_layers(spec),  # Qwen3.5's Gated DeltaNet layers, as the builder lays them
+        }
+        return ModelShape.from_hf_config(config), "model.spec (built locally)"
     shape = known_shape(cfg.model.path)
     if shape is None:
         raise UserError(

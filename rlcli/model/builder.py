@@ -58,7 +58,7 @@ def train_tokenizer(corpus: list[str], vocab_size: int, chat_template: str = "no
     return tokenizer
 
 
-def _hybrid_layers(spec: ModelBuildConfig) -> dict:
+def hybrid_layers(spec: ModelBuildConfig) -> dict:
     """Qwen3.5's layout at the spec's size: three Gated DeltaNet layers, then one gated
     full-attention layer (Qwen3.5's own 3:1), the DeltaNet's key heads as many as the KV heads
     and its value heads as the query heads, every head of the attention's head size."""
@@ -75,6 +75,7 @@ def _hybrid_layers(spec: ModelBuildConfig) -> dict:
         "linear_num_value_heads": spec.num_heads,
         "linear_key_head_dim": head_dim,
         "linear_value_head_dim": head_dim,
+        "linear_conv_kernel_dim": 4,  # Qwen3.5's
     }
 
 
@@ -98,7 +99,7 @@ def build_random_model(
     }
     config_cls, model_cls = families[spec.architecture]
     config = config_cls(
-        **_hybrid_layers(spec),
+        **hybrid_layers(spec),
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,

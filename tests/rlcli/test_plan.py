@@ -250,6 +250,33 @@ def test_quickstart_plans_from_its_built_spec(capsys, tmp_path):
     assert code == 0 and "model.spec (built locally)" in out
 
 
+def test_a_built_qwen3_5_spec_is_planned_with_the_builders_layers(tmp_path):
+    """The spec's shape is the one of the config.json the builder writes (vocabulary apart:
+    the tokenizer trained on the task decides it)."""
+    from transformers import Qwen3_5TextConfig
+
+    from parallel.model_shapes import ModelShape
+    from rlcli.commands.plan_inputs import model_shape
+    from rlcli.model.builder import hybrid_layers
+    from rlcli.validation.loader import load_config
+
+    cfg = load_config(
+        "recipes/quickstart.yaml",
+        [f"trainer.output_dir={tmp_path}", "model.spec.architecture=qwen3_5"],
+    )
+    shape, where = model_shape(cfg, None)
+    spec = cfg.model.spec
+    written = Qwen3_5TextConfig(
+        hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        intermediate_size=spec.intermediate_size, vocab_size=spec.vocab_size,
+        tie_word_embeddings=spec.tie_word_embeddings, **hybrid_layers(spec),
+    )  # fmt: skip
+    assert where == "model.spec (built locally)"
+    assert shape == ModelShape.from_hf_config(written.to_dict())
+    assert shape.linear is not None and shape.linear.layers == (1, 1, 1, 0)
+
+
 @pytest.mark.parametrize(
     "extra, needle",
     [
