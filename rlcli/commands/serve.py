@@ -8,6 +8,8 @@ call is answered on ``/v1/...`` with the API key printed at start (or ``--api-ke
 
 from __future__ import annotations
 
+import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -62,6 +64,7 @@ def serve_command(
         start_endpoint(server)
         typer.echo(f"[rlcli] serving {folder} as {model_name!r} at {server.base_url()}")
         typer.echo(f"[rlcli] api key: {server.api_key}")
+        stopped = False
         try:
             rollout_engine.wake_up()
             while True:
@@ -77,9 +80,17 @@ def serve_command(
                         pending.future.set_result(completions)
         except KeyboardInterrupt:
             typer.echo("[rlcli] stopping")
+            stopped = True
         finally:
             server.stop()
             rollout_engine.close()
+    if stopped:
+        # Ctrl-C: the endpoint and the engine are closed and the scratch folder removed; leave
+        # now rather than wait on whatever a library left running at interpreter exit (a full
+        # test run once saw the stopped server not exit within a minute).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _model_folder(path: Path, scratch: Path) -> Path:

@@ -51,7 +51,6 @@ def test_grpo_with_an_openai_agent_dp2_rollout_tp2(model_dir, tmp_path):
 def test_rlcli_serve_answers_the_openai_client(model_dir):
     """``rlcli serve`` as a user starts it: a process, the HF engine, a key of the user's; the
     chat route with tools and the completions route, then Ctrl-C."""
-    import os
     import signal
     import subprocess
     import sys
@@ -74,7 +73,7 @@ def test_rlcli_serve_answers_the_openai_client(model_dir):
             "sk-test",
         ],
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**_user_shell_env(), "PYTHONPATH": str(REPO)},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -107,6 +106,15 @@ def test_rlcli_serve_answers_the_openai_client(model_dir):
             raise AssertionError("rlcli serve did not stop on Ctrl-C:\n" + output) from None
     assert proc.returncode == 0, output
     assert "Traceback" not in output
+
+
+def _user_shell_env() -> dict[str, str]:
+    """This process's environment without what an in-process test's process group left in it
+    (MASTER_PORT, RANK, ...): a user's shell has none of it."""
+    import os
+
+    launcher = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}
+    return {k: v for k, v in os.environ.items() if k not in launcher}
 
 
 def _free_port() -> int:
