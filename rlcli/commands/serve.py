@@ -9,6 +9,7 @@ call is answered on ``/v1/...`` with the API key printed at start (or ``--api-ke
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -45,6 +46,11 @@ def serve_command(
 
     if engine not in ("vllm", "hf"):
         raise UserError(f"--engine {engine!r}: choose vllm or hf")
+    # Ctrl-C / `kill -INT` and `kill` (SIGTERM) stop the server in order, also when it was
+    # started with SIGINT ignored (a background job, or a parent that ignores it): Python then
+    # keeps the inherited SIG_IGN and no KeyboardInterrupt would ever come.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     with tempfile.TemporaryDirectory(prefix="rlcli-serve-") as scratch:
         folder = _model_folder(model, Path(scratch))
         tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -86,8 +92,7 @@ def serve_command(
             rollout_engine.close()
     if stopped:
         # Ctrl-C: the endpoint and the engine are closed and the scratch folder removed; leave
-        # now rather than wait on whatever a library left running at interpreter exit (a full
-        # test run once saw the stopped server not exit within a minute).
+        # now rather than wait on whatever a library left running at interpreter exit.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

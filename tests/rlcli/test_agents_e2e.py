@@ -50,7 +50,9 @@ def test_grpo_with_an_openai_agent_dp2_rollout_tp2(model_dir, tmp_path):
 
 def test_rlcli_serve_answers_the_openai_client(model_dir):
     """``rlcli serve`` as a user starts it: a process, the HF engine, a key of the user's; the
-    chat route with tools and the completions route, then Ctrl-C."""
+    chat route with tools and the completions route, then Ctrl-C (SIGINT), which stops it even
+    when it was started with SIGINT ignored (this is how the full suites once saw it outlive
+    Ctrl-C: an earlier test had left SIGINT ignored in the pytest worker it inherited from)."""
     import signal
     import subprocess
     import sys
@@ -77,6 +79,8 @@ def test_rlcli_serve_answers_the_openai_client(model_dir):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # started as a background job is (SIGINT ignored): Ctrl-C must still stop it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     try:
         lines = []
