@@ -122,56 +122,39 @@ class ParamMapping:
     shard_from_hf: Callable[[Reader], torch.Tensor]
 
 
-def _qkv_to_hf(full: torch.Tensor, names: tuple[str, ...], geo: _Geometry):
+def _qkv_to_hf(full: torch.Tensor, names: tuple[str, ...], geo: _Geometry, gated: bool = False):
+    """``gated``: each group also holds its heads' output gates after its queries; HF's q_proj
+    then holds each head's query rows followed by its gate rows."""
     per_group = geo.num_heads // geo.num_kv_heads
+    queries = 2 * per_group if gated else per_group
     rest = full.shape[1:]
-    grouped = full.reshape(geo.num_kv_heads, per_group + 2, geo.head_dim, *rest)
-    q = grouped[:, :per_group].reshape(-1, *rest)
-    k = grouped[:, per_group].reshape(-1, *rest)
-    v = grouped[:, per_group + 1].reshape(-1, *rest)
-    return list(zip(names, (q, k, v), strict=True))
+    grouped = full.reshape(geo.num_kv_heads, queries + 2, geo.head_dim, *rest)
+    q = grouped[:, :queries]
+    if gated:  # [queries; gates] -> per head [query; gate]
+        q = q.unflatten(1, (2, per_group)).transpose(1, 2)
+    k = grouped[:, queries].reshape(-1, *rest)
+    v = grouped[:, queries + 1].reshape(-1, *rest)
+    return list(zip(names, (q.reshape(-1, *rest), k, v), strict=True))
 
 
-def _qkv_shard(read: Reader, names: tuple[str, ...], geo: _Geometry, tp_rank: int):
+def _qkv_shard(
+    read: Reader, names: tuple[str, ...], geo: _Geometry, tp_rank: int, gated: bool = False
+):
     groups = geo.num_kv_heads // geo.tp
     per_group = geo.num_heads // geo.num_kv_heads
     d = geo.head_dim
     first = tp_rank * groups
-    q = read(names[0], 0, first * per_group * d, (first + groups) * per_group * d)
+    q_rows = (2 if gated else 1) * per_group * d  # per group: its heads' (query, gate) rows
+    q = read(names[0], 0, first * q_rows, (first + groups) * q_rows)
     k = read(names[1], 0, first * d, (first + groups) * d)
     v = read(names[2], 0, first * d, (first + groups) * d)
     rest = q.shape[1:]
-    q = q.reshape(groups, per_group, d, *rest)
+    if gated:  # per head [query; gate] -> [queries; gates]
+        q = q.reshape(groups, per_group, 2, d, *rest).transpose(1, 2)
+    q = q.reshape(groups, -1, d, *rest)
     k = k.reshape(groups, 1, d, *rest)
     v = v.reshape(groups, 1, d, *rest)
     return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
-
-
-def _gated_qkv_to_hf(full: torch.Tensor, names: tuple[str, ...], geo: _Geometry):
-    per_group = geo.num_heads // geo.num_kv_heads
-    rest = full.shape[1:]
-    grouped = full.reshape(geo.num_kv_heads, 2 * per_group + 2, geo.head_dim, *rest)
-    query_and_gate = torch.stack([grouped[:, :per_group], grouped[:, per_group:-2]], dim=2)
-    k = grouped[:, -2].reshape(-1, *rest)
-    v = grouped[:, -1].reshape(-1, *rest)
-    return list(zip(names, (query_and_gate.reshape(-1, *rest), k, v), strict=True))
-
-
-def _gated_qkv_shard(read: Reader, names: tuple[str, ...], geo: _Geometry, tp_rank: int):
-    groups = geo.num_kv_heads // geo.tp
-    per_group = geo.num_heads // geo.num_kv_heads
-    d = geo.head_dim
-    first = tp_rank * groups
-    q_rows = 2 * per_group * d  # each head's query rows, then its gate's
-    query_and_gate = read(names[0], 0, first * q_rows, (first + groups) * q_rows)
-    k = read(names[1], 0, first * d, (first + groups) * d)
-    v = read(names[2], 0, first * d, (first + groups) * d)
-    rest = k.shape[1:]
-    query_and_gate = query_and_gate.reshape(groups, per_group, 2, d, *rest)
-    q, gate = query_and_gate[:, :, 0], query_and_gate[:, :, 1]
-    k = k.reshape(groups, 1, d, *rest)
-    v = v.reshape(groups, 1, d, *rest)
-    return torch.cat([q, gate, k, v], dim=1).reshape(-1, *rest)
 
 
 def _gate_up_to_hf(full: torch.Tensor, names: tuple[str, ...], ffn: int, tp: int):
@@ -246,10 +229,8 @@ def megatron_to_hf(
     (see ParamMapping.to_hf)."""
     rule, _ = hf_rule(hf_config, global_name)
     geo = _Geometry.from_hf(hf_config, tp)
-    if rule.kind == "qkv":
-        return _qkv_to_hf(full, rule.hf_names, geo)
-    if rule.kind == "gated_qkv":
-        return _gated_qkv_to_hf(full, rule.hf_names, geo)
+    if rule.kind in ("qkv", "gated_qkv"):
+        return _qkv_to_hf(full, rule.hf_names, geo, gated=rule.kind == "gated_qkv")
     if rule.kind in DELTA_NET_KINDS:
         return parts_to_hf(full, delta_net_parts(rule.kind, rule.hf_names, hf_config), tp)
     if rule.kind == "plus_one":
@@ -274,10 +255,8 @@ def _shard_from_hf(
     hf_config: Any,
 ) -> torch.Tensor:
     """`split`: (TP size, TP rank) of this parameter's group (expert TP for routed experts)."""
-    if rule.kind == "qkv":
-        return _qkv_shard(read, rule.hf_names, geo, tp_rank)
-    if rule.kind == "gated_qkv":
-        return _gated_qkv_shard(read, rule.hf_names, geo, tp_rank)
+    if rule.kind in ("qkv", "gated_qkv"):
+        return _qkv_shard(read, rule.hf_names, geo, tp_rank, gated=rule.kind == "gated_qkv")
     if rule.kind in DELTA_NET_KINDS:
         return parts_shard(read, delta_net_parts(rule.kind, rule.hf_names, hf_config), *split)
     if rule.kind == "plus_one":
