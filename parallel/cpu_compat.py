@@ -58,6 +58,19 @@ What it redirects, and why (megatron-core 0.16 - 0.19 read as ground truth):
   megatron-core 0.16.1 keeps these names in `ssm/gated_delta_net.py`, 0.19.2 in
   `ssm/gated_delta_net/common.py` (and imports them into `gdn.py`).
 
+* torchvision (transformers' Qwen2-VL image processor, and vLLM's Qwen2.5-VL / Qwen3-VL /
+  Qwen3.5 models, which import it): the package index serves only CUDA builds of torchvision, whose
+  C++ extension (`torchvision/_C.so`) links against CUDA torch's libraries and cannot load beside
+  the CPU torch; no CPU build is reachable from the registries. torchvision runs without its
+  extension by design (`torchvision.extension._has_ops()` is then False, and the ops that need it
+  raise its own "Couldn't load custom C++ ops" error), except that its `_meta_registrations`
+  registers fake kernels for `torchvision::nms` and `qnms` whatever `_has_ops()` says, which
+  fails ("operator torchvision::nms does not exist") and aborts `import torchvision`.
+  `define_torchvision_op_schemas()` defines those two schemas (no kernel) when, and only when,
+  the extension does not load, so the pure-Python transforms the image processors use work and
+  nms still refuses to run. `parallel.torchvision_cpu` calls it on the first `import torchvision`
+  of every process of the CPU venv (the Makefile's `install` adds the `.pth` line that loads it).
+
 Differences between megatron-core releases (0.16.1 on Python 3.11, 0.19.2 the GPU extra's pin;
 `make test-mcore19` runs the suite against the latter), each handled here and only here:
 
@@ -294,6 +307,28 @@ def gated_delta_net_without_fla() -> None:
         if getattr(module, "HAVE_FLA", True) is False:  # the module that checks and uses it
             module.HAVE_FLA = True
             module.l2norm = _l2norm
+
+
+def define_torchvision_op_schemas(extension: str) -> bool:
+    """Define `torchvision::nms` / `qnms` when torchvision's extension at `extension` cannot load
+    beside this torch (module docstring). Returns whether it defined them."""
+    try:
+        torch.ops.load_library(extension)
+        return False  # a build that matches this torch: it defines its ops itself
+    except OSError:
+        pass
+    global _torchvision_schemas
+    if _torchvision_schemas is None:
+        _torchvision_schemas = torch.library.Library("torchvision", "DEF")
+        for op in ("nms", "qnms"):
+            _torchvision_schemas.define(
+                f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"
+            )
+    return True
+
+
+# Kept alive for the life of the process: a Library object undefines its ops when collected.
+_torchvision_schemas: torch.library.Library | None = None
 
 
 def enable_cpu_compat() -> None:
