@@ -54,6 +54,7 @@ from rlcli.rollout.base import (
     current_replica,
     model_eos_token_ids,
     model_path_key,
+    read_hf_config,
 )
 from rlcli.rollout.vllm_cpu import (
     name_cpu_shm_after_this_job,
@@ -137,6 +138,11 @@ class VLLMEngine(RolloutEngine):
             options.update(
                 kv_cache_memory_bytes=int(section.kv_cache_gb * 2**30), enable_chunked_prefill=False
             )
+            # vLLM caches a linear-attention (DeltaNet) model's prefixes only in its mamba
+            # cache's 'align' mode, which requires chunked prefill: no prefix cache for those.
+            layer_types = read_hf_config(model_dir, key).get("layer_types") or []
+            if "linear_attention" in layer_types:
+                options.update(enable_prefix_caching=False)
         if self._joins_world and not self._on_gpu:
             name_cpu_shm_after_this_job()
         try:

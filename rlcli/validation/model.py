@@ -178,10 +178,12 @@ def check_linear_attention(cfg: RLConfig, model_config: dict[str, Any]) -> None:
                 f"{key}.pack_sequences=true cannot serve {model}: megatron-core's DeltaNet has "
                 f"no packed-sequence path here; set {key}.pack_sequences=false"
             )
-    if cfg.rollout.engine == "vllm" and not _has_cuda():
+    engine_dtype = cfg.rollout.engine_dtype(cfg.model.dtype)
+    if cfg.rollout.engine == "vllm" and not _has_cuda() and engine_dtype != "bfloat16":
         raise UserError(
-            f"rollout.engine=vllm: vLLM's CPU engine runs {model} only in bf16 and with "
-            "torchvision importable, which this CPU install removes; set rollout.engine=hf"
+            f"rollout.dtype={engine_dtype}: vLLM's CPU engine runs {model} only in bfloat16 "
+            "(its CPU DeltaNet kernel); set rollout.dtype=bfloat16 (the trainer may stay in "
+            "float32: the mismatch then shows in rollout/mismatch_*), or rollout.engine=hf"
         )
     for key in ("linear_num_key_heads", "linear_num_value_heads"):
         heads = model_config.get(key)
