@@ -186,9 +186,10 @@ KNOWN_SHAPES: dict[str, ModelShape] = {
 
 
 def known_shape(model_path: str) -> ModelShape | None:
-    """The shape for a model path's basename (case-insensitive, '-Instruct' / '-Base'
-    ignored)."""
-    name = model_path.rstrip("/").rsplit("/", 1)[-1].lower()
+    """The shape for a model path's basename (case-insensitive; '-text', what `rlcli convert
+    language-model` suggests for a multimodal checkpoint's language model, then '-Instruct' /
+    '-Base' ignored)."""
+    name = model_path.rstrip("/").rsplit("/", 1)[-1].lower().removesuffix("-text")
     name = name.removesuffix("-instruct").removesuffix("-base")
     return KNOWN_SHAPES.get(name)
 

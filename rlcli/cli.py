@@ -19,6 +19,7 @@ from rlcli.commands import (
     data,
     docs,
     evaluate,
+    export,
     launch,
     plan,
     plot,
@@ -71,7 +72,7 @@ app.command()(train.sft)
 app.command("eval")(evaluate.eval_command)
 app.command("serve")(serve.serve_command)
 app.command()(rm.rm)
-app.command()(convert.export)
+app.command()(export.export)
 app.command("plan")(plan.plan_command)
 config.config_app.command("docs")(docs.config_docs)
 app.command("plot")(plot.plot_command)

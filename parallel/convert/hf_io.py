@@ -112,16 +112,24 @@ def hf_model_dir_problem(hf_dir: str | Path) -> str | None:
     """What keeps `hf_dir` from loading into Megatron, in words, or None when it looks loadable:
     no config.json, a `model_type` with no family in `parallel/convert/`, or no safetensors
     weights (PyTorch ``*.bin`` files are not read: they are pickles)."""
-    from parallel.convert.registry import supported_model_types
+    from parallel.convert.registry import language_model_type, supported_model_types
 
     path = Path(hf_dir)
     config_file = path / "config.json"
     if not config_file.is_file():
         return f"{path} is not a HuggingFace model directory (no config.json)"
     try:
-        model_type = json.loads(config_file.read_text()).get("model_type")
+        config = json.loads(config_file.read_text())
+        model_type = config.get("model_type")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
         return f"{config_file} is not a JSON object: {error}"
+    text_type = language_model_type(config)
+    if text_type is not None:
+        return (
+            f"{config_file} is a multimodal checkpoint (model_type {model_type!r}) around a "
+            f"{text_type} language model, which rlcli trains on its own: take it out once with "
+            f"`rlcli convert language-model --model {path} --out {path}-text` and use that folder"
+        )
     supported = supported_model_types()
     if model_type not in supported:
         return (
@@ -272,7 +280,7 @@ def save_hf_checkpoint(
     """Write the model as an HF checkpoint into `out_dir` on rank 0 (collective). `tensors`: the
     full HF tensors to write, every rank iterating them (default: `iter_hf_weights`)."""
     out_dir = Path(out_dir)
-    writer = _ShardWriter(out_dir) if mesh.rank == 0 else None
+    writer = ShardWriter(out_dir) if mesh.rank == 0 else None
     if tensors is None:
         tensors = iter_hf_weights(models, mesh, hf_config)
     for name, tensor in tensors:
@@ -294,7 +302,7 @@ def copy_tokenizer_files(source_dir: str | Path, out_dir: str | Path) -> None:
             shutil.copy2(Path(source_dir) / name, Path(out_dir) / name)
 
 
-class _ShardWriter:
+class ShardWriter:
     """Streams tensors into safetensors files of at most MAX_SHARD_BYTES each."""
 
     def __init__(self, out_dir: Path) -> None:

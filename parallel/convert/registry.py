@@ -99,3 +99,13 @@ def supported_model_types() -> list[str]:
 def get_family(model_type: str) -> ModelFamily:
     """The family for an HF `config.model_type`; ValueError naming the supported ones otherwise."""
     return _families().lookup(model_type)
+
+
+def language_model_type(config: dict[str, Any]) -> str | None:
+    """The `model_type` of the text model inside a multimodal config.json (its `text_config`)
+    when rlcli has a family for it and none for the outer type; None otherwise."""
+    text = config.get("text_config")
+    if not isinstance(text, dict) or config.get("model_type") in supported_model_types():
+        return None
+    model_type = text.get("model_type")
+    return model_type if model_type in supported_model_types() else None

@@ -13,6 +13,19 @@ from rlcli.errors import UserError
 GB = 1024**3
 
 
+def shape_of_config(file: Path):
+    """The model shape of a config.json; of a multimodal checkpoint's language model (what
+    rlcli trains of it, `rlcli convert language-model`) for one."""
+    from parallel.convert.language_model import text_settings
+    from parallel.convert.registry import language_model_type
+    from parallel.model_shapes import ModelShape
+
+    config = json.loads(file.read_text())
+    if language_model_type(config) is not None:
+        config = text_settings(config)
+    return ModelShape.from_hf_config(config)
+
+
 def model_shape(cfg, model_config: Optional[Path]):
     """(shape, where it came from): --model-config, the recipe's config.json, model.build's spec,
     or the table of known shapes keyed by model.path's basename."""
@@ -25,7 +38,7 @@ def model_shape(cfg, model_config: Optional[Path]):
         file = path / "config.json" if path.is_dir() else path
         if file.is_file():
             try:
-                return ModelShape.from_hf_config(json.loads(file.read_text())), str(file)
+                return shape_of_config(file), str(file)
             except (KeyError, ValueError) as err:
                 raise UserError(f"{file}: not an HF model config ({err})") from None
         if path is model_config:
@@ -61,12 +74,12 @@ def _other_model_shape(key: str, path: str, fallback=None):
     """The shape of another model of the run (``reward.model.path``, ``reward.judge.path``,
     ``distill.teacher_path``): its config.json, the table of known shapes, or `fallback` (a reward
     model still to be trained from the policy has the policy's shape)."""
-    from parallel.model_shapes import KNOWN_SHAPES, ModelShape, known_shape
+    from parallel.model_shapes import KNOWN_SHAPES, known_shape
 
     file = Path(path) / "config.json"
     if file.is_file():
         try:
-            return ModelShape.from_hf_config(json.loads(file.read_text()))
+            return shape_of_config(file)
         except (KeyError, ValueError) as err:
             raise UserError(f"{key}={path}: {file} is not an HF model config ({err})") from None
     shape = known_shape(path) or fallback

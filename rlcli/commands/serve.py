@@ -102,7 +102,7 @@ def _model_folder(path: Path, scratch: Path) -> Path:
     """``path`` when it is an HF model folder; a checkpoint's policy exported into ``scratch``."""
     if (path / "config.json").is_file():
         return path
-    from rlcli.commands.convert import export
+    from rlcli.commands.export import export
 
     if not path.exists():
         raise UserError(f"{path} does not exist: give an HF model folder or a training checkpoint")

@@ -452,5 +452,5 @@ def test_qwen3_5_moe_recipe_fits_its_stated_cluster(capsys):
     recipe = ["plan", "recipes/grpo_qwen3_5_35b_a3b.yaml", "--nodes", "2", "--gpus-per-node", "8"]
     code, out, _ = run_cli(capsys, *recipe, "--gpu-memory-gb", "80")
     assert code == 0 and "-> fits" in out, out
-    assert "known shape for 'Qwen3.5-35B-A3B'" in out
+    assert "known shape for 'Qwen3.5-35B-A3B-text'" in out  # the extracted language model
     assert "experts: 256 per MoE layer, top-8, ep=8 expert_tp=1 (expert dp=2)" in out
