@@ -82,31 +82,36 @@ def log_probs(model_dir, ids):
 
 
 @pytest.mark.vllm
-def test_grpo_on_qwen3_5_with_vllm_rollouts_agrees_at_bf16_after_a_sync(tmp_path):
+def test_grpo_on_qwen3_5_with_vllm_rollouts_resumes_and_agrees_at_bf16(tmp_path):
     out, model = tmp_path / "run", tmp_path / "model"
     recipe = str(REPO / "recipes" / "quickstart.yaml")
     hybrid = [o for o in HYBRID if not o.startswith("rollout.engine")]
     engine = ["rollout.engine=vllm", "rollout.dtype=bfloat16", "actor.lr=2e-2"]
-    proc = rlcli(
-        "train", recipe, *hybrid, *engine, f"model.path={model}", f"trainer.output_dir={out}",
-        "trainer.total_steps=2",
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    for steps in (1, 2):  # step 2 runs in a second process, resumed from step 1's checkpoint
+        proc = rlcli(
+            "train", recipe, *hybrid, *engine, f"model.path={model}", f"trainer.output_dir={out}",
+            f"trainer.total_steps={steps}",
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").open()]
     assert [r["step"] for r in records] == [1, 2]
-    for record in records:  # step 2 samples with the weights step 1's update synced
+    for record in records:  # step 2 samples with the resumed weights, synced into vLLM
         assert record["rollout/logprob_diff_max"] < BF16_LOGPROB_MAX, record
         assert record["rollout/logprob_diff_mean"] < BF16_LOGPROB_MEAN, record
 
-    # The agreement at step 2 says the sync carried the update only if the update moved the
-    # model by much more than bf16's tolerance: step 1's weights (what the engine was sent),
-    # exported to HF, against the start, in transformers.
-    exported = tmp_path / "step1"
-    proc = rlcli("export", str(out / "checkpoints" / "step_000001"), "--out", str(exported))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # That agreement says the resumed weights reached the engine only if step 1's update moved
+    # the model by much more than bf16's tolerance: step 1's checkpoint, exported to HF, against
+    # the start, in transformers. The resumed run's own checkpoint exports and moved on again.
     ids = torch.arange(3, 40).unsqueeze(0)
-    moved = (log_probs(exported, ids) - log_probs(model, ids)).abs().max().item()
-    assert moved > 10 * BF16_LOGPROB_MAX, moved
+    exported = {}
+    for step in (1, 2):
+        exported[step] = tmp_path / f"step{step}"
+        checkpoint = out / "checkpoints" / f"step_{step:06d}"
+        proc = rlcli("export", str(checkpoint), "--out", str(exported[step]))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    start, step1, step2 = (log_probs(m, ids) for m in (model, exported[1], exported[2]))
+    assert (step1 - start).abs().max().item() > 10 * BF16_LOGPROB_MAX
+    assert (step2 - step1).abs().max().item() > 10 * BF16_LOGPROB_MAX
 
 
 @pytest.mark.parametrize(
