@@ -73,7 +73,7 @@ from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer import TransformerConfig
 
 from parallel.attention import SDPAttention, sdpa_unsupported_options
-from parallel.convert.registry import get_family
+from parallel.convert.registry import get_family, multimodal_parts
 from parallel.cpu_compat import device
 from parallel.linear_attention import (
     check_linear_attention,
@@ -90,6 +90,7 @@ from parallel.model_backends import (
 from parallel.model_options import ModelBuildOptions, MoeOptions, Recompute
 from parallel.moe import moe_config_fields, prepare_moe_chunk
 from parallel.rope import rope_model_kwargs
+from parallel.vision_language import VisionLanguageModel, vision_language_kwargs
 from parallel.vocab import padded_vocab_size
 
 
@@ -319,6 +320,12 @@ def build_model(
     etp; ``options.pack_sequences`` checks that the model can serve packed micro-batches
     (`parallel.schedule.forward_backward(pack_sequences=True)`). Raises ModelConfigError for a setting this machine cannot build
     (`parallel.model_backends.check_model_settings`)."""
+    hf_config, multimodal = multimodal_parts(hf_config)
+    if multimodal is not None and (critic or options.sequence_parallel):
+        raise ModelConfigError(
+            f"{multimodal.model_type}: a vision-language model trains as the policy, without "
+            "sequence parallelism, for now (its image features join the embeddings whole)"
+        )
     backends = check_model_settings(
         options.transformer_impl,
         options.attention_backend,
@@ -352,16 +359,22 @@ def build_model(
     chunks = []
     for vp_stage in range(num_chunks):
         post_process = mesh.is_last_stage and vp_stage == num_chunks - 1
-        chunk = (CriticGPTModel if critic else GPTModel)(
+        pre_process = mesh.is_first_stage and vp_stage == 0
+        model_class, extra = (CriticGPTModel if critic else GPTModel), {}
+        if multimodal is not None:
+            model_class = VisionLanguageModel
+            extra = vision_language_kwargs(multimodal, pre_process)
+            extra["position_embedding_type"] = "mrope"
+        chunk = model_class(
             config=config,
             transformer_layer_spec=layer_spec(config, backends, vp_stage if mesh.vpp else None),
             vocab_size=padded_vocab_size(hf_config.vocab_size, mesh.tp),
             max_sequence_length=hf_config.max_position_embeddings,
-            pre_process=mesh.is_first_stage and vp_stage == 0,
+            pre_process=pre_process,
             post_process=post_process,
             share_embeddings_and_output_weights=tie,
             vp_stage=vp_stage if mesh.vpp else None,
-            **rope_model_kwargs(hf_config),
+            **{**rope_model_kwargs(hf_config), **extra},
         )
         if critic and post_process:
             chunk.output_layer = ValueHead(config, bias=head_bias)
@@ -372,6 +385,7 @@ def build_model(
             prepare_moe_chunk(chunk)
         chunk.unpadded_vocab_size = hf_config.vocab_size
         chunk.hf_config = hf_config  # lets parallel.convert export without being handed it
+        chunk.multimodal_config = multimodal  # what a vision-language checkpoint's export writes
         # Every parameter in the model dtype, as megatron's Float16Module makes it: megatron's
         # local-spec norms are created in fp32 whatever params_dtype says, and a bf16 model
         # with fp32 norms breaks the bf16 optimizers' checkpoints (their sharded state dicts

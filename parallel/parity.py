@@ -23,6 +23,7 @@ from parallel.convert.mapping import stored_shifted
 from parallel.cpu_compat import device
 from parallel.hf_model import load_hf_model
 from parallel.mesh import Mesh
+from parallel.vision_language import ImageInputs, verify_batch
 
 VERIFY_TOKENS = (2, 32)  # batch, sequence length of the fixed verify batch
 
@@ -53,15 +54,22 @@ class ParityReport:
 
 
 def megatron_logits(
-    models: list[torch.nn.Module], mesh: Mesh, tokens: torch.Tensor
+    models: list[torch.nn.Module],
+    mesh: Mesh,
+    tokens: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    images: ImageInputs | None = None,
 ) -> torch.Tensor | None:
     """Full-vocab logits ``[b, s, V]`` (vocab padding dropped) of ``tokens [b, s]`` on
     last-stage ranks, None elsewhere. One forward through megatron-core's pipeline schedule,
-    then an all-gather of the vocab shards inside the TP group."""
-    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    then an all-gather of the vocab shards inside the TP group. A vision-language model takes
+    its `images` and multimodal `positions` [3, b, s]."""
+    if positions is None:
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    extra = {} if images is None else {"images": images}
 
     def forward_step(data_iterator, model):
-        output = model(tokens, positions, None)
+        output = model(tokens, positions, None, **extra)
         return output, lambda out: (out.sum() * 0, {"logits": out.detach()})
 
     results = get_forward_backward_func()(
@@ -96,22 +104,32 @@ def verify_conversion(hf_dir: str | Path, mesh: Mesh, tolerance: float) -> Parit
     """Load `hf_dir` into Megatron at the mesh's TP x PP, compare its logits with HF
     transformers' on a fixed random batch, and check that exporting the loaded weights gives
     the HF tensors back bit for bit (a zero-centred norm: up to the rounding of 1 + w)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     models = load_hf_model(hf_dir, mesh)
     for model in models:
         model.eval()  # megatron's MoE layer refuses to train at TP > 1 without SP
-    hf_config = models[0].hf_config
+    hf_config, multimodal = models[0].hf_config, models[0].multimodal_config
     batch, length = VERIFY_TOKENS
-    length = min(length, hf_config.max_position_embeddings)
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, hf_config.vocab_size, (batch, length), generator=generator)
-    logits = megatron_logits(models, mesh, tokens.to(device()))
+    length = min(length, getattr(hf_config, "max_position_embeddings", length))
+    if multimodal is None:
+        generator = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, hf_config.vocab_size, (batch, length), generator=generator)
+        logits = megatron_logits(models, mesh, tokens.to(device()))
+        hf_class, hf_inputs = AutoModelForCausalLM, {"input_ids": tokens}
+    else:  # one image per row, through the vision tower
+        images = verify_batch(multimodal, hf_config.vocab_size, batch, length)
+        logits = megatron_logits(
+            models, mesh, images.tokens.to(device()), images.positions.to(device()),
+            images.images.to(device()),
+        )  # fmt: skip
+        hf_class = AutoModelForImageTextToText
+        hf_inputs = images.hf_inputs(multimodal.image_token_id)
     diff = None
     if logits is not None and mesh.tp_rank == 0:
-        hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        hf_model = hf_class.from_pretrained(hf_dir, dtype=torch.float32).eval()
         with torch.no_grad():
-            diff = (logits.cpu().float() - hf_model(tokens).logits).abs().max().item()
+            diff = (logits.cpu().float() - hf_model(**hf_inputs).logits).abs().max().item()
     diff = mesh.broadcast_object_from_last_stage(diff)
 
     seen, mismatched = set(), []

@@ -70,6 +70,7 @@ SLOW = tuple(
         "parallel/test_lora.py",
         "parallel/test_offload.py",
         "parallel/test_reshard.py",
+        "parallel/test_vision_language.py",
         "rlcli/test_agent_loop.py",
         "rlcli/test_agents.py",
         "rlcli/test_agents_e2e.py",

@@ -45,6 +45,7 @@ from parallel.convert.mapping import (
     renumber_expert,
     unwrap_chunk,
 )
+from parallel.convert.registry import multimodal_parts
 from parallel.cpu_compat import device
 
 if TYPE_CHECKING:
@@ -103,8 +104,9 @@ class HFCheckpointReader:
 
 
 def _hf_config_of(models: Sequence[torch.nn.Module], hf_config: Any) -> Any:
+    """The config the chunks were built from: a vision-language checkpoint's language model's."""
     if hf_config is not None:
-        return hf_config
+        return multimodal_parts(hf_config)[0]
     return unwrap_chunk(models[0]).hf_config
 
 
@@ -176,7 +178,7 @@ def load_hf_weights(
 ) -> None:
     """Fill this rank's Megatron shards from the HF checkpoint in `hf_dir` (module docstring)."""
     built_for = getattr(unwrap_chunk(models[0]), "hf_config", None)
-    hf_config = hf_config or built_for or _load_hf_config(hf_dir)
+    hf_config = multimodal_parts(hf_config or built_for or _load_hf_config(hf_dir))[0]
     with ExitStack() as stack:
         reader = HFCheckpointReader(hf_dir, stack)
         for mapping in mesh_mappings(models, hf_config, mesh):
@@ -288,7 +290,10 @@ def save_hf_checkpoint(
             writer.add(name, tensor.cpu())
     if writer is not None:
         writer.close()
-        hf_config.save_pretrained(out_dir)
+        # a vision-language model's chunks carry its language model's config; the folder needs
+        # the whole model's
+        multimodal = getattr(unwrap_chunk(models[0]), "multimodal_config", None) if models else None
+        (multimodal or hf_config).save_pretrained(out_dir)
         if tokenizer_dir:
             copy_tokenizer_files(tokenizer_dir, out_dir)
     dist.barrier()

@@ -202,6 +202,9 @@ def hf_rule(hf_config: Any, global_name: str) -> tuple[Rule, bool]:
             rule = rule._replace(hf_names=names, expert=expert is not None)
     else:
         rule = VALUE_HEAD_RULES.get(global_name) or family.global_rules.get(global_name)
+    for prefix, hf_prefix in family.module_prefixes.items():
+        if rule is None and global_name.startswith(prefix):
+            rule = Rule("copy", (hf_prefix + global_name.removeprefix(prefix),))
     if rule is None:
         raise KeyError(
             f"no {family.name} conversion rule for Megatron parameter {global_name!r}; "

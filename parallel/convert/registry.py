@@ -26,6 +26,7 @@ experts per EP rank) and by expert tensor parallelism instead of TP.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import pkgutil
 from collections.abc import Callable
@@ -51,7 +52,8 @@ class ModelFamily:
         inside `hf_layer_prefix`. Both local-spec and Transformer-Engine-spec names are listed
         (TE fuses the norms into the following linear as `layer_norm_weight`).
     global_rules: Megatron full name -> Rule with full HF names (embeddings, final norm, head).
-    megatron_options: hf_config -> extra TransformerConfig kwargs (e.g. add_qkv_bias,
+    megatron_options: hf_config (a multimodal checkpoint's: its text_config) -> extra
+        TransformerConfig kwargs (e.g. add_qkv_bias,
         qk_layernorm, the MoE architecture: num_moe_experts, moe_router_topk, ...); raises
         ValueError for variants of the family that are not supported.
     """
@@ -62,6 +64,12 @@ class ModelFamily:
     global_rules: dict[str, Rule]
     megatron_options: Callable[[Any], dict[str, Any]]
     hf_layer_prefix: str = "model.layers.{layer}."
+    # Modules rlcli keeps as transformers builds them (a vision tower): Megatron-side name
+    # prefix -> HF prefix; their tensors copy across by name, whole on every rank that holds them.
+    module_prefixes: dict[str, str] = field(default_factory=dict)
+    # A vision-language family: the transformers class of its vision tower
+    # (`parallel.vision_language`); its checkpoint's config.json holds text_config / vision_config.
+    vision_tower: str | None = None
     notes: str = field(default="", compare=False)
 
 
@@ -109,3 +117,16 @@ def language_model_type(config: dict[str, Any]) -> str | None:
         return None
     model_type = text.get("model_type")
     return model_type if model_type in supported_model_types() else None
+
+
+def multimodal_parts(hf_config: Any) -> tuple[Any, Any | None]:
+    """(the language model's config, the multimodal config or None) of a checkpoint's config:
+    a vision-language family's text_config and the whole, or a text model's config and None."""
+    if get_family(hf_config.model_type).vision_tower is None:
+        return hf_config, None
+    if not hasattr(hf_config, "vision_config"):  # already its language model's config
+        return hf_config, None
+    text_config = copy.deepcopy(hf_config.text_config)
+    # transformers keeps it on the whole model's config; the converter reads the language's
+    text_config.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+    return text_config, hf_config

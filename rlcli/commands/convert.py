@@ -83,7 +83,7 @@ def hf_to_mcore(
     models = load_hf_model(model, mesh)
     save_checkpoint(out / "model", models, mesh)
     if mesh.rank == 0:
-        models[0].hf_config.save_pretrained(out / "hf")
+        (models[0].multimodal_config or models[0].hf_config).save_pretrained(out / "hf")
         copy_tokenizer_files(model, out / "hf")
         typer.echo(f"wrote Megatron checkpoint {out} (saved at tp={tp} pp={pp})")
     destroy_parallel()

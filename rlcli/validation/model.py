@@ -123,6 +123,7 @@ def validate_against_model(cfg: RLConfig, model_config: dict[str, Any]) -> None:
     from parallel.model_shapes import num_experts_of
 
     check_linear_attention(cfg, model_config)
+    check_vision_language(model_config)
     par, experts = cfg.parallel, num_experts_of(model_config)
     model = f"{model_config.get('model_type')!r} model"
     if not experts:
@@ -162,6 +163,21 @@ def validate_against_model(cfg: RLConfig, model_config: dict[str, Any]) -> None:
                 f"no LoRA adapters ({', '.join(sorted(mlp))}); set actor.lora.target_modules="
                 "[linear_qkv,linear_proj]"
             )
+
+
+def check_vision_language(model_config: dict[str, Any]) -> None:
+    """A vision-language checkpoint (Qwen2.5-VL) converts and verifies with images
+    (`parallel.vision_language`); the step does not carry images yet, so training it is refused
+    rather than run as an untested text-only model."""
+    from parallel.convert.registry import supported_model_types
+
+    model_type = model_config.get("model_type")
+    if "vision_config" in model_config and model_type in supported_model_types():
+        raise UserError(
+            f"model.path: {model_type!r} is a vision-language model; rlcli converts it and checks "
+            f"it against transformers with images (`rlcli convert verify --model DIR`), but "
+            "training it (images in the data, the engines and the step) is not built yet"
+        )
 
 
 def check_linear_attention(cfg: RLConfig, model_config: dict[str, Any]) -> None:
