@@ -15,7 +15,7 @@ megatron's multimodal rotary embedding, `position_embedding_type="mrope"`). The 
 transformers' own module (the same code the HF model runs; megatron-core ships no Qwen2.5-VL
 vision encoder: its MIMO model takes an encoder module from outside too, and passes no
 multimodal position ids), held whole on the first pipeline stage of every TP rank: it is small
-beside the language model (0.67B of Qwen2.5-VL-7B's 8.3B) and frozen by default, as peers train
+beside the language model (0.68B of Qwen2.5-VL-7B's 8.3B) and frozen by default, as peers train
 it. Its image features replace the embeddings of the image placeholder tokens, in the order
 transformers places them (row by row of the batch), before the first decoder layer.
 

@@ -23,6 +23,11 @@ def shape_of_config(file: Path):
     config = json.loads(file.read_text())
     if language_model_type(config) is not None:
         config = text_settings(config)
+    elif "vision_config" in config:
+        raise UserError(
+            f"{file}: a vision-language model ({config.get('model_type')}); rlcli plan does not "
+            "count its vision tower and image tokens yet"
+        )
     return ModelShape.from_hf_config(config)
 
 

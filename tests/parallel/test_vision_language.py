@@ -136,3 +136,5 @@ def test_training_one_is_refused_for_now_naming_the_key(tiny_vlm):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "model.path" in proc.stderr and "vision-language" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+    proc = rlcli("plan", recipe, f"model.path={tiny_vlm}", "model.build=false")
+    assert proc.returncode == 2 and "vision tower" in proc.stderr, proc.stdout + proc.stderr

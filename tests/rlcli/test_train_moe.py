@@ -106,7 +106,7 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
         ("moe", ["--nproc", "2", "parallel.tp=2"], ["parallel.sequence_parallel=true"]),
         ("dense", ["model.moe_aux_loss_coef=0.01"], ["model.moe_aux_loss_coef", "no experts"]),
         ("dense", ["--nproc", "2", "parallel.ep=2"], ["parallel.ep", "no experts"]),
-        ("mistral", [], ["'mistral'", "llama, qwen2, qwen2_moe, qwen3, qwen3_5_moe_text"]),
+        ("mistral", [], ["'mistral'", "llama, qwen2, qwen2_5_vl, qwen2_5_vl_text, qwen2_moe"]),
         ("moe", ["actor.lora.enable=true"], ["actor.lora.target_modules", "routed experts"]),
         (
             "dense",
