@@ -12,7 +12,9 @@ laid end to end (megatron's THD layout) whose per-token outputs are put back per
 and the lines here that lay it out (pad it, or pack its real tokens like ``input_ids``): the MoE
 routing a forward replays (``routing [mb, S, L, k]``) becomes ``ModelInputs.routing [tokens, L,
 k]`` in the model's token order, and ``ModelInputs.per_row`` puts per-token values of that order
-back per row (``parallel.routing_replay``).
+back per row (``parallel.routing_replay``); a vision-language model's images (``pixel_values``,
+``image_grid_thw``, per row) become ``ModelInputs.images``, every row's own in row order, and its
+multimodal positions ``[mb, S, 3]`` megatron's ``[3, mb, S]`` (padded rows only).
 
     packed = pack_rows(input_ids [mb, S], attention_mask [mb, S], length=None, multiple=1)
     model(packed.input_ids, packed.position_ids, attention_mask=None,
@@ -45,6 +47,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from parallel.cpu_compat import device
 from parallel.step_types import MicroBatch
+from parallel.vision_language import ImageInputs
 
 
 @dataclass
@@ -95,6 +98,7 @@ class ModelInputs:
     attention_mask: torch.Tensor | None = None
     packed: PackedRows | None = None
     routing: torch.Tensor | None = None  # [tokens, L, k] int64: the experts to replay
+    images: ImageInputs | None = None  # a vision-language model's, in row order
 
     def per_row(self, per_token: torch.Tensor, width: int) -> torch.Tensor:
         """``[tokens, ...]`` values in the model's token order (megatron's ``[S, mb]`` flattened
@@ -125,6 +129,22 @@ def routing_tokens(mb: MicroBatch, inputs: ModelInputs) -> torch.Tensor:
         extra = filler.expand(rows, length - routing.shape[1], routing.shape[2], k)
         routing = torch.cat([routing, extra], dim=1)
     return routing.transpose(0, 1).reshape(length * rows, *routing.shape[2:])
+
+
+def row_images(mb: MicroBatch) -> ImageInputs:
+    """``mb.pixel_values [mb, P, D]`` / ``image_grid_thw [mb, I, 3]`` as the vision tower takes
+    them: every row's own patches and grids, in row order, on ``device()``."""
+    patches, grids = [], []
+    for pixels, grid in zip(mb.pixel_values, mb.image_grid_thw, strict=True):
+        grid = grid[grid.prod(dim=-1) > 0]
+        patches.append(pixels[: int(grid.prod(dim=-1).sum())])
+        grids.append(grid)
+    return ImageInputs(torch.cat(patches), torch.cat(grids).long()).to(device())
+
+
+def model_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """``[mb, S]`` positions as they are, multimodal ``[mb, S, 3]`` as megatron's ``[3, mb, S]``."""
+    return position_ids.permute(2, 0, 1) if position_ids.dim() == 3 else position_ids
 
 
 def packed_length(attention_mask: torch.Tensor) -> int:
@@ -196,20 +216,22 @@ def padded_inputs(
         position_ids = mb.position_ids
         if position_ids is None:
             position_ids = torch.arange(length, device=ids.device).expand(ids.shape[0], -1)
-        inputs = ModelInputs(
-            input_ids=ids,
-            position_ids=position_ids.to(device()),
-            attention_mask=mb.attention_mask.to(device()),
-        )
+        position_ids = position_ids.to(device())
         target = -(-max(common, length) // multiple) * multiple
-        if length < target:
-            extra = target - length
-            inputs.input_ids = torch.nn.functional.pad(inputs.input_ids, (0, extra))
-            inputs.attention_mask = torch.nn.functional.pad(inputs.attention_mask, (0, extra))
-            tail = inputs.position_ids[:, -1:] + torch.arange(1, extra + 1, device=ids.device)
-            inputs.position_ids = torch.cat([inputs.position_ids, tail], dim=1)
+        extra = target - length
+        if extra > 0:
+            steps = torch.arange(1, extra + 1, device=ids.device)
+            steps = steps[:, None] if position_ids.dim() == 3 else steps
+            position_ids = torch.cat([position_ids, position_ids[:, -1:] + steps], dim=1)
+        inputs = ModelInputs(
+            input_ids=torch.nn.functional.pad(ids, (0, extra)),
+            position_ids=model_positions(position_ids),
+            attention_mask=torch.nn.functional.pad(mb.attention_mask.to(device()), (0, extra)),
+        )
         if mb.routing is not None:
             inputs.routing = routing_tokens(mb, inputs)
+        if mb.pixel_values is not None:
+            inputs.images = row_images(mb)
         padded.append(inputs)
     return padded
 
@@ -222,6 +244,8 @@ def packed_inputs(
     common = max(packed_length(mb.attention_mask) for mb in micro_batches) if common_length else 0
     inputs = []
     for mb in micro_batches:
+        if mb.pixel_values is not None:
+            raise ValueError("packed micro-batches carry no images yet: run them padded")
         packed = pack_rows(
             mb.input_ids.to(device()), mb.attention_mask.to(device()), common, multiple
         )

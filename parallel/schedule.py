@@ -199,12 +199,14 @@ def _forward_step(
     # out of the load-balancing loss (packed rows hold no padding).
     moe = get_model_config(model).num_moe_experts is not None
     padding = {"padding_mask": inputs.attention_mask == 0} if moe and packed is None else {}
+    images = {"images": inputs.images} if inputs.images is not None else {}
     output = model(
         inputs.input_ids,
         inputs.position_ids,
         attention_mask=None,
         packed_seq_params=packed.params if packed is not None else None,
         **padding,
+        **images,
     )
     if routing is not None:
         routing.after(model)

@@ -71,7 +71,9 @@ class MicroBatch:
 
     input_ids: torch.Tensor = sequence_field()  # [mb, S] int64
     attention_mask: torch.Tensor = sequence_field()  # [mb, S] int64, 1 on real tokens
-    position_ids: torch.Tensor | None = sequence_field(default=None)  # [mb, S]; None: arange(S)
+    # [mb, S]; None: arange(S). A vision-language model's rows: [mb, S, 3], its multimodal
+    # positions (temporal, height, width: parallel.vision_language.mrope_position_ids).
+    position_ids: torch.Tensor | None = sequence_field(default=None)
     # [mb, R] float32, 1 on the response's positions: sets how far response fields are trimmed.
     response_mask: torch.Tensor | None = response_field(mask=True, default=None)
     # [mb, R] float32, 1 on the tokens that get a loss (generated ones; 0 on tool tokens).
@@ -81,6 +83,11 @@ class MicroBatch:
     # by an earlier forward (-1: not recorded); a forward of rows that carry it replays it
     # (parallel.routing_replay).
     routing: torch.Tensor | None = sequence_field(default=None)
+    # A vision-language model's images, row by row (parallel.vision_language): each row's
+    # patches as its image processor made them, [mb, P, D] zero-padded to the batch's most, and
+    # its images' (frames, rows, columns) of patches, [mb, I, 3], zero rows past its own.
+    pixel_values: torch.Tensor | None = row_field(default=None)
+    image_grid_thw: torch.Tensor | None = row_field(default=None)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

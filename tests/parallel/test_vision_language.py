@@ -1,7 +1,8 @@
 """Qwen2.5-VL on megatron-core (parallel/vision_language.py, parallel/convert/qwen2_5_vl.py),
 checked against transformers' Qwen2_5_VLForConditionalGeneration on a tiny random model: the
 multimodal RoPE positions, where image features land, `rlcli convert verify` with images at TP1
-and TP2 (fp32 logits), and a round trip through a Megatron checkpoint."""
+and TP2 (fp32 logits), the training step's own path with images (log-probs, gradients), and a
+round trip through a Megatron checkpoint."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from parallel.vision_language import ImageInputs, VisionLanguageModel, mrope_position_ids
-from tests.parallel.dist_utils import REPO_ROOT
+from tests.parallel.dist_utils import REPO_ROOT, run_torchrun
 
 IMAGE, VIDEO, START, END = 250, 247, 248, 249
 
@@ -112,6 +113,15 @@ def test_convert_verify_with_images(tiny_vlm, layout):
     proc = rlcli("convert", "verify", "--model", str(tiny_vlm), "--tolerance", "1e-4", *layout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "round trip of 81 tensors: exact" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.dist)])
+def test_the_step_path_carries_images_and_matches_transformers(tiny_vlm, tp):
+    # micro-batches of 1 and 2 rows through parallel.schedule: per-token log-probs against
+    # transformers' within 1e-5, then gradients on the language model only
+    script = Path(__file__).with_name("vision_language_worker.py")
+    out = run_torchrun(script, tp, str(tiny_vlm), str(tp))
+    assert f"OK tp={tp}" in out, out[-3000:]
 
 
 @pytest.mark.dist
