@@ -1,6 +1,7 @@
 """Megatron-core behind rlcli's types: mesh, model build, schedule, resharding, checkpoints.
 
-Importing this package installs one import hook (`_DeferMegatronFuser`): on a machine without
+Importing this package installs one import hook (`OnFirstImport`, which `parallel.torchvision_cpu`
+uses too): on a machine without
 CUDA, megatron-core's fusion decorator (`megatron.core.jit.jit_fuser`, which is `torch.compile`)
 compiles a function when it is first called instead of wrapping it at import. `torch.compile`
 only wraps at decoration time too, but its first use imports dynamo and inductor: 1.7 s of the
@@ -33,26 +34,47 @@ def _compile_when_first_called(function):
     return call
 
 
-class _DeferMegatronFuser(importlib.abc.MetaPathFinder):
-    """Runs `megatron.core.jit` as it is, then gives it the deferring fuser (CPU only)."""
+class OnFirstImport(importlib.abc.MetaPathFinder):
+    """Runs `before(spec)` when module `fullname` is first imported (before its code runs) and
+    `after(module)` once its code has run, then leaves the import machinery. Installed at most
+    once per name, and only while the module is not imported yet."""
+
+    def __init__(self, fullname, before=None, after=None) -> None:
+        self.fullname, self.before, self.after = fullname, before, after
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != "megatron.core.jit":
+        if fullname != self.fullname:
             return None
         sys.meta_path.remove(self)  # once, and so that the lookup below finds the real module
         spec = importlib.util.find_spec(fullname)
-        run_module = spec.loader.exec_module
+        if spec is None:
+            return None
+        if self.before is not None:
+            self.before(spec)
+        if self.after is not None:
+            run_module = spec.loader.exec_module
 
-        def exec_module(module):
-            run_module(module)
-            import torch
+            def exec_module(module):
+                run_module(module)
+                self.after(module)
 
-            if not torch.cuda.is_available():
-                module.jit_fuser = _compile_when_first_called
-
-        spec.loader.exec_module = exec_module
+            spec.loader.exec_module = exec_module
         return spec
 
+    @classmethod
+    def install(cls, fullname, before=None, after=None) -> None:
+        if fullname in sys.modules:
+            return
+        if any(isinstance(f, cls) and f.fullname == fullname for f in sys.meta_path):
+            return
+        sys.meta_path.insert(0, cls(fullname, before, after))
 
-if "megatron.core.jit" not in sys.modules:
-    sys.meta_path.insert(0, _DeferMegatronFuser())
+
+def _give_megatron_the_deferring_fuser(module) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        module.jit_fuser = _compile_when_first_called
+
+
+OnFirstImport.install("megatron.core.jit", after=_give_megatron_the_deferring_fuser)

@@ -2,41 +2,28 @@
 
 Loaded at interpreter start by one `.pth` line that `make install` writes into the CPU venv, so
 it holds for every process there (rlcli, torchrun ranks, vLLM, tests, a user's own script),
-whoever imports torchvision first. It costs nothing until then: the finder below waits for
-`import torchvision`, and only then imports torch and `parallel.cpu_compat`.
+whoever imports torchvision first. It costs nothing until then: the hook waits for
+`import torchvision`, and only then imports torch and `parallel.cpu_compat`. (Importing it
+imports the `parallel` package, whose own hook on megatron-core then holds in those processes
+too: it only changes anything on CPU.)
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import pathlib
-import sys
+
+from parallel import OnFirstImport
 
 
-class _DefineTorchvisionOps(importlib.abc.MetaPathFinder):
-    """Defines torchvision's missing op schemas, then lets the normal import run."""
+def _define_missing_ops(spec) -> None:
+    """Before torchvision's own code runs: its op schemas, when its extension cannot load."""
+    if not spec.submodule_search_locations:
+        return
+    extensions = sorted(pathlib.Path(spec.submodule_search_locations[0]).glob("_C*.so"))
+    if extensions:
+        from parallel.cpu_compat import define_torchvision_op_schemas
 
-    def find_spec(self, fullname, path, target=None):
-        if fullname != "torchvision":
-            return None
-        sys.meta_path.remove(self)  # once, and so that the lookup below finds the real package
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or not spec.submodule_search_locations:
-            return spec
-        extensions = sorted(pathlib.Path(spec.submodule_search_locations[0]).glob("_C*.so"))
-        if extensions:
-            from parallel.cpu_compat import define_torchvision_op_schemas
-
-            define_torchvision_op_schemas(str(extensions[0]))
-        return spec
+        define_torchvision_op_schemas(str(extensions[0]))
 
 
-def install() -> None:
-    if "torchvision" not in sys.modules and not any(
-        isinstance(finder, _DefineTorchvisionOps) for finder in sys.meta_path
-    ):
-        sys.meta_path.insert(0, _DefineTorchvisionOps())
-
-
-install()
+OnFirstImport.install("torchvision", before=_define_missing_ops)
