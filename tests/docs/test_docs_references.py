@@ -19,6 +19,9 @@ KEY = re.compile(rf"^(?:{SECTIONS})\.[A-Za-z0-9_.*]+$")
 PENDING_KEYS: set[str] = set()
 # Free-form dictionaries: any sub-key is valid.
 OPEN_PREFIXES = ("reward.kwargs.",)
+# HF checkpoints' tensor names, which start like the `model` section's keys
+HF_TENSOR_PREFIXES = ("model.layers", "model.language_model", "model.embed_tokens", "model.norm",
+                      "model.visual")  # fmt: skip
 
 
 def _config_keys_named(path: Path) -> set[str]:
@@ -34,6 +37,8 @@ def _config_keys_named(path: Path) -> set[str]:
                 continue
             token = token.split("=", 1)[0].rstrip(".:;")
             if token.endswith(".py") or _is_python_module(token):
+                continue
+            if token.startswith(HF_TENSOR_PREFIXES):
                 continue
             if KEY.match(token) and not token.endswith("."):
                 names.add(token)
