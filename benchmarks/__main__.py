@@ -40,7 +40,7 @@ def benchmark(
         "--section",
         help=(
             "Run only this section (repeatable; instead of the quick set or --full): device, "
-            "rollout, sync, train, lora, grpo, placement."
+            "rollout, sync, train, lora, grpo, placement, mismatch, recovery."
         ),
     ),
     stop_with_parent: bool = typer.Option(
@@ -49,8 +49,8 @@ def benchmark(
         help="End when the process that started this one ends, even killed (make passes it).",
     ),
 ) -> None:
-    """Benchmark rollout, weight sync, the actor update, a short GRPO run and the rollout
-    placements; write a report. Says first which sections run and about how long they take."""
+    """Benchmark rollout, weight sync, the actor update, a short GRPO run, the rollout
+    placements, the trainer/engine mismatch and recovery from a lost rank; write a report. Says first which sections run and about how long they take."""
     if stop_with_parent:
         end_with_parent()
     unknown = [name for name in sections or [] if name not in SECTIONS]

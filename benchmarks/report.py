@@ -25,6 +25,7 @@ from benchmarks.formatting import (
 )
 from benchmarks.mismatch import mismatch_table
 from benchmarks.placement import placement_table
+from benchmarks.recovery import recovery_table
 
 
 def write_report(
@@ -77,6 +78,7 @@ def markdown_table(results: dict) -> str:
     lines += _grpo_table(results.get("grpo"))
     lines += placement_table(results.get("placement"))
     lines += mismatch_table(results.get("mismatch"))
+    lines += recovery_table(results.get("recovery"))
     lines += _memory_table(results)
     errors = results.get("errors", {})
     if errors:

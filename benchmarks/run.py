@@ -31,7 +31,9 @@ from benchmarks.workload import Workload, workload_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-SECTIONS = ("device", "rollout", "sync", "train", "lora", "grpo", "placement", "mismatch")
+SECTIONS = (
+    "device", "rollout", "sync", "train", "lora", "grpo", "placement", "mismatch", "recovery"
+)  # fmt: skip
 # What `make benchmark` runs (about 4 min on 2 CPU cores): the rollout engines, weight sync, LoRA
 # and a GRPO step's phases. The train section's attention / packing comparisons, the placement
 # runs and the mismatch runs (about 26 min more there) need `--full` (`make benchmark-full`).

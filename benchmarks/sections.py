@@ -20,6 +20,8 @@ one section into the next; a smoke run saves the start-up cost and runs them all
     mismatch bf16 engine under the fp32 trainer: KL, log-prob gap, masked tokens and held-out
              accuracy per rollout correction; MoE experts routed differently per routing replay
              (mismatch.py)
+    recovery a rank of a 2-process quickstart run SIGKILLed: seconds from the kill to the next
+             completed step, by phase (recovery.py)
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from benchmarks.lora_section import lora_section
 from benchmarks.memory import measure_peak_memory
 from benchmarks.mismatch import mismatch_section
 from benchmarks.placement import placement_section
+from benchmarks.recovery import recovery_section
 from benchmarks.sync_section import sync_section
 from benchmarks.train_section import train_section
 from benchmarks.workload import Workload, ensure_model
@@ -133,6 +136,7 @@ SECTIONS: dict[str, Callable[[Workload, Path], dict]] = {
     "grpo": grpo_section,
     "placement": placement_section,
     "mismatch": mismatch_section,
+    "recovery": recovery_section,
 }
 
 

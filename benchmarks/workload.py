@@ -102,6 +102,11 @@ class Workload:
     mismatch_overrides: list[str] = field(default_factory=list)
     mismatch_corrections: list[str] = field(default_factory=list)  # empty: every one
     mismatch_replays: list[str] = field(default_factory=list)  # empty: none, r2, r3
+    # recovery from a lost rank (benchmarks/recovery.py): this many killed-and-restarted runs of
+    # the quickstart on 2 processes; their engine ("vllm" where installed, else "hf": None)
+    recovery_runs: int = 3
+    recovery_engine: str | None = None
+    recovery_overrides: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -151,6 +156,9 @@ def workload_for(mode: str, gpu_memory_gib: float = 80.0) -> Workload:
             mismatch_sft_steps=0, mismatch_steps=1,
             mismatch_corrections=["token_mis"], mismatch_replays=["r3"],
             mismatch_overrides=["data.train_batch_size=2", "rollout.n=2", "rollout.max_tokens=8",
+                                "algorithm.dynamic_sampling.enabled=false"],
+            recovery_runs=1, recovery_engine="hf",
+            recovery_overrides=["data.train_batch_size=2", "rollout.n=2", "rollout.max_tokens=8",
                                 "algorithm.dynamic_sampling.enabled=false"],
         )  # fmt: skip
     if mode == "cpu":

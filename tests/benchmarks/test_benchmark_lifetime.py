@@ -119,7 +119,7 @@ def test_the_plan_names_the_sections_and_the_time_of_the_last_recorded_run(tmp_p
     # 193 s of sections + 5 section processes started
     assert lines[1] == "[benchmark] about 3 min in all (the sections' times in 2026-12-04-vm.json)"
     assert lines[2].startswith(
-        "[benchmark] left out: train ~3 min, placement ~10 min, mismatch ~12 min ("
+        "[benchmark] left out: train ~3 min, placement ~10 min, mismatch ~12 min, recovery ~3 min ("
     )
     assert "make benchmark-full" in lines[2]
 
@@ -130,6 +130,6 @@ def test_without_a_record_the_plan_gives_rough_figures_or_says_it_has_none(tmp_p
     assert lines[0] == "[benchmark] cpu mode, 1 section: placement ~11 min"
     assert "rough" in lines[1]
     lines = plan_lines("gpu", SECTIONS, SECTIONS, [tmp_path])
-    assert lines[0].startswith("[benchmark] gpu mode, 8 sections: device, rollout, sync")
+    assert lines[0].startswith("[benchmark] gpu mode, 9 sections: device, rollout, sync")
     assert lines[1] == "[benchmark] no recorded gpu run to estimate the time from"
     assert len(lines) == 2  # nothing left out

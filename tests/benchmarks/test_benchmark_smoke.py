@@ -168,12 +168,20 @@ def test_smoke_benchmark_writes_json_markdown_and_chart(tmp_path):
     assert 0 <= dense["masked_tokens"] <= 1 and 0 <= moe["routing_mismatch"] <= 1, (dense, moe)
     assert 0 <= moe["routing_replay_changed"] <= 1, moe
 
+    recovery = results["recovery"]
+    assert recovery["engine"] == workload.recovery_engine == "hf"
+    [run] = recovery["runs"]  # a rank killed after step 2, the group restarted, step 3 done
+    phases = ("detect_restart_s", "imports_s", "startup_s", "lost_step_s")
+    assert all(run[phase] > 0 for phase in phases), run
+    assert sum(run[phase] for phase in phases) == pytest.approx(run["total_s"])
+    assert run["exit_code"] == 0, run
+
     table = outputs.files["md"].read_text()
     for fragment in ("| what | rlcli |", "rollout new tokens/s", "weight sync", "actor update tokens/s", "GRPO step",
                      "Peak memory per phase", "actor update with LoRA",
                      "LoRA weight sync into vLLM", "core attention, same batch",
                      "packed", "separate 1 + 1, staleness 1", "Trainer/engine mismatch",
-                     "routing replay"):  # fmt: skip
+                     "routing replay", "Recovery from a lost rank"):  # fmt: skip
         assert fragment in table, fragment
 
 
