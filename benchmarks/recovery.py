@@ -42,6 +42,8 @@ LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_R
 PHASES = ("detect_restart_s", "imports_s", "startup_s", "lost_step_s")
 COMMON = [
     "sft.steps=0",
+    # every step updates and syncs (a random model's groups all score alike: DAPO would drop them)
+    "algorithm.dynamic_sampling.enabled=false",
     "trainer.val_before_train=false",
     "trainer.val_freq=0",
     "checkpoint.save_freq=1",
