@@ -16,7 +16,7 @@ from pathlib import Path
 # recovery: their own runs of 2026-12-06 there), in seconds: what a CPU run is said to take when
 # no run of this machine is recorded.
 ROUGH_CPU_SECONDS = {"device": 3, "rollout": 43, "sync": 102, "train": 193, "lora": 25,
-                     "grpo": 40, "placement": 632, "mismatch": 729, "recovery": 180}  # fmt: skip
+                     "grpo": 40, "placement": 632, "mismatch": 729, "recovery": 150}  # fmt: skip
 # Starting a section's process (python, torch) and writing the report, per section.
 START_SECONDS = 3
 

@@ -41,6 +41,7 @@ import multiprocessing
 import multiprocessing.util
 import os
 import signal
+import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +96,43 @@ def tie_rank_to_agent() -> None:
     its agent the group can neither be restarted nor report, and the newest committed
     checkpoint is safe whenever the rank dies."""
     die_with_parent()
+
+
+# What torch.distributed's backends say when a collective's peer process is gone (gloo's TCP
+# pair, NCCL's watchdog and its socket layer).
+PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote process exited or there was a network error",
+    "NCCL communicator was aborted",
+)
+
+
+def peer_lost(error: BaseException) -> bool:
+    """Whether `error` is a collective that failed because another rank's process is gone."""
+    import torch.distributed as dist  # not at import (see StopRequest.agreed)
+
+    text = str(error)
+    return isinstance(error, (RuntimeError, dist.DistBackendError)) and any(
+        phrase in text for phrase in PEER_LOST
+    )
+
+
+def leave_for_a_restart(error: BaseException, flush: Any = None) -> None:
+    """A rank whose peer is gone cannot finish its step, save or close anything that talks to
+    the group: say so, `flush` (the metrics), and exit at once, so that torchrun restarts the
+    group from the newest checkpoint without waiting on an orderly teardown (2.7 s of the rank's
+    4.5 s after a peer's SIGKILL in the recovery benchmark). Its helpers die with it (module
+    docstring)."""
+    import traceback
+
+    traceback.print_exception(error)
+    print(f"[rlcli] another rank is gone ({error}); leaving at once for a restart", flush=True)
+    if flush is not None:
+        flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 class StopRequest:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from parallel.roles import RoleWorld
 from rlcli.config.schema import RLConfig
 from rlcli.data import PromptDataset, PromptLoader
-from rlcli.process_lifetime import StopRequest
+from rlcli.process_lifetime import StopRequest, leave_for_a_restart, peer_lost
 from rlcli.rollout.channel import Notice, RolloutChannel, StreamedBatch
 from rlcli.rollout.sampling import Sampler
 from rlcli.rollout.streamed import generating_version
@@ -58,6 +58,10 @@ class RolloutWorker:
         stop = StopRequest()
         try:
             self._serve(stop)
+        except RuntimeError as error:
+            if peer_lost(error):
+                leave_for_a_restart(error)
+            raise
         finally:
             stop.uninstall()
             self.sampler.close()

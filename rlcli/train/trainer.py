@@ -33,7 +33,7 @@ from rlcli.machine import device_summary, format_duration, seconds_since_process
 from rlcli.model.dp_stats import DataParallelStats
 from rlcli.model.residency import Residency, StepPhases, residency_plan
 from rlcli.model.trained_model import LoraReference, TrainedModel
-from rlcli.process_lifetime import StopRequest
+from rlcli.process_lifetime import StopRequest, leave_for_a_restart, peer_lost
 from rlcli.reward_models.model_rewards import ModelRewards
 from rlcli.rollout.batch import RolloutBatch, collate, take_dp_share
 from rlcli.rollout.dynamic_sampling import keep_informative_groups
@@ -105,6 +105,10 @@ class Trainer:
         stop = StopRequest()
         try:
             return self._fit(stop)
+        except RuntimeError as error:
+            if peer_lost(error):
+                leave_for_a_restart(error, self.logger.close if self.logger else None)
+            raise
         finally:
             stop.uninstall()
             if self.logger is not None:

@@ -119,7 +119,7 @@ def test_the_plan_names_the_sections_and_the_time_of_the_last_recorded_run(tmp_p
     # 193 s of sections + 5 section processes started
     assert lines[1] == "[benchmark] about 3 min in all (the sections' times in 2026-12-04-vm.json)"
     assert lines[2].startswith(
-        "[benchmark] left out: train ~3 min, placement ~10 min, mismatch ~12 min, recovery ~3 min ("
+        "[benchmark] left out: train ~3 min, placement ~10 min, mismatch ~12 min, recovery ~2 min ("
     )
     assert "make benchmark-full" in lines[2]
 

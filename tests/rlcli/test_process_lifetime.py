@@ -189,3 +189,18 @@ def test_ctrl_c_to_torchrun_stops_the_ranks_after_their_step_and_twice_at_once(t
         assert "[rlcli] SIGINT again: stopping the ranks now" in output
         assert output.count("SIGINT again: stopping now without a checkpoint") == 2, output[-3000:]
         assert "stopped after step" not in output
+
+
+def test_a_collective_whose_peer_is_gone_is_told_apart():
+    import torch.distributed as dist
+
+    from rlcli.process_lifetime import peer_lost
+
+    gloo = (
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+        "by peer [127.0.0.1]:38614"
+    )
+    assert peer_lost(RuntimeError(gloo))
+    assert peer_lost(dist.DistBackendError("NCCL communicator was aborted on rank 3"))
+    assert not peer_lost(RuntimeError("CUDA out of memory"))
+    assert not peer_lost(ValueError(gloo))  # not a collective's error
