@@ -136,14 +136,20 @@ def _ratio(a: float, b: float) -> float | None:
     return a / b if b > 0 else None
 
 
+def run_environment() -> dict[str, str]:
+    """The environment of an ``rlcli`` run the benchmark starts: a launch of its own (not the
+    torch.distributed world an earlier section of a smoke run left in this environment, whose
+    store may still hold MASTER_PORT), two processes sharing the cores (one thread each)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    return env
+
+
 def _rlcli(args: list[str], work: Path, name: str) -> float:
     """Run ``rlcli ARGS`` (two processes share the cores: one thread each); its wall seconds.
     The log goes to ``<work>/<name>.log``; a failure raises with its tail."""
     work.mkdir(parents=True, exist_ok=True)
-    # A launch of its own: not the torch.distributed world an earlier section of a smoke run (one
-    # process for all) left in this environment, whose store may still hold MASTER_PORT.
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-    env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    env = run_environment()
     log = work / f"{name}.log"
     started = time.perf_counter()
     with open(log, "w") as handle:

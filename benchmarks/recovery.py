@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -33,12 +32,10 @@ from pathlib import Path
 import psutil
 
 from benchmarks.lifetime import stop_group
+from benchmarks.placement import QUICKSTART_RECIPE, REPO_ROOT, run_environment
 from benchmarks.workload import Workload
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART_RECIPE = REPO_ROOT / "recipes" / "quickstart.yaml"
 KILL_AFTER_STEP = 2
-LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 PHASES = ("detect_restart_s", "imports_s", "startup_s", "lost_step_s")
 COMMON = [
     "sft.steps=0",
@@ -74,8 +71,7 @@ def recovery_section(workload: Workload, work_dir: Path) -> dict:
 
 def _one_recovery(out: Path, overrides: list[str]) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-    env.update(OMP_NUM_THREADS=str(max(1, len(os.sched_getaffinity(0)) // 2)), PYTHONUNBUFFERED="1")
+    env = {**run_environment(), "PYTHONUNBUFFERED": "1"}
     total_steps = KILL_AFTER_STEP + 2
     command = [
         sys.executable, "-m", "rlcli.cli", "train", "--nproc", "2", "--max-restarts", "1",

@@ -58,18 +58,9 @@ What it redirects, and why (megatron-core 0.16 - 0.19 read as ground truth):
   megatron-core 0.16.1 keeps these names in `ssm/gated_delta_net.py`, 0.19.2 in
   `ssm/gated_delta_net/common.py` (and imports them into `gdn.py`).
 
-* torchvision (transformers' Qwen2-VL image processor, and vLLM's Qwen2.5-VL / Qwen3-VL /
-  Qwen3.5 models, which import it): the package index serves only CUDA builds of torchvision, whose
-  C++ extension (`torchvision/_C.so`) links against CUDA torch's libraries and cannot load beside
-  the CPU torch; no CPU build is reachable from the registries. torchvision runs without its
-  extension by design (`torchvision.extension._has_ops()` is then False, and the ops that need it
-  raise its own "Couldn't load custom C++ ops" error), except that its `_meta_registrations`
-  registers fake kernels for `torchvision::nms` and `qnms` whatever `_has_ops()` says, which
-  fails ("operator torchvision::nms does not exist") and aborts `import torchvision`.
-  `define_torchvision_op_schemas()` defines those two schemas (no kernel) when, and only when,
-  the extension does not load, so the pure-Python transforms the image processors use work and
-  nms still refuses to run. `parallel.torchvision_cpu` calls it on the first `import torchvision`
-  of every process of the CPU venv (the Makefile's `install` adds the `.pth` line that loads it).
+* torchvision's CUDA build beside the CPU torch: `define_torchvision_op_schemas()` defines the
+  two op schemas its import needs when its C++ extension cannot load (why, and what still
+  refuses to run: `parallel.torchvision_cpu`, which calls it on the first `import torchvision`).
 
 Differences between megatron-core releases (0.16.1 on Python 3.11, 0.19.2 the GPU extra's pin;
 `make test-mcore19` runs the suite against the latter), each handled here and only here:
