@@ -1,10 +1,10 @@
 """Pure tensor RL math for rlcli: advantage estimators, policy / value / KL losses, loss
 aggregation, KL controllers, DAPO helpers, off-policy and rollout corrections (with the
-trainer-vs-engine mismatch measures), on-policy distillation's per-token divergence, the
+trainer-vs-engine mismatch measures), on-policy distillation's per-token divergence and top-k loss, the
 Bradley-Terry loss of reward-model training and reward normalisation / combination. No process groups, no config
 objects: tensors in, tensors out, ``[batch, response_len]`` with a ``response_mask``;
 algorithms are chosen by name through ``get_advantage_estimator``, ``get_policy_loss`` and
-``get_off_policy_correction``, ``get_distill_objective`` (each a ``Registry``, ``algorithms.registry``: the one registry
+``get_off_policy_correction``, ``get_distill_objective``, ``get_top_k_loss`` (each a ``Registry``, ``algorithms.registry``: the one registry
 helper, which ``rlcli``'s reward functions and tool-call formats use too).
 """
 
@@ -18,8 +18,11 @@ from algorithms.aggregation import LOSS_AGG_MODES, agg_loss, agg_loss_denominato
 from algorithms.dapo import filter_groups, overlong_penalty
 from algorithms.distillation import (
     DISTILL_OBJECTIVES,
+    TOP_K_LOSSES,
+    distill_objective_names,
     distillation_advantages,
     get_distill_objective,
+    get_top_k_loss,
     k3_divergence,
     response_quarters,
 )
@@ -55,6 +58,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "COMBINE_MODES",
     "DISTILL_OBJECTIVES",
+    "TOP_K_LOSSES",
     "KL_PENALTY_KINDS",
     "LOSS_AGG_MODES",
     "MISMATCH_SUMS",
@@ -72,11 +76,13 @@ __all__ = [
     "combine_rewards",
     "compute_kl_loss",
     "compute_value_loss",
+    "distill_objective_names",
     "distillation_advantages",
     "filter_groups",
     "get_advantage_estimator",
     "OUTCOME_GROUP_ESTIMATORS",
     "get_distill_objective",
+    "get_top_k_loss",
     "get_kl_controller",
     "get_off_policy_correction",
     "get_policy_loss",

@@ -12,6 +12,14 @@ An objective maps ``(student_log_probs, teacher_log_probs, mask)`` (each ``[batc
 to the per-token divergence ``[batch, response_len]``, zero where ``mask`` is 0, chosen by name
 (``get_distill_objective("reverse_kl")``). ``distillation_advantages`` turns it into advantages,
 optionally mixed with the task's own advantages.
+
+A top-k loss (``get_top_k_loss("topk_forward_kl")``) grades the whole next-token distribution
+instead of the one sampled token: at every generated position the teacher's ``k`` likeliest
+tokens, and the student's log-probs of those same tokens (``[batch, response_len, k]`` each,
+normalised over the whole vocabulary), give a per-token loss that is differentiated through the
+student directly (it is added to the policy loss, not turned into an advantage). It names the
+token the teacher would have chosen, which a sampled-token estimate cannot when the student drew
+another one.
 """
 
 from __future__ import annotations
@@ -28,6 +36,18 @@ DISTILL_OBJECTIVES: Registry[DistillObjective] = Registry("distillation objectiv
 register_distill_objective = DISTILL_OBJECTIVES.register
 get_distill_objective = DISTILL_OBJECTIVES.lookup
 
+# (student_top_log_probs, teacher_top_log_probs, mask) -> per-token loss [batch, response_len]
+TopKLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+TOP_K_LOSSES: Registry[TopKLoss] = Registry("top-k distillation loss")
+register_top_k_loss = TOP_K_LOSSES.register
+get_top_k_loss = TOP_K_LOSSES.lookup
+
+
+def distill_objective_names() -> list[str]:
+    """Every name ``distill.objective`` accepts: a sampled-token objective or a top-k loss."""
+    return sorted([*DISTILL_OBJECTIVES, *TOP_K_LOSSES])
+
 
 @register_distill_objective("reverse_kl")
 @torch.no_grad()
@@ -37,6 +57,34 @@ def reverse_kl(
     """``log p_student - log p_teacher`` on the sampled tokens (k1: an unbiased estimate of the
     reverse KL on samples from the student; negative on a token the teacher prefers)."""
     return (student_log_probs - teacher_log_probs) * mask
+
+
+@register_top_k_loss("topk_forward_kl")
+def topk_forward_kl(
+    student_top_log_probs: torch.Tensor, teacher_top_log_probs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """``KL(teacher || student)`` between the two distributions over ``k + 1`` outcomes: each
+    of the teacher's top ``k`` tokens ``v_j`` of the position, and "any other token" (the
+    rest of the vocabulary, mass ``1 - sum_j p(v_j)`` under either model). Inputs are
+    ``[..., k]`` log-probs over the whole vocabulary. A true divergence of the two coarsened
+    distributions: zero, with a zero gradient, exactly when the student gives each ``v_j`` and
+    the rest the teacher's mass; never above the full forward KL, and equal to it when ``k``
+    covers the vocabulary. The rest's outcome is what pulls the student's mass off the tokens
+    the teacher finds unlikely."""
+    teacher_probs = teacher_top_log_probs.exp()
+    per_token = (teacher_probs * (teacher_top_log_probs - student_top_log_probs)).sum(dim=-1)
+    teacher_rest = (1 - teacher_probs.sum(dim=-1)).clamp(min=0)
+    per_token = per_token + teacher_rest * (
+        _log_rest(teacher_top_log_probs) - _log_rest(student_top_log_probs)
+    )
+    return per_token * mask
+
+
+def _log_rest(top_log_probs: torch.Tensor) -> torch.Tensor:
+    """``log(1 - sum_j p_j)`` of ``[..., k]`` log-probs, accurately near 0 and 1 (``expm1``);
+    floored where the top ``k`` hold all the mass (the term is then weighted by zero)."""
+    covered = torch.logsumexp(top_log_probs, dim=-1).clamp(max=0)
+    return torch.log((-torch.expm1(covered)).clamp(min=1e-30))
 
 
 @torch.no_grad()

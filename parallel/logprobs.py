@@ -37,15 +37,16 @@ def vocab_parallel_log_probs(
     Args:
         logits: ``[b, s, V/tp]`` this rank's vocabulary slice (rank r holds global columns
             ``r*V/tp .. (r+1)*V/tp - 1``); any leading shape works.
-        labels: ``[b, s]`` global token ids, each ``< vocab_size``.
+        labels: ``[b, s]`` global token ids, each ``< vocab_size``; or ``[b, s, k]``: ``k`` ids
+            per position, whose log-probs come back as ``[b, s, k]`` (one softmax for all).
         tp_group: the tensor-parallel group the vocabulary is split over; ``None`` means the
             logits are not split.
         vocab_size: the unpadded vocabulary size; columns at or beyond it are excluded.
             ``None`` means no padding.
 
     Returns:
-        ``[b, s]`` log-probabilities in float32 (float64 for float64 logits), identical on
-        every rank of ``tp_group``.
+        ``[b, s]`` (``[b, s, k]``) log-probabilities in float32 (float64 for float64 logits),
+        identical on every rank of ``tp_group``.
     """
     if _single_shard(logits, tp_group, vocab_size):
         # Nothing to reduce across ranks and no padded column: torch's fused log-softmax is
@@ -63,13 +64,47 @@ def vocab_parallel_log_probs_and_entropy(
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Both at once, sharing the max / normaliser reductions: ``([b, s] or None, [b, s])``.
 
-    ``labels=None`` skips the log-probabilities (the first result is then ``None``).
+    ``labels=None`` skips the log-probabilities (the first result is then ``None``); ``[b, s, k]``
+    labels give ``[b, s, k]`` log-probs (``vocab_parallel_log_probs``).
     """
     if labels is None:
         labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
         _, entropy = _LogProbsAndEntropy.apply(logits, labels, tp_group, vocab_size, True)
         return None, entropy
     return _LogProbsAndEntropy.apply(logits, labels, tp_group, vocab_size, True)
+
+
+@torch.no_grad()
+def vocab_parallel_top_log_probs(
+    logits: torch.Tensor,
+    k: int,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` likeliest tokens of every position over the full (sharded) vocabulary:
+    ``(log_probs [..., k], ids [..., k] int64)``, likeliest first, identical on every rank of
+    ``tp_group`` (no gradient). Each shard's own top ``k`` holds every global top-``k`` token of
+    its slice, so an all-gather of ``tp * k`` candidates per position and one more top-``k``
+    over them is exact; padded columns never win."""
+    dtype = _compute_dtype(logits)
+    start, padded = _shard_layout(logits, tp_group, vocab_size)
+    z = _masked_logits(logits, dtype, padded)
+    z_max = z.max(dim=-1).values
+    _all_reduce(z_max, dist.ReduceOp.MAX, tp_group)
+    sum_exp = (z - z_max.unsqueeze(-1)).exp().sum(dim=-1)
+    _all_reduce(sum_exp, dist.ReduceOp.SUM, tp_group)
+    log_sum_exp = (z_max + sum_exp.log()).unsqueeze(-1)
+    values, ids = z.topk(min(k, z.size(-1)), dim=-1)
+    ids = ids + start
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        world = dist.get_world_size(tp_group)
+        all_values = [torch.empty_like(values) for _ in range(world)]
+        all_ids = [torch.empty_like(ids) for _ in range(world)]
+        dist.all_gather(all_values, values.contiguous(), group=tp_group)
+        dist.all_gather(all_ids, ids.contiguous(), group=tp_group)
+        values, which = torch.cat(all_values, dim=-1).topk(k, dim=-1)
+        ids = torch.cat(all_ids, dim=-1).gather(-1, which)
+    return values - log_sum_exp, ids
 
 
 def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
@@ -96,6 +131,13 @@ def _shard_layout(
         return start, None
     columns = torch.arange(start, start + partition, device=logits.device)
     return start, columns >= vocab_size
+
+
+def _label_index(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The labels as a ``[..., k]`` index into the vocabulary dim, and whether they were one per
+    position (``[...]``, to be squeezed back)."""
+    one_label = labels.dim() == logits.dim() - 1
+    return (labels.unsqueeze(-1) if one_label else labels), one_label
 
 
 def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> None:
@@ -127,16 +169,19 @@ class _LabelLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels):
         log_p = torch.log_softmax(logits.to(_compute_dtype(logits)), dim=-1)
-        index = labels.unsqueeze(-1)
+        index, ctx.one_label = _label_index(logits, labels)
         ctx.logits_dtype = logits.dtype
         ctx.save_for_backward(log_p, index)
-        return log_p.gather(-1, index).squeeze(-1)
+        picked = log_p.gather(-1, index)
+        return picked.squeeze(-1) if ctx.one_label else picked
 
     @staticmethod
     def backward(ctx, grad_log_probs):
         log_p, index = ctx.saved_tensors
-        upstream = grad_log_probs.unsqueeze(-1).to(log_p.dtype)
-        grad = log_p.exp_().mul_(-upstream)
+        upstream = grad_log_probs.unsqueeze(-1) if ctx.one_label else grad_log_probs
+        upstream = upstream.to(log_p.dtype)
+        # d sum_j g_j logp_{l_j} / dz = sum_j g_j onehot(l_j) - p * sum_j g_j
+        grad = log_p.exp_().mul_(-upstream.sum(dim=-1, keepdim=True))
         grad.scatter_add_(-1, index, upstream)
         return grad.to(ctx.logits_dtype), None
 
@@ -166,12 +211,15 @@ class _LogProbsAndEntropy(torch.autograd.Function):
         log_sum_exp = sum_exp.log()  # logsumexp(z) - z_max
 
         # Each label lives on exactly one shard; the others contribute 0 to the sum.
-        local_labels = labels - start
+        index, one_label = _label_index(logits, labels)
+        local_labels = index - start
         in_shard = (local_labels >= 0) & (local_labels < partition)
-        gathered = shifted.gather(-1, local_labels.clamp(0, partition - 1).unsqueeze(-1))
-        label_shifted = torch.where(in_shard, gathered.squeeze(-1), 0.0)
+        gathered = shifted.gather(-1, local_labels.clamp(0, partition - 1))
+        label_shifted = torch.where(in_shard, gathered, 0.0)
         _all_reduce(label_shifted, dist.ReduceOp.SUM, tp_group)
-        log_probs = label_shifted - log_sum_exp
+        log_probs = label_shifted - log_sum_exp.unsqueeze(-1)
+        if one_label:
+            log_probs = log_probs.squeeze(-1)
 
         entropy = None
         if compute_entropy:
@@ -185,13 +233,16 @@ class _LogProbsAndEntropy(torch.autograd.Function):
             entropy = log_sum_exp - expected_shifted / sum_exp
 
         ctx.tp_group, ctx.vocab_size, ctx.start = tp_group, vocab_size, start
-        ctx.save_for_backward(logits, labels, z_max + log_sum_exp, entropy)
+        ctx.one_label = one_label
+        ctx.save_for_backward(logits, index, z_max + log_sum_exp, entropy)
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
         return log_probs, entropy
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
-        logits, labels, lse, entropy = ctx.saved_tensors
+        logits, index, lse, entropy = ctx.saved_tensors
+        if grad_log_probs is not None and ctx.one_label:
+            grad_log_probs = grad_log_probs.unsqueeze(-1)
         dtype = _compute_dtype(logits)
         _, padded = _shard_layout(logits, ctx.tp_group, ctx.vocab_size)
         log_p = _masked_logits(logits, dtype, padded) - lse.unsqueeze(-1)
@@ -203,16 +254,16 @@ class _LogProbsAndEntropy(torch.autograd.Function):
                 grad.masked_fill_(padded, 0.0)
             grad.mul_(grad_entropy.unsqueeze(-1))
             if grad_log_probs is not None:
-                grad.sub_(p * grad_log_probs.unsqueeze(-1))
+                grad.sub_(p * grad_log_probs.sum(dim=-1, keepdim=True))
         elif grad_log_probs is not None:
             # -p * g in place of p (not needed again): the same values as 0 - p * g, without a
             # zero-filled [..., V] buffer and a subtraction pass over it.
-            grad = p.mul_(-grad_log_probs.unsqueeze(-1))
+            grad = p.mul_(-grad_log_probs.sum(dim=-1, keepdim=True))
         else:
             grad = torch.zeros_like(p)
         if grad_log_probs is not None:
-            local_labels = labels - ctx.start
+            local_labels = index - ctx.start
             in_shard = (local_labels >= 0) & (local_labels < p.size(-1))
-            index = local_labels.clamp(0, p.size(-1) - 1).unsqueeze(-1)
-            grad.scatter_add_(-1, index, (grad_log_probs * in_shard).unsqueeze(-1).to(dtype))
+            local_index = local_labels.clamp(0, p.size(-1) - 1)
+            grad.scatter_add_(-1, local_index, (grad_log_probs * in_shard).to(dtype))
         return grad.to(logits.dtype), None, None, None, None

@@ -46,6 +46,7 @@ micro-batch up to a token budget.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -53,11 +54,24 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from parallel.cpu_compat import device
-from parallel.logprobs import vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy
+from parallel.logprobs import (
+    vocab_parallel_log_probs,
+    vocab_parallel_log_probs_and_entropy,
+    vocab_parallel_top_log_probs,
+)
 from parallel.mesh import Mesh
 from parallel.model_inputs import PackedRows, packed_inputs, padded_inputs
 from parallel.routing_replay import attach_routing, routing_pass
 from parallel.step_types import LossFn, LossReport, MicroBatch, MicroBatchResult, ModelOutputs
+
+
+@dataclass(frozen=True)
+class OutputRequest:
+    """What the last stage computes from a policy model's logits besides the log-probs."""
+
+    temperature: float = 1.0  # divides the logits first
+    entropy: bool = False  # ModelOutputs.entropy
+    top_k: int = 0  # > 0: ModelOutputs.top_log_probs / top_ids (forward-only passes)
 
 
 def forward_backward(
@@ -69,6 +83,7 @@ def forward_backward(
     forward_only: bool,
     temperature: float = 1.0,
     compute_entropy: bool = False,
+    top_k: int = 0,
     pack_sequences: bool = False,
     record_routing: bool = False,
 ) -> list[MicroBatchResult]:
@@ -86,6 +101,9 @@ def forward_backward(
         forward_only: no backward; no autograd graph is built.
         temperature: divides the logits before the softmax.
         compute_entropy: also compute ``entropy [mb, S-1]`` (policy models only).
+        top_k: also give each position's ``top_k`` likeliest tokens (``top_log_probs`` /
+            ``top_ids [mb, S-1, top_k]``; policy models, ``forward_only``). Micro-batches with
+            ``scored_ids`` always get ``scored_log_probs``.
         pack_sequences: run each micro-batch as one packed row (module docstring); the model
             must be built for it (``ModelBuildOptions(pack_sequences=True)``).
         record_routing: note the experts every token goes to in this rank's MoE layers
@@ -101,6 +119,10 @@ def forward_backward(
         return []
     if loss_fn is None and not forward_only:
         raise ValueError("forward_backward needs a loss_fn unless forward_only=True")
+    if top_k and not forward_only:
+        raise ValueError("top_k is for forward-only passes (its outputs carry no gradient)")
+    if pack_sequences and top_k:
+        raise ValueError("top_k needs padded rows, not pack_sequences")
     # Sequence parallelism splits the sequence over the TP ranks: S must divide by tp.
     multiple = mesh.tp if getattr(get_model_config(models[0]), "sequence_parallel", False) else 1
     layout = packed_inputs if pack_sequences else padded_inputs
@@ -132,8 +154,7 @@ def forward_backward(
         loss_fn=loss_fn,
         scale=len(padded),
         forward_only=forward_only,
-        temperature=temperature,
-        compute_entropy=compute_entropy,
+        request=OutputRequest(temperature, compute_entropy, top_k),
         mesh=mesh,
         routing=routing,
     )
@@ -184,8 +205,7 @@ def _forward_step(
     loss_fn,
     scale,
     forward_only,
-    temperature,
-    compute_entropy,
+    request,
     mesh,
     routing,
 ):
@@ -224,8 +244,7 @@ def _forward_step(
         loss_fn=loss_fn,
         scale=scale,
         forward_only=forward_only,
-        temperature=temperature,
-        compute_entropy=compute_entropy,
+        request=request,
         model=model,
         mesh=mesh,
     )
@@ -251,13 +270,12 @@ def _loss_closure(
     loss_fn,
     scale,
     forward_only,
-    temperature,
-    compute_entropy,
+    request,
     model,
     mesh,
 ):
     outputs = _per_row_outputs(
-        model_output, input_ids, packed, width, temperature, compute_entropy, model, mesh
+        model_output, input_ids, micro_batch.scored_ids, packed, width, request, model, mesh
     )
     if loss_fn is None:
         loss, report = torch.zeros((), device=input_ids.device), LossReport()
@@ -271,13 +289,14 @@ def _loss_closure(
 
 
 def _per_row_outputs(
-    model_output, input_ids, packed, width, temperature, compute_entropy, model, mesh
+    model_output, input_ids, scored_ids, packed, width, request, model, mesh
 ) -> ModelOutputs:
-    """``log_probs`` (and ``entropy``) ``[mb, width-1]`` or ``values [mb, width]`` from the last
-    stage's output for ``input_ids`` (``[mb, S]`` rows, or the packed row of ``packed``)."""
+    """``log_probs`` (and what ``request`` and ``scored_ids`` ask for) ``[mb, width-1, ...]`` or
+    ``values [mb, width]`` from the last stage's output for ``input_ids`` (``[mb, S]`` rows, or
+    the packed row of ``packed``)."""
     length = input_ids.shape[1]
     if model_output.dim() == 2:  # critic: parallel.model.ValueHead gives values [mb, S]
-        if compute_entropy:
+        if request.entropy:
             raise ValueError("compute_entropy=True needs a policy model, got a critic")
         values = model_output[:, :length].float()
         return ModelOutputs(values=values if packed is None else packed.unpack(values, width))
@@ -290,22 +309,35 @@ def _per_row_outputs(
     # temperature 1 the division is skipped (exact), which saves a pass over [b, S, V] and
     # its backward.
     logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
+    if request.temperature != 1.0:
+        logits = logits / request.temperature
     if packed is None:
         labels = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
     else:
         labels = packed.labels
+    if scored_ids is not None:  # one softmax for the next token and the scored ones
+        if packed is not None:
+            raise ValueError("scored_ids need padded rows, not pack_sequences")
+        labels = torch.cat([labels.unsqueeze(-1), scored_ids.to(labels.device)], dim=-1)
     vocab_size = _unpadded_vocab_size(model)
-    if compute_entropy:
-        log_probs, entropy = vocab_parallel_log_probs_and_entropy(
+    per_token = {}
+    if request.entropy:
+        log_probs, per_token["entropy"] = vocab_parallel_log_probs_and_entropy(
             logits, labels, mesh.tp_group, vocab_size
         )
-        per_token = {"log_probs": log_probs, "entropy": entropy}
     else:
-        per_token = {
-            "log_probs": vocab_parallel_log_probs(logits, labels, mesh.tp_group, vocab_size)
-        }
+        log_probs = vocab_parallel_log_probs(logits, labels, mesh.tp_group, vocab_size)
+    if scored_ids is None:
+        per_token["log_probs"] = log_probs
+    else:
+        per_token["log_probs"], per_token["scored_log_probs"] = (
+            log_probs[..., 0],
+            log_probs[..., 1:],
+        )
+    if request.top_k:
+        per_token["top_log_probs"], per_token["top_ids"] = vocab_parallel_top_log_probs(
+            logits, request.top_k, mesh.tp_group, vocab_size
+        )
     if packed is None:
         return ModelOutputs(**{name: value[:, :-1] for name, value in per_token.items()})
     return ModelOutputs(
@@ -323,7 +355,9 @@ def _share_from_last_stage(
         summaries = [
             (
                 r.report,
-                {k: tuple(v.shape) for k, v in r.outputs.filled().items()} if r.outputs else None,
+                {k: (tuple(v.shape), v.dtype) for k, v in r.outputs.filled().items()}
+                if r.outputs
+                else None,
             )
             for r in per_microbatch
         ]
@@ -333,11 +367,11 @@ def _share_from_last_stage(
         result = MicroBatchResult(report)
         if shapes is not None:
             outputs = {}
-            for name, shape in shapes.items():
+            for name, (shape, dtype) in shapes.items():
                 if mesh.is_last_stage:
-                    tensor = getattr(per_microbatch[index].outputs, name).float().contiguous()
+                    tensor = getattr(per_microbatch[index].outputs, name).contiguous()
                 else:
-                    tensor = torch.empty(shape, dtype=torch.float32, device=device())
+                    tensor = torch.empty(shape, dtype=dtype, device=device())
                 outputs[name] = mesh.broadcast_from_last_stage(tensor)
             result.outputs = ModelOutputs(**outputs)
         results.append(result)

@@ -88,6 +88,10 @@ class MicroBatch:
     # its images' (frames, rows, columns) of patches, [mb, I, 3], zero rows past its own.
     pixel_values: torch.Tensor | None = row_field(default=None)
     image_grid_thw: torch.Tensor | None = row_field(default=None)
+    # [mb, S, k] int64: k token ids per position whose log-probs the forward also returns
+    # (``ModelOutputs.scored_log_probs``; position t: candidates for token t+1), e.g. a
+    # distillation teacher's likeliest tokens.
+    scored_ids: torch.Tensor | None = sequence_field(default=None)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -157,11 +161,17 @@ class MicroBatch:
 class ModelOutputs:
     """The last stage's outputs for one micro-batch, per row (float32): ``log_probs`` and, when
     asked, ``entropy`` ``[mb, S-1]`` (position t scores token t+1) of a policy model, or
-    ``values [mb, S]`` of a value / score model. The others are None."""
+    ``values [mb, S]`` of a value / score model. A policy model also gives, for a micro-batch
+    with ``scored_ids``, their log-probs ``scored_log_probs [mb, S-1, k]``, and when asked for its
+    likeliest ``k`` tokens (no-grad passes), ``top_log_probs`` and ``top_ids`` (int64)
+    ``[mb, S-1, k]``, likeliest first. The others are None."""
 
     log_probs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    scored_log_probs: torch.Tensor | None = None
+    top_log_probs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
 
     def filled(self) -> dict[str, torch.Tensor]:
         return {

@@ -87,10 +87,26 @@ class DistillConfig:
     enable: bool = False  # on-policy distillation from distill.teacher_path
     # HF causal-LM folder of the teacher; its tokenizer must be the student's (checked)
     teacher_path: Optional[str] = None
-    objective: str = "reverse_kl"  # see algorithms.get_distill_objective
-    kl_coef: float = 1.0  # weight of the per-token divergence in the advantage
+    # reverse_kl: the sampled tokens' divergence as the advantage (algorithms.get_distill_objective);
+    # topk_forward_kl: a loss over the teacher's distill.top_k likeliest tokens per position
+    # (algorithms.get_top_k_loss), added to the policy loss
+    objective: str = "reverse_kl"
+    kl_coef: float = 1.0  # weight of the divergence (in the advantage, or of the top-k loss)
+    top_k: Optional[int] = None  # topk_forward_kl's teacher tokens per position (None: 16)
     # weight of the task's own advantages (algorithm.adv_estimator) mixed in; 0: pure
     # distillation, the task reward only reported
     reward_weight: float = 0.0
     offload: bool = False  # megatron teacher: its weights on the host outside its phase
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
+
+    @property
+    def uses_top_k(self) -> bool:
+        """The objective is a top-k loss: the teacher gives its likeliest tokens per position."""
+        import algorithms
+
+        return self.objective in algorithms.TOP_K_LOSSES
+
+    @property
+    def teacher_top_k(self) -> int:
+        """How many of the teacher's likeliest tokens per position the top-k loss reads."""
+        return self.top_k if self.top_k is not None else 16

@@ -1,7 +1,8 @@
 """What sits on a trained model's last layer, as one object per kind of head: how its Megatron
 chunks are loaded and what a no-grad pass of the model gives.
 
-    LanguageModelHead()   the policy (actor, reference): forward -> response log-probs [B, R]
+    LanguageModelHead()   the policy (actor, reference, teacher): forward -> response log-probs
+                          [B, R]; forward_top -> those and every position's likeliest tokens
     ValueHead()           PPO's critic: forward -> values of the response positions [B, R]
     ScoreHead(...)        a reward model: score -> one score per sequence [B]
 
@@ -65,6 +66,12 @@ class ModelHead:
         """``forward`` plus the MoE routing it took (see ``TrainedModel.forward_and_routing``)."""
         raise TypeError(f"a model with a {type(self).__name__} has no routing to replay")
 
+    def forward_top(
+        self, model: Core, batch: RolloutBatch, temperature: float, top_k: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``forward`` plus each position's likeliest tokens (see ``TrainedModel.forward_top``)."""
+        raise TypeError(f"a model with a {type(self).__name__} has no next-token distribution")
+
     def score(
         self, model: Core, input_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> torch.Tensor:
@@ -101,6 +108,22 @@ class LanguageModelHead(ModelHead):
             temperature, m.forward_tokens, m.pack, replay=batch.routing,
         )  # fmt: skip
         return response_values(per_position.cpu(), batch.response_index), notes
+
+    def forward_top(self, model, batch, temperature, top_k):
+        from parallel.forward_passes import forward_top_log_probs
+
+        m = model.micro_batching
+        per_position, top_log_probs, top_ids = forward_top_log_probs(
+            model.models, model.mesh, batch.input_ids, batch.attention_mask, m.size, top_k,
+            temperature, m.forward_tokens,
+        )  # fmt: skip
+        # [B, S-1, k] -> [B, S, k]: a sequence field's width (the last position scores nothing)
+        last = (0, 0, 0, 1)
+        return (
+            response_values(per_position.cpu(), batch.response_index),
+            torch.nn.functional.pad(top_log_probs.cpu(), last),
+            torch.nn.functional.pad(top_ids.cpu(), last),
+        )
 
 
 class ValueHead(ModelHead):

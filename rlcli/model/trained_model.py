@@ -187,6 +187,17 @@ class TrainedModel:
             return self.head.forward_and_routing(self, batch, temperature)
 
     @torch.no_grad()
+    def forward_top(
+        self, batch: RolloutBatch, temperature: float, top_k: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``forward``'s ``[B, R]`` log-probs and, at every position, the ``top_k`` likeliest
+        next tokens: their log-probs ``[B, S, top_k]`` (float32) and ids (int64), on the CPU,
+        likeliest first (the last position, which scores nothing, holds zeros). Padded
+        micro-batches only (``micro_batching.pack`` is not used)."""
+        with self._without_dropout():
+            return self.head.forward_top(self, batch, temperature, top_k)
+
+    @torch.no_grad()
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """A reward model's scores ``[B]`` (float32, on every model-parallel rank) of the
         right-padded sequences ``input_ids / attention_mask [B, S]``, in micro-batches of

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from parallel.step_types import MicroBatch, response_field, row_field
+from parallel.step_types import MicroBatch, response_field, row_field, sequence_field
 from rlcli.data import PromptItem
 
 if TYPE_CHECKING:
@@ -84,7 +84,10 @@ class RolloutBatch(MicroBatch):
     Filled by the phases (None until then; ``require`` names the missing phase):
     ``old_log_probs`` (old_log_prob), ``ref_log_probs`` (ref), ``teacher_log_probs`` (teacher:
     on-policy distillation's teacher on the sampled tokens), ``values`` (values),
-    ``token_level_rewards``, ``advantages``, ``returns`` (adv), all ``[B, R]`` float32.
+    ``token_level_rewards``, ``advantages``, ``returns`` (adv), all ``[B, R]`` float32. With a
+    top-k distillation objective the teacher phase also fills ``teacher_top_log_probs [B, S, k]``
+    (float32) and ``scored_ids [B, S, k]`` (MicroBatch's: the teacher's likeliest tokens at each
+    position, whose log-probs the update's forward then gives; the last position holds zeros).
     """
 
     # input_ids, attention_mask (and the unused position_ids, row_index): MicroBatch's.
@@ -100,6 +103,7 @@ class RolloutBatch(MicroBatch):
     old_log_probs: torch.Tensor | None = response_field(default=None)
     ref_log_probs: torch.Tensor | None = response_field(default=None)
     teacher_log_probs: torch.Tensor | None = response_field(default=None)
+    teacher_top_log_probs: torch.Tensor | None = sequence_field(default=None)
     values: torch.Tensor | None = response_field(default=None)
     token_level_rewards: torch.Tensor | None = response_field(default=None)
     advantages: torch.Tensor | None = response_field(default=None)
@@ -197,8 +201,12 @@ def _teacher_log_probs(samples: list[Sample], resp_len: int) -> torch.Tensor | N
 
 
 def response_values(per_position: torch.Tensor, response_index: torch.Tensor) -> torch.Tensor:
-    """Pick ``[B, R]`` response-aligned values out of a ``[B, S-1]`` per-position tensor."""
-    return torch.gather(per_position, 1, response_index.to(per_position.device))
+    """Pick ``[B, R]`` response-aligned values out of a ``[B, S-1]`` per-position tensor
+    (``[B, R, k]`` out of ``[B, S-1, k]``)."""
+    index = response_index.to(per_position.device)
+    if per_position.dim() == 3:
+        index = index.unsqueeze(-1).expand(-1, -1, per_position.shape[-1])
+    return torch.gather(per_position, 1, index)
 
 
 def groups_of(samples: list[Sample]) -> list[list[Sample]]:

@@ -97,7 +97,8 @@ def make_actor_loss(
     on_policy: bool = False,
     record_agreement: bool = False,
 ) -> LossFn:
-    """The per-micro-batch loss: policy loss (+ KL loss - entropy bonus), summed-to-exact.
+    """The per-micro-batch loss: policy loss (+ KL loss - entropy bonus + a top-k
+    distillation loss), summed-to-exact.
 
     ``on_policy``: the old log-probs are this forward's own, detached (the batch carries none).
     ``record_agreement``: also report ``logprob_agreement``'s sums (``LossReport.sums``) and
@@ -110,6 +111,9 @@ def make_actor_loss(
     policy_loss = algorithms.get_policy_loss(actor.policy_loss)
     correction = algorithms.get_off_policy_correction(cfg.algorithm.off_policy_correction)
     kl_kind = kl_metric_kind(cfg)
+    top_k_loss = (
+        algorithms.get_top_k_loss(cfg.distill.objective) if cfg.distill.uses_top_k else None
+    )
 
     def loss_fn(outputs: ModelOutputs, mb: RolloutBatch):
         mask = mb.loss_mask.to(outputs.log_probs.device)
@@ -161,6 +165,15 @@ def make_actor_loss(
             )
             loss = loss + actor.kl_loss_coef * kl
             metrics["actor/kl_loss"] = kl.item()
+        if outputs.scored_log_probs is not None:  # distillation over the teacher's top k
+            divergence = top_k_loss(
+                response_values(outputs.scored_log_probs, mb.response_index),
+                response_values(mb.require("teacher_top_log_probs"), mb.response_index),
+                mask,
+            )
+            distill = algorithms.agg_loss(divergence, mask, actor.loss_agg_mode, denominator)
+            loss = loss + cfg.distill.kl_coef * distill
+            metrics["actor/distill_loss"] = distill.item()
         report = LossReport(metrics)
         if record_agreement:
             sums, largest = logprob_agreement(
@@ -172,7 +185,7 @@ def make_actor_loss(
     return loss_fn
 
 
-SUMMED_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss")
+SUMMED_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/distill_loss")
 
 
 def update_actor(

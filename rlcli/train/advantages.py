@@ -126,10 +126,13 @@ def distilled_advantages(
     times the task's own; and the divergence's batch-wide metrics."""
     d, mask = cfg.distill, batch.loss_mask
     student, teacher = batch.require("old_log_probs"), batch.require("teacher_log_probs")
-    divergence = algorithms.get_distill_objective(d.objective)(student, teacher, mask)
+    # A top-k objective is a loss of the update (rlcli.train.actor_update): the advantage keeps
+    # only the task's share, and the sampled tokens' reverse KL is reported beside it.
+    objective = "reverse_kl" if d.uses_top_k else d.objective
+    divergence = algorithms.get_distill_objective(objective)(student, teacher, mask)
     k3 = algorithms.k3_divergence(student, teacher, mask)
     advantages = algorithms.distillation_advantages(
-        divergence, task_advantages, mask, d.kl_coef, d.reward_weight
+        divergence, task_advantages, mask, 0.0 if d.uses_top_k else d.kl_coef, d.reward_weight
     )
     quarters = algorithms.response_quarters(mask)
     in_quarter = [(quarters == q).to(divergence.dtype) for q in range(4)]

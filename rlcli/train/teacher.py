@@ -20,13 +20,14 @@ from rlcli.console import say
 from rlcli.errors import UserError
 from rlcli.model.trained_model import MicroBatching, TrainedModel
 from rlcli.rollout.base import RolloutEngine
-from rlcli.rollout.batch import Sample
+from rlcli.rollout.batch import RolloutBatch, Sample
 from rlcli.rollout.factory import across_replicas, make_engine
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from parallel.model_options import ModelBuildOptions
+    from rlcli.config.algorithm import DistillConfig
     from rlcli.train.inputs import RunInputs
 
 # Any of these makes a folder's tokenizer loadable (fast, BPE vocab, sentencepiece); without one
@@ -83,9 +84,10 @@ def check_teacher_tokenizer(teacher_path: str, student: PreTrainedTokenizerBase)
         )
 
 
-def check_teacher(teacher_path: str, student: PreTrainedTokenizerBase) -> None:
-    """Before either teacher is built: it tokenises as the student, and its embedding (its
-    config.json's vocab_size) covers every id of the student's tokenizer."""
+def check_teacher(teacher_path: str, student: PreTrainedTokenizerBase, top_k: int = 0) -> None:
+    """Before either teacher is built: it tokenises as the student, its embedding (its
+    config.json's vocab_size) covers every id of the student's tokenizer, and it has the
+    ``top_k`` tokens a top-k objective asks for."""
     from rlcli.rollout.base import read_hf_config
 
     check_teacher_tokenizer(teacher_path, student)
@@ -95,6 +97,11 @@ def check_teacher(teacher_path: str, student: PreTrainedTokenizerBase) -> None:
             f"distill.teacher_path={teacher_path} has vocab_size {vocab}, fewer than the "
             f"student's tokenizer ({len(student)} tokens): the teacher reads the student's ids"
         )
+    if top_k > vocab:
+        raise UserError(
+            f"distill.top_k={top_k} is more than the teacher's vocabulary ({vocab} tokens): "
+            "set distill.top_k <= the vocabulary size"
+        )
 
 
 def build_teacher(inputs: RunInputs, options: ModelBuildOptions) -> TrainedModel:
@@ -103,7 +110,9 @@ def build_teacher(inputs: RunInputs, options: ModelBuildOptions) -> TrainedModel
     cfg, mesh = inputs.cfg, inputs.mesh
     path = cfg.distill.teacher_path
     assert path is not None and mesh is not None  # validated; trainer ranks only
-    check_teacher(path, inputs.tokenizer)
+    check_teacher(
+        path, inputs.tokenizer, cfg.distill.teacher_top_k if cfg.distill.uses_top_k else 0
+    )
     say(mesh, f"building the distillation teacher (tp={mesh.tp} pp={mesh.pp}) from {path}")
     teacher = TrainedModel(
         mesh,
@@ -113,6 +122,20 @@ def build_teacher(inputs: RunInputs, options: ModelBuildOptions) -> TrainedModel
         model_options=options,
     )
     return teacher
+
+
+def teacher_pass(
+    teacher: TrainedModel, batch: RolloutBatch, distill: DistillConfig, temperature: float
+) -> None:
+    """The Megatron teacher's phase: the sampled tokens' log-probs (``teacher_log_probs``) and,
+    for a top-k objective, every position's ``distill.top_k`` likeliest tokens
+    (``teacher_top_log_probs``, and their ids as ``scored_ids`` for the update's forward)."""
+    if not distill.uses_top_k:
+        batch.teacher_log_probs = teacher.forward(batch, temperature)
+        return
+    batch.teacher_log_probs, batch.teacher_top_log_probs, batch.scored_ids = teacher.forward_top(
+        batch, temperature, distill.teacher_top_k
+    )
 
 
 class TeacherEngine:

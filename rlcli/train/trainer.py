@@ -45,7 +45,7 @@ from rlcli.train.actor_update import agreement_of_actor_pass, old_log_prob_pass,
 from rlcli.train.advantages import KLController, compute_advantages
 from rlcli.train.critic import update_critic, value_metrics
 from rlcli.train.save_resume import RunCheckpoints
-from rlcli.train.teacher import TeacherEngine
+from rlcli.train.teacher import TeacherEngine, teacher_pass
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -309,7 +309,7 @@ def learn(t: Trainer, batch: RolloutBatch, fewest_groups: int, phases: StepPhase
             batch.ref_log_probs = t.reference.forward(batch, temperature)
     if t.teacher is not None:
         with phases("teacher"):
-            batch.teacher_log_probs = t.teacher.forward(batch, temperature)
+            teacher_pass(t.teacher, batch, cfg.distill, temperature)
     if t.critic is not None:
         with phases("values"):
             batch.values = t.critic.forward(batch)

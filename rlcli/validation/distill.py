@@ -31,10 +31,12 @@ def check_distill(cfg: RLConfig, world_size: int | None = None) -> None:
         )
     import algorithms
 
-    try:
-        algorithms.get_distill_objective(d.objective)
-    except ValueError as err:
-        raise UserError(f"distill.objective: {err}") from None
+    if d.objective not in algorithms.distill_objective_names():
+        raise UserError(
+            f"distill.objective={d.objective!r} is not known; choose one of "
+            f"{', '.join(algorithms.distill_objective_names())}"
+        )
+    check_top_k(cfg)
     if d.kl_coef <= 0:
         raise UserError(f"distill.kl_coef={d.kl_coef:g} makes no sense: it must be > 0")
     if d.reward_weight < 0:
@@ -66,6 +68,33 @@ def check_distill(cfg: RLConfig, world_size: int | None = None) -> None:
         raise UserError(
             f"distill.teacher_path={d.teacher_path}: {problem} (the teacher must exist before "
             "the run: train it, e.g. rlcli sft recipes/distill_teacher.yaml, or export one)"
+        )
+
+
+def check_top_k(cfg: RLConfig) -> None:
+    """``distill.top_k`` belongs to a top-k objective, which needs padded micro-batches and a
+    teacher on Megatron."""
+    d = cfg.distill
+    if not d.uses_top_k:
+        if d.top_k is not None:
+            raise UserError(
+                f"distill.top_k={d.top_k} is read by a top-k objective only "
+                f"(distill.objective=topk_forward_kl), not {d.objective}: drop distill.top_k"
+            )
+        return
+    if d.teacher_top_k < 1:
+        raise UserError(f"distill.top_k={d.teacher_top_k} must be >= 1")
+    key = f"distill.objective={d.objective}"
+    if cfg.actor.pack_sequences:
+        raise UserError(
+            f"{key} with actor.pack_sequences: the teacher's top-k tokens travel with padded "
+            "rows only; set actor.pack_sequences=false (or distill.objective=reverse_kl)"
+        )
+    if d.teacher.engine != "megatron":
+        raise UserError(
+            f"{key} needs the teacher's whole next-token distribution, which rlcli takes from a "
+            f"Megatron teacher only: set distill.teacher.engine=megatron (not "
+            f"{d.teacher.engine}), or distill.objective=reverse_kl"
         )
 
 

@@ -10,7 +10,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel.logprobs import vocab_parallel_log_probs_and_entropy
+from parallel.logprobs import (
+    vocab_parallel_log_probs,
+    vocab_parallel_log_probs_and_entropy,
+    vocab_parallel_top_log_probs,
+)
 from tests.parallel.test_logprobs import reference_log_probs_and_entropy
 
 
@@ -85,6 +89,34 @@ def check_finite_differences(vocab_size: int, eps: float = 1e-6) -> float:
     return max_diff
 
 
+def check_top_k_and_several_labels(padded_vocab: int, vocab_size: int, k: int) -> float:
+    """The top ``k`` over the shards equal torch's top ``k`` of the full log-softmax (``k`` larger
+    than a shard's slice too), and ``[b, s, k]`` labels (those ids) give the same log-probs and
+    the full gradient's slice."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(11 + k)
+    full = 4 * torch.randn(2, 5, padded_vocab, dtype=torch.float64, generator=generator)
+    upstream = torch.randn(2, 5, k, dtype=torch.float64, generator=generator)
+    width = padded_vocab // world
+    shard = full[..., rank * width : (rank + 1) * width].clone().requires_grad_()
+    top, ids = vocab_parallel_top_log_probs(shard, k, dist.group.WORLD, vocab_size)
+    ref_full = full.clone().requires_grad_()
+    ref_log_p = torch.log_softmax(ref_full[..., :vocab_size], dim=-1)
+    ref_top, ref_ids = ref_log_p.topk(k, dim=-1)
+    assert torch.equal(ids, ref_ids), (rank, ids, ref_ids)
+    picked = vocab_parallel_log_probs(shard, ids, dist.group.WORLD, vocab_size)
+    (picked * upstream).sum().backward()
+    (ref_top * upstream).sum().backward()
+    ref_grad = ref_full.grad[..., rank * width : (rank + 1) * width]
+    diff = max(
+        (top - ref_top).abs().max().item(),
+        (picked - ref_top).abs().max().item(),
+        (shard.grad - ref_grad).abs().max().item(),
+    )
+    assert diff < 1e-12, (rank, k, diff)
+    return diff
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -93,10 +125,12 @@ def main() -> None:
     for vocab_size in (8 * world, 8 * world - 3, 8 * world - 8):
         results[vocab_size] = check_against_full_softmax(8 * world, vocab_size)
     fd_diff = check_finite_differences(vocab_size=4 * world - 1)
+    top_diffs = [check_top_k_and_several_labels(8 * world, 8 * world - 3, k) for k in (3, 11)]
     if dist.get_rank() == 0:
         for key, diffs in results.items():
             print(f"LOGPROBS_DIFFS tp={world} vocab_size={key}/{8 * world}: {diffs}", flush=True)
         print(f"LOGPROBS_FINITE_DIFF tp={world}: {fd_diff:.2e}", flush=True)
+        print(f"LOGPROBS_TOP_K tp={world}: {max(top_diffs):.2e}", flush=True)
         print("LOGPROBS_WORKER_OK", flush=True)
     dist.destroy_process_group()
 

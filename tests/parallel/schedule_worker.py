@@ -7,6 +7,8 @@ rebuilt between layouts, the default process group is kept):
   * forward_only log-probs and entropy at temperature 0.7, micro-batches of different
     lengths, equal HF's log_softmax(logits / 0.7) on real tokens, on every rank;
   * forward_log_probs (batch not divisible by the micro-batch size) equals HF;
+  * forward_top_log_probs's top 5 tokens per position, and the log-probs of given token ids
+    (``scored_ids``, the forward of distillation's top-k loss), equal HF's top 5;
   * gradients after forward_backward equal the gradient of the SUM over micro-batches of
     the loss in HF (final norm on the last stage, embedding rows on the first stage);
   * critic values equal HF's Qwen2ForTokenClassification(num_labels=1) scores.
@@ -23,13 +25,14 @@ from megatron.core import parallel_state
 from transformers import AutoConfig, Qwen2ForCausalLM, Qwen2ForTokenClassification
 
 from parallel.convert import load_hf_weights
-from parallel.forward_passes import forward_log_probs
+from parallel.forward_passes import forward_log_probs, forward_top_log_probs
 from parallel.mesh import Mesh, init_parallel
 from parallel.model import build_model
 from parallel.schedule import forward_backward
 from parallel.step_types import LossReport, MicroBatch, ModelOutputs
 
 TEMPERATURE = 0.7
+TOP_K = 5
 LAYOUTS = [(2, 1, None), (1, 2, None), (1, 2, 2)]
 
 
@@ -60,12 +63,14 @@ def policy_loss(outputs: ModelOutputs, micro_batch: MicroBatch) -> tuple[torch.T
 
 
 def hf_policy_reference(hf_dir: str, input_ids, attention_mask):
-    """log-probs, entropy [6, 11] and the gradients of the summed policy loss, from HF."""
+    """log-probs, entropy [6, 11], the gradients of the summed policy loss and the top
+    ``TOP_K`` log-probs and ids [6, 11, TOP_K], from HF."""
     model = Qwen2ForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
     logits = model(input_ids=input_ids).logits / TEMPERATURE
     log_p = torch.log_softmax(logits[:, :-1].double(), dim=-1)
     log_probs = log_p.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     entropy = -(log_p.exp() * log_p).sum(-1)
+    top = log_p.detach().float().topk(TOP_K, dim=-1)
     mask = attention_mask[:, 1:].double()
     loss = -(log_probs * mask).sum() - 0.1 * (entropy * mask).sum()
     loss.backward()
@@ -73,7 +78,7 @@ def hf_policy_reference(hf_dir: str, input_ids, attention_mask):
         "norm": model.model.norm.weight.grad.clone(),
         "embedding": model.model.embed_tokens.weight.grad.clone(),
     }
-    return log_probs.detach().float(), entropy.detach().float(), grads
+    return log_probs.detach().float(), entropy.detach().float(), grads, top
 
 
 def hf_values(hf_dir: str, input_ids) -> torch.Tensor:
@@ -88,7 +93,7 @@ def max_masked_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> flo
 
 def check_layout(mesh: Mesh, hf_config, policy_dir, critic_dir, batch, refs) -> dict[str, float]:
     input_ids, attention_mask = batch
-    ref_lp, ref_entropy, ref_grads, ref_values = refs
+    ref_lp, ref_entropy, ref_grads, ref_top, ref_values = refs
     label_mask = attention_mask[:, 1:].float()
     diffs = {}
 
@@ -133,6 +138,34 @@ def check_layout(mesh: Mesh, hf_config, policy_dir, critic_dir, batch, refs) -> 
         diffs["forward_log_probs"], max_masked_diff(single, ref_lp[:2], label_mask[:2])
     )
 
+    # The likeliest tokens of every position, and the log-probs of given ids (HF's top 5, one
+    # column of padding: the last position scores nothing).
+    whole, top_lp, top_ids = forward_top_log_probs(
+        models, mesh, input_ids[:5], attention_mask[:5], 2, TOP_K, TEMPERATURE
+    )
+    real = label_mask[:5].bool()
+    assert top_ids.shape == (5, 11, TOP_K) and torch.equal(top_ids[real], ref_top.indices[:5][real])
+    diffs["top_log_probs"] = (top_lp - ref_top.values[:5])[real].abs().max().item()
+    scored = [
+        MicroBatch(
+            input_ids=mb.input_ids,
+            attention_mask=mb.attention_mask,
+            scored_ids=torch.nn.functional.pad(ref_top.indices[a:b, : s - 1], (0, 0, 0, 1)),
+        )
+        for mb, (a, b, s) in zip(micro_batches, [(0, 2, 12), (2, 4, 12), (4, 6, 9)], strict=True)
+    ]
+    results = forward_backward(
+        models, mesh, scored, None, forward_only=True, temperature=TEMPERATURE
+    )
+    diffs["scored_log_probs"] = max(
+        max_masked_diff(
+            result.outputs.scored_log_probs,
+            ref_top.values[a:b, : s - 1],
+            label_mask[a:b, : s - 1, None],
+        )
+        for result, (a, b, s) in zip(results, [(0, 2, 12), (2, 4, 12), (4, 6, 9)], strict=True)
+    )
+
     # Training: the gradient is that of the SUM of the micro-batch losses (not their mean).
     forward_backward(
         models,
@@ -171,7 +204,9 @@ def check_layout(mesh: Mesh, hf_config, policy_dir, critic_dir, batch, refs) -> 
         )
     diffs["values"] = value_diff
 
-    for name in ("log_probs", "entropy", "forward_log_probs", "values"):
+    for name in (
+        "log_probs", "entropy", "forward_log_probs", "top_log_probs", "scored_log_probs", "values"
+    ):  # fmt: skip
         assert diffs[name] < 2e-4, (name, diffs)
     return diffs
 

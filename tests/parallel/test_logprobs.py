@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel.logprobs import vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy
+from parallel.logprobs import (
+    vocab_parallel_log_probs,
+    vocab_parallel_log_probs_and_entropy,
+    vocab_parallel_top_log_probs,
+)
 
 
 def vocab_parallel_entropy(logits, tp_group=None, vocab_size=None) -> torch.Tensor:
@@ -98,6 +102,40 @@ def test_low_precision_logits_reduce_in_float32_and_leave_input_untouched() -> N
     torch.testing.assert_close(log_probs.double(), ref_lp, rtol=0, atol=1e-5)
     torch.testing.assert_close(entropy.double(), ref_h, rtol=0, atol=1e-5)
     assert torch.equal(logits.detach(), before)
+
+
+@pytest.mark.parametrize("vocab_size", [13, 16])
+def test_several_labels_per_position_match_full_softmax(vocab_size: int) -> None:
+    """``[b, s, k]`` labels (on-policy distillation's teacher top-k ids, duplicates included):
+    the log-probs of each and the gradient of any weighting of them, on both the fused
+    single-shard path (vocab 16: unpadded) and the reducing one (13 of 16 columns)."""
+    torch.manual_seed(4)
+    logits = (3 * torch.randn(3, 7, 16, dtype=torch.float64)).requires_grad_()
+    labels = torch.randint(0, vocab_size, (3, 7, 4))
+    labels[0, 0, 1] = labels[0, 0, 0]  # the same id twice: its gradient counts twice
+    upstream = torch.randn(3, 7, 4, dtype=torch.float64)
+    several = vocab_parallel_log_probs(logits, labels, None, vocab_size)
+    (grad,) = torch.autograd.grad((several * upstream).sum(), logits)
+    with_entropy, _ = vocab_parallel_log_probs_and_entropy(logits, labels, None, vocab_size)
+    (grad_with_entropy,) = torch.autograd.grad((with_entropy * upstream).sum(), logits)
+
+    log_p = torch.log_softmax(logits[..., :vocab_size], dim=-1)
+    plain = log_p.gather(-1, labels)
+    (plain_grad,) = torch.autograd.grad((plain * upstream).sum(), logits)
+    assert several.shape == (3, 7, 4)
+    torch.testing.assert_close(several, plain, rtol=0, atol=1e-12)
+    torch.testing.assert_close(with_entropy, plain, rtol=0, atol=1e-12)
+    torch.testing.assert_close(grad, plain_grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(grad_with_entropy, plain_grad, rtol=0, atol=1e-12)
+
+
+def test_top_log_probs_are_torch_topk_of_the_log_softmax() -> None:
+    torch.manual_seed(5)
+    logits = 3 * torch.randn(2, 5, 16, dtype=torch.float64)
+    log_probs, ids = vocab_parallel_top_log_probs(logits, 4, None, 13)
+    expected, expected_ids = torch.log_softmax(logits[..., :13], dim=-1).topk(4, dim=-1)
+    torch.testing.assert_close(log_probs, expected, rtol=0, atol=1e-12)
+    assert torch.equal(ids, expected_ids) and bool((ids < 13).all())
 
 
 @pytest.mark.dist

@@ -23,11 +23,16 @@ DISTILL = ["distill.enable=true", "distill.teacher_path=${model.path}"]
 SAME_TEACHER = "distill_teacher_equals_student"
 
 ENGINE_TEACHER = "distill_hf_engine_teacher_equals_student"
+TOP_K = ["distill.objective=topk_forward_kl", "distill.top_k=8"]
+TOP_K_SAME_TEACHER = "distill_topk_teacher_equals_student"
 
 VARIANTS = {
     SAME_TEACHER: DISTILL,
     # the same teacher on the HF engine (prompt log-probs, before the samples are shared out)
     ENGINE_TEACHER: [*DISTILL, "distill.teacher.engine=hf"],
+    # the teacher's top 8 tokens per position, a loss of the update (one optimizer step: its
+    # gradient is what the two passes' rounding leaves)
+    TOP_K_SAME_TEACHER: [*DISTILL, *TOP_K, "actor.ppo_mini_batch_size=4"],
     "grpo": [],
     "drgrpo": ["algorithm.norm_adv_by_std=false", "actor.loss_agg_mode=seq-mean-token-sum-norm"],
     "rloo": ["algorithm.adv_estimator=rloo"],
@@ -58,6 +63,7 @@ VARIANTS = {
     "seq_is_geo": ["algorithm.off_policy_correction=seq_is_geo"],
     "token_mis": ["algorithm.off_policy_correction=token_mis"],
     "distill": [*DISTILL, "distill.reward_weight=0.5"],
+    "distill_topk": [*DISTILL, *TOP_K],
     "token_budget_two_epochs": [
         "actor.ppo_mini_batch_size=4",
         "actor.ppo_epochs=2",

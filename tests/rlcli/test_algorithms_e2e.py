@@ -36,7 +36,12 @@ def test_every_algorithm_runs_a_training_step(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     results = json.loads(out.read_text())
-    from tests.rlcli.algorithms_worker import ENGINE_TEACHER, SAME_TEACHER, VARIANTS
+    from tests.rlcli.algorithms_worker import (
+        ENGINE_TEACHER,
+        SAME_TEACHER,
+        TOP_K_SAME_TEACHER,
+        VARIANTS,
+    )
 
     assert set(results) == set(VARIANTS)
     for name, metrics in results.items():
@@ -93,6 +98,18 @@ def test_every_algorithm_runs_a_training_step(tmp_path):
     quarters = [moved[f"distill/reverse_kl_q{q}"] for q in (1, 2, 3, 4)]
     assert all(math.isfinite(v) for v in quarters) and max(quarters) > 0, moved
     assert all(same[f"distill/reverse_kl_q{q}"] == 0.0 for q in (1, 2, 3, 4)), same
+    # The top-k loss (the teacher's 8 likeliest tokens per position, a loss of the update's own
+    # forward): with the teacher equal to the student only the two passes' float32 rounding is
+    # left of it (Adam's normalised step still moves the weights a little: lr x g / (|g| + eps)
+    # with g near eps); once the actor has moved, a loss and a gradient; no advantage either way
+    # (reward_weight 0), the sampled tokens' reverse KL reported as before.
+    top_same, top_moved = results[TOP_K_SAME_TEACHER], results["distill_topk"]
+    assert 0 <= top_same["actor/distill_loss"] < 1e-7 and top_same["actor/grad_norm"] < 1e-6
+    assert top_same["distill/reverse_kl"] == 0.0, top_same
+    assert top_moved["actor/distill_loss"] > 1e-3 and top_moved["actor/grad_norm"] > 1e-2
+    assert top_same["check/max_weight_change"] < 0.1 * top_moved["check/max_weight_change"]
+    assert top_moved["critic/advantages_abs_max"] == 0.0 and top_moved["distill/reverse_kl_k3"] > 0
+    assert "actor/distill_loss" not in moved
     assert results["grpo"]["check/max_weight_change"] > 0
     assert not any(key.startswith("distill/") for key in results["grpo"])
     # system/* every step: memory positive, utilisation a percentage

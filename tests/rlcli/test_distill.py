@@ -41,7 +41,21 @@ def teacher_dir(tmp_path_factory):
         ),
         (
             ["distill.objective=forward_kl"],
-            "distill.objective: unknown distillation objective 'forward_kl'; valid names: reverse_kl",
+            "distill.objective='forward_kl' is not known; choose one of reverse_kl, "
+            "topk_forward_kl",
+        ),
+        (["distill.top_k=4"], "distill.top_k=4 is read by a top-k objective only"),
+        (
+            ["distill.objective=topk_forward_kl", "distill.top_k=0"],
+            "distill.top_k=0 must be >= 1",
+        ),
+        (
+            ["distill.objective=topk_forward_kl", "actor.pack_sequences=true"],
+            "distill.objective=topk_forward_kl with actor.pack_sequences",
+        ),
+        (
+            ["distill.objective=topk_forward_kl", "distill.teacher.engine=hf"],
+            "set distill.teacher.engine=megatron (not hf)",
         ),
         (["distill.kl_coef=0"], "distill.kl_coef=0 makes no sense: it must be > 0"),
         (["distill.reward_weight=-1"], "distill.reward_weight=-1 makes no sense"),
