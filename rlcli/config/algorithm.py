@@ -108,5 +108,8 @@ class DistillConfig:
 
     @property
     def teacher_top_k(self) -> int:
-        """How many of the teacher's likeliest tokens per position the top-k loss reads."""
+        """How many of the teacher's likeliest tokens per position the objective reads (0: a
+        sampled-token objective)."""
+        if not self.uses_top_k:
+            return 0
         return self.top_k if self.top_k is not None else 16

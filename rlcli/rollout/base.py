@@ -81,6 +81,18 @@ def copies(completion: Completion, n: int) -> list[Completion]:
     ]
 
 
+@dataclass
+class TopLogProbs:
+    """A scored sequence of ``n`` tokens (``RolloutEngine.sequence_top_log_probs``): the
+    log-prob of each token after the first (``log_probs [n-1]``) and, at each of those
+    positions, the ``k`` likeliest tokens' log-probs and ids (``top_log_probs`` /
+    ``top_ids [n-1, k]``, likeliest first), at temperature 1."""
+
+    log_probs: list[float]
+    top_log_probs: torch.Tensor
+    top_ids: torch.Tensor
+
+
 @dataclass(frozen=True)
 class ReplicaInfo:
     """Which engine replica a rank serves: adjacent groups of `size` ranks (the engine section's
@@ -154,6 +166,11 @@ class RolloutEngine(ABC):
         token after the first given the tokens before it (``len - 1`` values, at temperature 1).
         Every rank of one TP replica calls it with the same sequences (an empty list included).
         On-policy distillation's teacher on an engine (``distill.teacher_engine``) uses it."""
+
+    @abstractmethod
+    def sequence_top_log_probs(self, sequences: list[list[int]], k: int) -> list[TopLogProbs]:
+        """``sequence_log_probs`` plus every scored position's ``k`` likeliest tokens (the
+        teacher of a top-k distillation objective); called like it."""
 
     @abstractmethod
     def sleep(self) -> None:

@@ -48,6 +48,10 @@ class Sample:
     # Per response token: an engine teacher's log-prob of it (distill.teacher.engine=vllm / hf;
     # None: no such teacher, or a Megatron one, which fills the batch's field itself).
     teacher_log_probs: list[float] | None = None
+    # [len(response_ids), k]: at the position that predicts each response token, an engine
+    # teacher's k likeliest tokens' log-probs and ids (a top-k objective; None otherwise).
+    teacher_top_log_probs: torch.Tensor | None = None
+    teacher_top_ids: torch.Tensor | None = None
     # [num_tokens - 1, L, k] int16: the engine's experts for every token it read (R3:
     # model.moe_routing_replay=r3; None otherwise)
     routing: torch.Tensor | None = None
@@ -151,6 +155,7 @@ def collate(samples: list[Sample], pad_id: int) -> RolloutBatch:
     return RolloutBatch(
         routing=_engine_routing(samples, seq_len),
         teacher_log_probs=_teacher_log_probs(samples, resp_len),
+        **_teacher_top(samples, seq_len),
         input_ids=input_ids,
         attention_mask=attention_mask,
         response_index=response_index,
@@ -198,6 +203,22 @@ def _teacher_log_probs(samples: list[Sample], resp_len: int) -> torch.Tensor | N
         scored = s.teacher_log_probs[: len(s.response_ids)]
         values[row, : len(scored)] = torch.tensor(scored, dtype=torch.float32)
     return values
+
+
+def _teacher_top(samples: list[Sample], seq_len: int) -> dict[str, torch.Tensor]:
+    """An engine teacher's top-k tokens as the batch's ``teacher_top_log_probs`` / ``scored_ids``
+    ``[B, S, k]`` (each response token's at the position that predicts it, zeros elsewhere), or
+    nothing without."""
+    if not samples or any(s.teacher_top_ids is None for s in samples):
+        return {}
+    k = samples[0].teacher_top_ids.shape[1]
+    log_probs = torch.zeros((len(samples), seq_len, k), dtype=torch.float32)
+    ids = torch.zeros((len(samples), seq_len, k), dtype=torch.long)
+    for row, s in enumerate(samples):
+        first, count = len(s.prompt_ids) - 1, len(s.response_ids)
+        log_probs[row, first : first + count] = s.teacher_top_log_probs[:count]
+        ids[row, first : first + count] = s.teacher_top_ids[:count]
+    return {"teacher_top_log_probs": log_probs, "scored_ids": ids}
 
 
 def response_values(per_position: torch.Tensor, response_index: torch.Tensor) -> torch.Tensor:

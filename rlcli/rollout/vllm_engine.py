@@ -50,6 +50,7 @@ from rlcli.rollout.base import (
     Completion,
     GenerationRequest,
     RolloutEngine,
+    TopLogProbs,
     copies,
     current_replica,
     model_eos_token_ids,
@@ -189,22 +190,42 @@ class VLLMEngine(RolloutEngine):
     def sequence_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:
         """vLLM's prompt log-probs (``prompt_logprobs=0``: the given token's), one token generated
         and dropped; raw log-softmax of the logits, i.e. at temperature 1."""
+        self.calls.append("sequence_log_probs")
+        scored = self._prompt_log_probs(sequences, 0)
+        return [
+            [step[token].logprob for step, token in zip(steps, ids[1:], strict=True)]
+            for steps, ids in zip(scored, sequences, strict=True)
+        ]
+
+    def sequence_top_log_probs(self, sequences: list[list[int]], k: int) -> list[TopLogProbs]:
+        """``prompt_logprobs=k``: each position's ``k`` likeliest tokens (vLLM adds the given
+        token's entry when it is not among them; ranks order them). At most vLLM's
+        ``max_logprobs`` (20)."""
+        self.calls.append("sequence_top_log_probs")
+        results = []
+        for steps, ids in zip(self._prompt_log_probs(sequences, k), sequences, strict=True):
+            tops = [sorted(step.items(), key=lambda item: item[1].rank)[:k] for step in steps]
+            results.append(
+                TopLogProbs(
+                    [step[token].logprob for step, token in zip(steps, ids[1:], strict=True)],
+                    torch.tensor([[entry.logprob for _, entry in top] for top in tops]),
+                    torch.tensor([[token for token, _ in top] for top in tops]),
+                )
+            )
+        return results
+
+    def _prompt_log_probs(self, sequences: list[list[int]], k: int) -> list[list[dict]]:
+        """Each sequence's prompt log-probs past its first token: a dict per position of the
+        given token's and the ``k`` likeliest tokens' ``Logprob`` by id."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        self.calls.append("sequence_log_probs")
         if not sequences and not self._joins_world:
             return []
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False)
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in sequences]
         outputs = self._llm.generate(prompts, params, use_tqdm=False)
-        return [
-            [
-                step[token].logprob
-                for step, token in zip(out.prompt_logprobs[1:], ids[1:], strict=True)
-            ]
-            for out, ids in zip(outputs, sequences, strict=True)
-        ]
+        return [list(out.prompt_logprobs[1:]) for out in outputs]
 
     def _sampling_params(self, request: GenerationRequest, sampling_params_class):
         sampling = request.sampling

@@ -110,9 +110,7 @@ def build_teacher(inputs: RunInputs, options: ModelBuildOptions) -> TrainedModel
     cfg, mesh = inputs.cfg, inputs.mesh
     path = cfg.distill.teacher_path
     assert path is not None and mesh is not None  # validated; trainer ranks only
-    check_teacher(
-        path, inputs.tokenizer, cfg.distill.teacher_top_k if cfg.distill.uses_top_k else 0
-    )
+    check_teacher(path, inputs.tokenizer, cfg.distill.teacher_top_k)
     say(mesh, f"building the distillation teacher (tp={mesh.tp} pp={mesh.pp}) from {path}")
     teacher = TrainedModel(
         mesh,
@@ -139,24 +137,36 @@ def teacher_pass(
 
 
 class TeacherEngine:
-    """The teacher on an inference engine (see the module docstring)."""
+    """The teacher on an inference engine (see the module docstring); ``top_k`` > 0: it also
+    gives every response position's ``top_k`` likeliest tokens (a top-k objective)."""
 
-    def __init__(self, engine: RolloutEngine) -> None:
+    def __init__(self, engine: RolloutEngine, top_k: int = 0) -> None:
         self.engine = engine
+        self.top_k = top_k
 
     def score(self, samples: list[Sample]) -> None:
-        """Fill every sample's ``teacher_log_probs`` (its response tokens'), on every rank
-        (collective: every rank calls it with the same samples)."""
-        scored = across_replicas(
-            self.engine,
-            len(samples),
-            lambda mine: self.engine.sequence_log_probs(
-                [samples[i].prompt_ids + samples[i].response_ids for i in mine]
-            ),
-        )
-        for i, sample in enumerate(samples):
+        """Fill every sample's ``teacher_log_probs`` (its response tokens') and, with ``top_k``,
+        its ``teacher_top_log_probs`` / ``teacher_top_ids``, on every rank (collective: every
+        rank calls it with the same samples)."""
+        engine = self.engine
+
+        def work(mine: list[int]) -> list:
+            sequences = [samples[i].prompt_ids + samples[i].response_ids for i in mine]
+            if self.top_k:
+                return engine.sequence_top_log_probs(sequences, self.top_k)
+            return engine.sequence_log_probs(sequences)
+
+        for sample, scored in zip(
+            samples, across_replicas(engine, len(samples), work), strict=True
+        ):
             # position p of a sequence scores token p + 1: the response starts at the prompt's end
-            sample.teacher_log_probs = scored[i][len(sample.prompt_ids) - 1 :]
+            first = len(sample.prompt_ids) - 1
+            if not self.top_k:
+                sample.teacher_log_probs = scored[first:]
+                continue
+            sample.teacher_log_probs = scored.log_probs[first:]
+            sample.teacher_top_log_probs = scored.top_log_probs[first:]
+            sample.teacher_top_ids = scored.top_ids[first:]
 
     def close(self) -> None:
         self.engine.close()
@@ -170,7 +180,8 @@ def build_teacher_engine(inputs: RunInputs) -> TeacherEngine:
     cfg = inputs.cfg
     path, teacher = cfg.distill.teacher_path, cfg.distill.teacher
     assert path is not None  # validated
-    check_teacher(path, inputs.tokenizer)
+    top_k = cfg.distill.teacher_top_k
+    check_teacher(path, inputs.tokenizer, top_k)
     say(
         inputs.mesh,
         f"starting the distillation teacher's {teacher.engine} engine (tp={teacher.tp}) on {path}",
@@ -184,4 +195,4 @@ def build_teacher_engine(inputs: RunInputs) -> TeacherEngine:
         key="distill.teacher",
     )
     engine.sleep()  # woken for the teacher phase only
-    return TeacherEngine(engine)
+    return TeacherEngine(engine, top_k)

@@ -13,6 +13,10 @@ if TYPE_CHECKING:
     from rlcli.config.schema import RLConfig
 
 
+# vLLM's default ModelConfig.max_logprobs: the most prompt log-probs it returns a position.
+VLLM_MAX_LOGPROBS = 20
+
+
 def check_distill(cfg: RLConfig, world_size: int | None = None) -> None:
     """A UserError naming the key when ``distill.*`` is incomplete, out of range or combined
     with a setting it would silently ignore."""
@@ -72,8 +76,8 @@ def check_distill(cfg: RLConfig, world_size: int | None = None) -> None:
 
 
 def check_top_k(cfg: RLConfig) -> None:
-    """``distill.top_k`` belongs to a top-k objective, which needs padded micro-batches and a
-    teacher on Megatron."""
+    """``distill.top_k`` belongs to a top-k objective, which needs padded micro-batches (and,
+    on a vLLM teacher, no more tokens than vLLM returns)."""
     d = cfg.distill
     if not d.uses_top_k:
         if d.top_k is not None:
@@ -90,11 +94,11 @@ def check_top_k(cfg: RLConfig) -> None:
             f"{key} with actor.pack_sequences: the teacher's top-k tokens travel with padded "
             "rows only; set actor.pack_sequences=false (or distill.objective=reverse_kl)"
         )
-    if d.teacher.engine != "megatron":
+    if d.teacher.engine == "vllm" and d.teacher_top_k > VLLM_MAX_LOGPROBS:
         raise UserError(
-            f"{key} needs the teacher's whole next-token distribution, which rlcli takes from a "
-            f"Megatron teacher only: set distill.teacher.engine=megatron (not "
-            f"{d.teacher.engine}), or distill.objective=reverse_kl"
+            f"distill.top_k={d.teacher_top_k} with distill.teacher.engine=vllm: vLLM gives at "
+            f"most {VLLM_MAX_LOGPROBS} prompt log-probs a position (its max_logprobs); set "
+            f"distill.top_k <= {VLLM_MAX_LOGPROBS}, or distill.teacher.engine=megatron"
         )
 
 

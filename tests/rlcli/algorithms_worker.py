@@ -25,6 +25,7 @@ SAME_TEACHER = "distill_teacher_equals_student"
 ENGINE_TEACHER = "distill_hf_engine_teacher_equals_student"
 TOP_K = ["distill.objective=topk_forward_kl", "distill.top_k=8"]
 TOP_K_SAME_TEACHER = "distill_topk_teacher_equals_student"
+TOP_K_ENGINE_TEACHER = "distill_topk_hf_engine_teacher_equals_student"
 
 VARIANTS = {
     SAME_TEACHER: DISTILL,
@@ -33,6 +34,12 @@ VARIANTS = {
     # the teacher's top 8 tokens per position, a loss of the update (one optimizer step: its
     # gradient is what the two passes' rounding leaves)
     TOP_K_SAME_TEACHER: [*DISTILL, *TOP_K, "actor.ppo_mini_batch_size=4"],
+    TOP_K_ENGINE_TEACHER: [
+        *DISTILL,
+        *TOP_K,
+        "distill.teacher.engine=hf",
+        "actor.ppo_mini_batch_size=4",
+    ],  # fmt: skip
     "grpo": [],
     "drgrpo": ["algorithm.norm_adv_by_std=false", "actor.loss_agg_mode=seq-mean-token-sum-norm"],
     "rloo": ["algorithm.adv_estimator=rloo"],
@@ -77,6 +84,12 @@ def actor_weights(trainer) -> list:
     return [p.detach().clone() for model in trainer.actor.models for p in model.parameters()]
 
 
+def restore_actor_weights(trainer, weights: list) -> None:
+    params = [p for model in trainer.actor.models for p in model.parameters()]
+    for param, saved in zip(params, weights, strict=True):
+        param.data.copy_(saved)
+
+
 def main(recipe: str, out_json: str, *base: str) -> None:
     cfg = load_config(recipe, list(base))
     # One trainer from the factory (with a reference, which some variants need); each variant
@@ -96,7 +109,11 @@ def main(recipe: str, out_json: str, *base: str) -> None:
             ),
             reference=trainer.reference if needs_reference(variant) else None,
             teacher=trainer.reference if engine == "megatron" else None,
-            teacher_engine=engine_teacher if engine in ("hf", "vllm") else None,
+            teacher_engine=(
+                TeacherEngine(engine_teacher.engine, variant.distill.teacher_top_k)
+                if engine in ("hf", "vllm")
+                else None
+            ),
             loader=PromptLoader(trainer.loader.dataset, variant.data.train_batch_size, seed=1),
             kl_ctrl=build_kl_controller(variant),
             total_steps=1,
@@ -108,6 +125,11 @@ def main(recipe: str, out_json: str, *base: str) -> None:
             (a - b).abs().max().item() for a, b in zip(before, actor_weights(trainer), strict=True)
         )
         results[name]["check/max_weight_change"] = change
+        if name in (TOP_K_SAME_TEACHER, TOP_K_ENGINE_TEACHER):
+            # Adam turns even a rounding-sized gradient into a step of about lr: put the start
+            # weights back, so that the next variant's teacher (the start weights) still equals
+            # the student.
+            restore_actor_weights(trainer, before)
     trainer.rollouts.sampler.rewards.close()
     with open(out_json, "w") as f:
         json.dump(results, f)

@@ -54,8 +54,12 @@ def teacher_dir(tmp_path_factory):
             "distill.objective=topk_forward_kl with actor.pack_sequences",
         ),
         (
-            ["distill.objective=topk_forward_kl", "distill.teacher.engine=hf"],
-            "set distill.teacher.engine=megatron (not hf)",
+            [
+                "distill.objective=topk_forward_kl",
+                "distill.teacher.engine=vllm",
+                "distill.top_k=32",
+            ],
+            "distill.top_k=32 with distill.teacher.engine=vllm: vLLM gives at most 20",
         ),
         (["distill.kl_coef=0"], "distill.kl_coef=0 makes no sense: it must be > 0"),
         (["distill.reward_weight=-1"], "distill.reward_weight=-1 makes no sense"),
