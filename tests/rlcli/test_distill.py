@@ -151,8 +151,9 @@ def test_the_quickstart_recipes_load(teacher_dir):
 @pytest.mark.vllm
 def test_a_tp2_vllm_teacher_grades_a_tp1_student(tmp_path):
     """Two processes: the student trains at TP1 x DP2 (HF rollout engine), the teacher is a vLLM
-    engine at TP2 over the student's own start weights: at step 1 the two agree to rounding (the
-    engine's prompt log-probs equal Megatron's), at step 2 the student has moved."""
+    engine at TP2 over the student's own start weights, the top-k objective (vLLM's top 8 prompt
+    log-probs a position): at step 1 the two agree to rounding (the engine's prompt log-probs
+    equal Megatron's, sampled tokens and top 8 alike), at step 2 the student has moved."""
     from tests.rlcli.arith_model import build_arith_model
     from tests.rlcli.test_train_e2e import records, train
 
@@ -169,10 +170,13 @@ def test_a_tp2_vllm_teacher_grades_a_tp1_student(tmp_path):
         "distill.teacher.engine=vllm",
         "distill.teacher.tp=2",
         "distill.teacher.kv_cache_gb=0.05",
+        "distill.objective=topk_forward_kl",
+        "distill.top_k=8",
         "trainer.total_steps=2",
         "checkpoint.save_freq=0",
     )
     first, second = [r for r in records(out) if r["step"] > 0]
     assert abs(first["distill/reverse_kl"]) < 1e-4 and first["distill/reverse_kl_k3"] < 1e-6
     assert second["distill/reverse_kl_k3"] > 1e-6, second
+    assert 0 <= first["actor/distill_loss"] < 1e-5 < second["actor/distill_loss"], (first, second)
     assert "timing/teacher" in first and "timing/ref" not in first
