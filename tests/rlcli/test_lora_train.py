@@ -4,7 +4,9 @@
   trainer's as in the full-parameter case, the reference is the base (KL 0 while B = 0), the
   checkpoint holds only adapters; `rlcli export --lora` writes a folder PEFT loads whose logits
   are the trained policy's, `--merge` a model equal to PEFT's merge_and_unload;
-* adapter sync into vLLM (the engine starts with dummy weights: the first sync sends the base);
+* adapter sync into vLLM (the engine starts with dummy weights: the first sync sends the base),
+  with on-policy distillation from the base model (a LoRA student: its adapters learn the
+  teacher's top-k loss beside the task reward);
 * resume == uninterrupted (adapter dropout on, so the RNG streams must resume too);
 * bad input: a starting adapter whose shapes do not fit the model, exit 2.
 
@@ -139,6 +141,14 @@ def test_merged_sync_at_tp2_checkpoint_and_exports(tmp_path):
 @pytest.mark.vllm
 @needs_vllm
 def test_adapter_sync_sends_only_adapters_and_the_engine_agrees(tmp_path):
+    from tests.rlcli.arith_model import build_arith_model
+
+    # The TINY model, built first: it is also the distillation teacher, which must exist at
+    # validation. At step 1 the student (B = 0) is the teacher: no top-k loss; then its adapters
+    # have moved (the task reward's share).
+    base = build_arith_model(
+        tmp_path, hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128
+    )
     out = tmp_path / "run"
     # load_format=dummy (the default): the engine starts with random weights, so agreement at
     # step 1 also proves the first sync sent the base before the adapter.
@@ -146,8 +156,14 @@ def test_adapter_sync_sends_only_adapters_and_the_engine_agrees(tmp_path):
         rlcli_train(
             out,
             *LORA,
+            f"model.path={base}",
             "rollout.engine=vllm",
             "rollout.lora_sync=adapter",
+            "distill.enable=true",
+            f"distill.teacher_path={base}",
+            "distill.objective=topk_forward_kl",
+            "distill.reward_weight=1",
+            "actor.ppo_mini_batch_size=4",  # one optimizer step a step: step 1 is all at B = 0
             "trainer.total_steps=2",
             "checkpoint.save_freq=0",
         )
@@ -160,6 +176,10 @@ def test_adapter_sync_sends_only_adapters_and_the_engine_agrees(tmp_path):
     for record in steps:
         check_step_metrics(record)
         assert record["sync/bytes_gb"] == pytest.approx(expected / 1e9, rel=1e-12)
+    first, second = steps
+    # (a divergence, up to float rounding of either sign)
+    assert abs(first["actor/distill_loss"]) < 1e-7 and second["actor/distill_loss"] > 1e-6, steps
+    assert abs(first["distill/reverse_kl"]) < 1e-5 and "timing/teacher" in first
 
 
 def test_resume_equals_uninterrupted_with_lora_dropout(tmp_path):
