@@ -6,7 +6,8 @@ engine, use the HF engine (each vLLM start costs a rank 7-8 s here).
 
 - staleness 0 gives the synchronous colocated run's numbers: the same samples (same rewards,
   lengths, log-prob agreement) and the same update (every logged metric, the checkpoint's model
-  and optimizer state in fp32 within 1e-6);
+  and optimizer state in fp32 within 1e-6), both runs distilling from a Megatron teacher (the
+  start model, the top-k objective mixed with the task reward) on the trainer's ranks;
 - staleness 1: every trained batch records the weights that generated it, never more than one
   version behind the trainer's; the engines evaluate held-out prompts at the trainer's steps; a
   stop (the stop file Slurm's USR1 trap creates) with rollouts in flight checkpoints, and the
@@ -50,7 +51,20 @@ def same_run_metrics(row: dict) -> dict:
 
 
 def test_staleness_0_separate_equals_the_colocated_synchronous_run(tmp_path):
-    steps = ["trainer.total_steps=3", "checkpoint.save_freq=0"]
+    from tests.rlcli.arith_model import build_arith_model
+
+    # The TINY model, built first: it is also the teacher, which must exist at validation.
+    base = build_arith_model(
+        tmp_path, hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128
+    )
+    distill = [
+        f"model.path={base}",
+        "distill.enable=true",
+        f"distill.teacher_path={base}",
+        "distill.objective=topk_forward_kl",
+        "distill.reward_weight=1",
+    ]
+    steps = ["trainer.total_steps=3", "checkpoint.save_freq=0", *distill]
     code, output = finish(rlcli_train(tmp_path / "colocated", *steps))
     assert code == 0, output[-3000:]
     code, output = finish(rlcli_train(tmp_path / "separate", *steps, *SEPARATE, nproc=2))
@@ -60,6 +74,8 @@ def test_staleness_0_separate_equals_the_colocated_synchronous_run(tmp_path):
     for a, b in zip(colocated, separate, strict=True):
         assert b["rollout/staleness_max"] == 0 and b["rollout/logprob_diff_mean"] < 1e-5
         assert same_run_metrics(a) == same_run_metrics(b), a["step"]
+        assert "timing/teacher" in b and math.isfinite(b["actor/distill_loss"])
+    assert separate[-1]["actor/distill_loss"] > 1e-6  # the student has moved off its teacher
     whole = checkpoint_tensors(tmp_path / "colocated" / "checkpoints" / "step_000003", tmp_path)
     split = checkpoint_tensors(tmp_path / "separate" / "checkpoints" / "step_000003", tmp_path)
     assert whole.keys() == split.keys()
