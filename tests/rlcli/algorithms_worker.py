@@ -14,7 +14,7 @@ from rlcli.data import PromptLoader
 from rlcli.rollout.hf_engine import HFEngine
 from rlcli.train.build import build_kl_controller, build_trainer, needs_reference
 from rlcli.train.teacher import TeacherEngine
-from rlcli.train.trainer import rl_step
+from rlcli.train.trainer import rl_step, sync_rollout_weights
 from rlcli.validation.loader import load_config
 
 # On-policy distillation with the reference (the start weights) as the teacher: first, while the
@@ -127,9 +127,10 @@ def main(recipe: str, out_json: str, *base: str) -> None:
         results[name]["check/max_weight_change"] = change
         if name in (TOP_K_SAME_TEACHER, TOP_K_ENGINE_TEACHER):
             # Adam turns even a rounding-sized gradient into a step of about lr: put the start
-            # weights back, so that the next variant's teacher (the start weights) still equals
-            # the student.
+            # weights back (in the rollout engine too), so that the next variant's teacher (the
+            # start weights) still equals the student.
             restore_actor_weights(trainer, before)
+            sync_rollout_weights(trainer)
     trainer.rollouts.sampler.rewards.close()
     with open(out_json, "w") as f:
         json.dump(results, f)

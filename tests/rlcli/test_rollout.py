@@ -225,6 +225,28 @@ def vllm_engine(model_dir):
     engine.close()
 
 
+# Before the reload test below: it needs the folder's weights in the shared engine.
+@needs_vllm
+@pytest.mark.vllm
+def test_vllm_scores_given_tokens_as_transformers_does(vllm_engine, model_dir):
+    """Prompt log-probs, as a distillation teacher scores: every token's, and every position's
+    top 5 (ids and log-probs), equal transformers' log-softmax (the HF engine) at temperature 1."""
+    sequences = [prompt + [11, 12, 13] for prompt in PROMPTS]
+    plain = vllm_engine.sequence_log_probs(sequences)
+    top = vllm_engine.sequence_top_log_probs(sequences, 5)
+    reference = engine_for("hf", model_dir).sequence_top_log_probs(sequences, 5)
+    for ids, own, mine, expected in zip(sequences, plain, top, reference, strict=True):
+        assert len(own) == len(ids) - 1 and mine.top_ids.shape == (len(ids) - 1, 5)
+        torch.testing.assert_close(
+            torch.tensor(own), torch.tensor(expected.log_probs), atol=1e-4, rtol=0
+        )
+        torch.testing.assert_close(
+            torch.tensor(mine.log_probs), torch.tensor(expected.log_probs), atol=1e-4, rtol=0
+        )
+        assert torch.equal(mine.top_ids, expected.top_ids)
+        torch.testing.assert_close(mine.top_log_probs, expected.top_log_probs, atol=1e-4, rtol=0)
+
+
 @needs_vllm
 @pytest.mark.vllm
 def test_vllm_matches_hf_greedy_and_logprobs_before_and_after_reload(vllm_engine, model_dir):
