@@ -38,6 +38,7 @@ PANELS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
             "algorithm/kl",
             "algorithm/kl_coef",
             "distill/reverse_kl",  # to the distillation teacher, per token
+            "actor/distill_loss",  # the top-k objective's KL to the teacher
         ),
         False,
     ),
