@@ -8,7 +8,9 @@ One row (JSONL line or Parquet row)::
      "reward_model": {"style": "rule", "ground_truth": "72"},
      "extra_info": {"split": "train", "index": 0}}
 
-``prompt`` is a list of chat messages (a plain string is accepted as one user message).
+``prompt`` is a list of chat messages (a plain string is accepted as one user message). A row
+for a vision-language model may add ``images``, one per ``<image>`` placeholder in its messages
+(``rlcli.data.images``); such rows are rendered and tokenized by the model's processor.
 When the tokenizer has a chat template, the messages are rendered with it and the generation
 prompt is appended (``add_generation_prompt=True``); the template writes its own special tokens,
 so none are added on top. When it has none, the prompt text is the message contents joined by
@@ -48,6 +50,10 @@ class PromptItem:
     prompt_text: str = ""
     origin: str = ""
     prompt_messages: list[dict[str, str]] = field(default_factory=list)
+    # A vision-language row's images (RGB PIL images, for the engine) and what the model's
+    # processor made of them (``rlcli.data.images.ProcessedPrompt``: pixel_values, grids).
+    images: list[Any] = field(default_factory=list)
+    image_inputs: Any = None
 
 
 class PromptDataset(Sequence[PromptItem]):
@@ -88,6 +94,7 @@ class _ParsedRow:
     data_source: str
     ground_truth: Any
     extra_info: dict[str, Any]
+    images: Any = None  # the row's ``images`` value, as read
 
 
 def load_prompt_dataset(
@@ -97,6 +104,7 @@ def load_prompt_dataset(
     max_prompt_length: int | None = None,
     apply_chat_template: bool | None = None,
     tools: list[dict[str, Any]] | None = None,
+    processor: Any = None,
 ) -> PromptDataset:
     """Read, validate and tokenize prompt files (``.jsonl`` / ``.parquet``).
 
@@ -110,6 +118,9 @@ def load_prompt_dataset(
             ``True`` requires one; ``False`` joins message contents.
         tools: OpenAI function schemas the chat template shows in the prompt (multi-turn
             rollouts with tools: the prompt the model sees lists them).
+        processor: a vision-language model's ``AutoProcessor``: rows with ``images`` are
+            rendered and tokenized by it (``rlcli.data.images``); without one such rows are
+            refused.
 
     Raises ``UserError`` naming the file, the row and the key for every bad input, and when
     no prompt is left.
@@ -134,15 +145,27 @@ def load_prompt_dataset(
     if not parsed:
         raise UserError(f"no prompts in {', '.join(paths)}: the data files are empty")
 
-    texts = [_render_prompt(row, tokenizer, use_template, tools) for row in parsed]
-    token_ids: list[list[int]] = []
-    for start in range(0, len(texts), _ENCODE_CHUNK):
-        chunk = texts[start : start + _ENCODE_CHUNK]
-        token_ids.extend(tokenizer(chunk, add_special_tokens=not use_template)["input_ids"])
+    # Rows with images are rendered by the model's processor instead (below).
+    texts = [
+        _render_prompt(row, tokenizer, use_template, tools) if row.images is None else ""
+        for row in parsed
+    ]
+    text_rows = [i for i, row in enumerate(parsed) if row.images is None]
+    token_ids: dict[int, list[int]] = {}
+    for start in range(0, len(text_rows), _ENCODE_CHUNK):
+        chunk = text_rows[start : start + _ENCODE_CHUNK]
+        encoded = tokenizer([texts[i] for i in chunk], add_special_tokens=not use_template)
+        token_ids.update(zip(chunk, encoded["input_ids"], strict=True))
 
     items: list[PromptItem] = []
     num_dropped = 0
-    for row, text, ids in zip(parsed, texts, token_ids, strict=True):
+    for position, (row, text) in enumerate(zip(parsed, texts, strict=True)):
+        images, image_inputs = [], None
+        if row.images is None:
+            ids = token_ids[position]
+        else:
+            images, image_inputs = _row_images(row, processor, prompt_key)
+            ids, text = image_inputs.token_ids, image_inputs.text
         if max_prompt_length is not None and len(ids) > max_prompt_length:
             num_dropped += 1
             continue
@@ -156,6 +179,8 @@ def load_prompt_dataset(
                 prompt_text=text,
                 origin=str(row.location),
                 prompt_messages=row.messages,
+                images=images,
+                image_inputs=image_inputs,
             )
         )
     if num_dropped:
@@ -203,7 +228,24 @@ def _parse_row(location: RowLocation, row: dict[str, Any], prompt_key: str) -> _
         raise UserError(
             f"{location}: key 'extra_info' must be an object, got {type(extra_info).__name__}"
         )
-    return _ParsedRow(location, messages, data_source, reward_model["ground_truth"], extra_info)
+    return _ParsedRow(
+        location, messages, data_source, reward_model["ground_truth"], extra_info, row.get("images")
+    )
+
+
+def _row_images(row: _ParsedRow, processor: Any, prompt_key: str) -> tuple[list[Any], Any]:
+    """A row's images and what the model's processor makes of them (``rlcli.data.images``)."""
+    from rlcli.data.images import image_messages, load_row_images, process_prompt
+
+    if processor is None:
+        raise UserError(
+            f"{row.location}: the row has images, but the model has no image processor (a "
+            "text-only model): use a vision-language model (model.path), or drop the "
+            "row's 'images'"
+        )
+    images = load_row_images(row.images, row.location)
+    messages = image_messages(row.messages, len(images), row.location, prompt_key)
+    return images, process_prompt(processor, messages, images)
 
 
 def parse_messages(value: Any, location: RowLocation, prompt_key: str) -> list[dict[str, str]]:

@@ -1,0 +1,158 @@
+"""Images in prompt rows, for vision-language models, in verl's multimodal schema::
+
+    {"data_source": "digits",
+     "prompt": [{"role": "user", "content": "<image>What is the sum of the two digits?"}],
+     "images": ["images/0001.png"],
+     "reward_model": {"style": "rule", "ground_truth": "9"}}
+
+``images`` lists a row's images in the order of the ``<image>`` placeholders in its messages
+(one each). An entry is a path (absolute, or relative to the data file's folder), a
+``data:image/...;base64,...`` URL, or an object holding one of ``bytes`` (raw bytes, as Parquet
+stores images, or base64 text), ``path`` or ``image`` (verl's key; a path or a URL). Every image
+is converted to RGB.
+
+The model's own processor (transformers' ``AutoProcessor``: its tokenizer, image processor and
+chat template) then renders the messages with an image part in place of each placeholder and
+turns text and images into the prompt's token ids (each image's single placeholder token expanded
+to its patch tokens), ``pixel_values [patches, patch_dim]`` and ``image_grid_thw [images, 3]``:
+exactly what the model's own preprocessing gives (its image processor's ``min_pixels`` /
+``max_pixels`` bound each image's resized area).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlcli.data.rows import RowLocation
+from rlcli.errors import UserError
+
+IMAGE_PLACEHOLDER = "<image>"
+IMAGES_KEY = "images"
+_DATA_URL = "data:image/"
+
+
+@dataclass
+class ProcessedPrompt:
+    """A prompt with images as the model reads it (module docstring)."""
+
+    text: str  # the rendered prompt, one placeholder token an image
+    token_ids: list[int]
+    pixel_values: torch.Tensor  # [patches, patch_dim] float32
+    image_grid_thw: torch.Tensor  # [images, 3] int64: frames, rows, columns of patches
+
+
+def load_row_images(value: Any, location: RowLocation) -> list[Any]:
+    """The row's ``images`` as RGB PIL images; a UserError naming the row and the entry for one
+    that does not load."""
+    if not isinstance(value, list):
+        raise UserError(
+            f"{location}: key {IMAGES_KEY!r} must be a list of images (paths, data URLs or "
+            f'{{"bytes": ...}} objects), got {type(value).__name__}'
+        )
+    return [
+        _load_image(entry, location, f"{IMAGES_KEY}[{position}]")
+        for position, entry in enumerate(value)
+    ]
+
+
+def _load_image(entry: Any, location: RowLocation, key: str) -> Any:
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(entry, dict):
+        source = next((entry[k] for k in ("bytes", "path", "image") if entry.get(k)), None)
+        if source is None:
+            raise UserError(
+                f"{location}: key {key} holds none of 'bytes', 'path', 'image': {entry!r:.100}"
+            )
+        if "bytes" in entry and entry.get("bytes"):
+            return _open(_decoded_bytes(source, location, key), location, key)
+        entry = source
+    if isinstance(entry, bytes):
+        return _open(entry, location, key)
+    if not isinstance(entry, str) or not entry:
+        raise UserError(
+            f"{location}: key {key} must be a path, a data URL or an object, got {entry!r:.100}"
+        )
+    if entry.startswith(_DATA_URL):
+        encoded = entry.split(",", 1)[1] if "," in entry else ""
+        return _open(_decoded_bytes(encoded, location, key), location, key)
+    path = Path(entry.removeprefix("file://"))
+    if not path.is_absolute():
+        path = Path(location.path).parent / path
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except FileNotFoundError:
+        raise UserError(f"{location}: key {key}: no image file {path}") from None
+    except (UnidentifiedImageError, OSError) as err:
+        raise UserError(f"{location}: key {key}: {path} is not a readable image ({err})") from None
+
+
+def _decoded_bytes(value: Any, location: RowLocation, key: str) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    try:
+        return base64.b64decode(str(value), validate=True)
+    except (binascii.Error, ValueError):
+        raise UserError(f"{location}: key {key}: the bytes are not valid base64") from None
+
+
+def _open(data: bytes, location: RowLocation, key: str) -> Any:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError) as err:
+        raise UserError(
+            f"{location}: key {key}: the bytes are not a readable image ({err})"
+        ) from None
+
+
+def image_messages(
+    messages: list[dict[str, str]], image_count: int, location: RowLocation, prompt_key: str
+) -> list[dict[str, Any]]:
+    """The messages with each ``<image>`` placeholder turned into an image part, the way chat
+    templates of vision-language models take them (``{"type": "image"}`` beside
+    ``{"type": "text", ...}``); a UserError naming the row when placeholders and images differ
+    in number."""
+    placeholders = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
+    if placeholders != image_count:
+        raise UserError(
+            f"{location}: {placeholders} {IMAGE_PLACEHOLDER} placeholder(s) in {prompt_key!r} "
+            f"but {image_count} image(s) in {IMAGES_KEY!r}: write one {IMAGE_PLACEHOLDER} where "
+            "each image goes, in the order of the list"
+        )
+    converted = []
+    for message in messages:
+        pieces = message["content"].split(IMAGE_PLACEHOLDER)
+        parts: list[dict[str, str]] = []
+        for index, text in enumerate(pieces):
+            if index:
+                parts.append({"type": "image"})
+            if text:
+                parts.append({"type": "text", "text": text})
+        converted.append({"role": message["role"], "content": parts})
+    return converted
+
+
+def process_prompt(
+    processor: Any, messages: list[dict[str, Any]], images: list[Any]
+) -> ProcessedPrompt:
+    """Token ids, ``pixel_values`` and ``image_grid_thw`` of ``messages`` (image parts already in
+    place, ``image_messages``) and their images, by the model's processor."""
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    out = processor(text=[text], images=images, return_tensors="pt")
+    return ProcessedPrompt(
+        text=text,
+        token_ids=out["input_ids"][0].tolist(),
+        pixel_values=out["pixel_values"].float(),
+        image_grid_thw=out["image_grid_thw"].long(),
+    )
