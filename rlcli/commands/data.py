@@ -1,4 +1,4 @@
-"""``rlcli data gsm8k|arith``: datasets in the prompt schema rlcli trains on."""
+"""``rlcli data gsm8k|arith|images``: datasets in the prompt schema rlcli trains on."""
 
 from __future__ import annotations
 
@@ -39,3 +39,26 @@ def data_arith(
 
     paths = write_arith_dataset(str(output), num_max=num_max, num_val=num_val)
     typer.echo(f"wrote {paths}")
+
+
+@data_app.command("images")
+def data_images(
+    images: Path = typer.Option(..., "--images", help="Folder of the images."),
+    questions: Path = typer.Option(
+        ...,
+        "--questions",
+        help='JSONL / Parquet rows: "image" (or "images"), "question", "answer".',
+    ),
+    output: Path = typer.Option(..., "--output", help="Output JSONL of prompt rows."),
+    data_source: str = typer.Option(
+        "images", "--data-source", help="Each row's data_source (selects the reward function)."
+    ),
+):
+    """Turn a folder of images and questions about them into prompt rows with images (for a
+    vision-language model; docs/vision-language.md)."""
+    from rlcli.data.images import image_question_rows
+    from rlcli.data.rows import write_jsonl
+
+    rows = image_question_rows(str(images), str(questions), data_source)
+    write_jsonl(str(output), rows)
+    typer.echo(f"wrote {output} ({len(rows)} rows)")

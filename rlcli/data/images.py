@@ -156,3 +156,44 @@ def process_prompt(
         pixel_values=out["pixel_values"].float(),
         image_grid_thw=out["image_grid_thw"].long(),
     )
+
+
+def image_question_rows(images_dir: str, questions: str, data_source: str) -> list[dict]:
+    """Prompt rows from a folder of images and a file of questions about them (``.jsonl`` /
+    ``.parquet``, rows ``{"image": NAME or "images": [NAMES], "question": ..., "answer": ...}``,
+    names relative to ``images_dir``): each row's images as absolute paths, its question after one
+    ``<image>`` placeholder per image (unless it places its own), the answer as the ground truth.
+    Every image is opened once here, so a bad one is named now rather than at training time."""
+    from rlcli.data.rows import read_rows
+
+    folder = Path(images_dir)
+    if not folder.is_dir():
+        raise UserError(f"--images {images_dir}: no such folder")
+    rows = []
+    for location, raw in read_rows(questions):
+        names = raw.get("images", [raw["image"]] if "image" in raw else None)
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+            raise UserError(
+                f"{location}: needs 'image' (a file name in {images_dir}) or 'images' (a list "
+                f"of them); keys present: {sorted(raw)}"
+            )
+        for key in ("question", "answer"):
+            if not isinstance(raw.get(key), str | int | float) or raw.get(key) == "":
+                raise UserError(f"{location}: missing key {key!r}")
+        paths = [str((folder / name).resolve()) for name in names]
+        load_row_images(paths, location)  # names the row and the image that does not load
+        question = str(raw["question"])
+        if IMAGE_PLACEHOLDER not in question:
+            question = IMAGE_PLACEHOLDER * len(paths) + question
+        rows.append(
+            {
+                "data_source": data_source,
+                "prompt": [{"role": "user", "content": question}],
+                IMAGES_KEY: paths,
+                "reward_model": {"style": "rule", "ground_truth": str(raw["answer"])},
+                "extra_info": {"index": len(rows), "source": str(location)},
+            }
+        )
+    if not rows:
+        raise UserError(f"{questions}: no questions")
+    return rows

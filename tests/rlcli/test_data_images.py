@@ -165,3 +165,35 @@ def test_a_text_only_model_refuses_rows_with_images(tmp_path, processor):
         UserError, match="line 1: the row has images, but the model has no image processor"
     ):
         load_prompt_dataset(path, processor.tokenizer)
+
+
+def test_rlcli_data_images_turns_a_folder_and_questions_into_rows(tmp_path, processor):
+    from tests.rlcli.test_config import run_cli
+
+    folder = tmp_path / "pictures"
+    folder.mkdir()
+    picture((28, 28), (255, 0, 0)).save(folder / "a.png")
+    picture((56, 28), (0, 255, 0)).save(folder / "b.png")
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(
+        json.dumps({"image": "a.png", "question": "What colour?", "answer": "red"})
+        + "\n"
+        + json.dumps({"images": ["a.png", "b.png"], "question": "How many?", "answer": 2})
+        + "\n"
+    )
+    out = tmp_path / "rows" / "train.jsonl"
+    args = ["data", "images", "--images", str(folder), "--questions", str(questions)]
+    proc = run_cli(*args, "--output", str(out), "--data-source", "colours")
+    assert proc.returncode == 0, proc.stderr
+    data = load_prompt_dataset(str(out), processor.tokenizer, processor=processor)
+    assert [len(item.images) for item in data] == [1, 2]
+    assert [item.ground_truth for item in data] == ["red", "2"]
+    assert data[1].prompt_messages[0]["content"] == "<image><image>How many?"
+    assert data[0].data_source == "colours"
+
+    questions.write_text(
+        json.dumps({"image": "missing.png", "question": "?", "answer": "x"}) + "\n"
+    )
+    proc = run_cli(*args, "--output", str(out))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "questions.jsonl, line 1: key images[0]: no image file" in proc.stderr
