@@ -54,7 +54,7 @@ def forward_top_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``forward_log_probs``'s ``[b, S-1]`` and each position's ``top_k`` likeliest tokens:
     their log-probs ``[b, S-1, top_k]`` (float32) and ids (int64), likeliest first, over the
-    whole vocabulary (``parallel.logprobs.vocab_parallel_top_log_probs``). Padded rows only."""
+    whole vocabulary (``parallel.logprobs.vocab_parallel_top_ids``). Padded rows only."""
     args = (micro_batch_size, temperature, max_tokens, False)
     out = _forward_rows(models, mesh, input_ids, attention_mask, *args, top_k=top_k)[0]
     return out["log_probs"], out["top_log_probs"], out["top_ids"]

@@ -75,25 +75,19 @@ def vocab_parallel_log_probs_and_entropy(
 
 
 @torch.no_grad()
-def vocab_parallel_top_log_probs(
+def vocab_parallel_top_ids(
     logits: torch.Tensor,
     k: int,
     tp_group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` likeliest tokens of every position over the full (sharded) vocabulary:
-    ``(log_probs [..., k], ids [..., k] int64)``, likeliest first, identical on every rank of
-    ``tp_group`` (no gradient). Each shard's own top ``k`` holds every global top-``k`` token of
-    its slice, so an all-gather of ``tp * k`` candidates per position and one more top-``k``
-    over them is exact; padded columns never win."""
-    dtype = _compute_dtype(logits)
+) -> torch.Tensor:
+    """The ids ``[..., k]`` (int64) of every position's ``k`` likeliest tokens over the full
+    (sharded) vocabulary, likeliest first, identical on every rank of ``tp_group``; their
+    log-probs are ``vocab_parallel_log_probs(logits, ids)``'s. Each shard's own top ``k`` holds
+    every global top-``k`` token of its slice, so an all-gather of ``tp * k`` candidates per
+    position and one more top-``k`` over them is exact; padded columns never win."""
     start, padded = _shard_layout(logits, tp_group, vocab_size)
-    z = _masked_logits(logits, dtype, padded)
-    z_max = z.max(dim=-1).values
-    _all_reduce(z_max, dist.ReduceOp.MAX, tp_group)
-    sum_exp = (z - z_max.unsqueeze(-1)).exp().sum(dim=-1)
-    _all_reduce(sum_exp, dist.ReduceOp.SUM, tp_group)
-    log_sum_exp = (z_max + sum_exp.log()).unsqueeze(-1)
+    z = _masked_logits(logits, _compute_dtype(logits), padded)
     values, ids = z.topk(min(k, z.size(-1)), dim=-1)
     ids = ids + start
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
@@ -102,9 +96,9 @@ def vocab_parallel_top_log_probs(
         all_ids = [torch.empty_like(ids) for _ in range(world)]
         dist.all_gather(all_values, values.contiguous(), group=tp_group)
         dist.all_gather(all_ids, ids.contiguous(), group=tp_group)
-        values, which = torch.cat(all_values, dim=-1).topk(k, dim=-1)
+        _, which = torch.cat(all_values, dim=-1).topk(k, dim=-1)
         ids = torch.cat(all_ids, dim=-1).gather(-1, which)
-    return values - log_sum_exp, ids
+    return ids
 
 
 def _compute_dtype(logits: torch.Tensor) -> torch.dtype:

@@ -57,7 +57,7 @@ from parallel.cpu_compat import device
 from parallel.logprobs import (
     vocab_parallel_log_probs,
     vocab_parallel_log_probs_and_entropy,
-    vocab_parallel_top_log_probs,
+    vocab_parallel_top_ids,
 )
 from parallel.mesh import Mesh
 from parallel.model_inputs import PackedRows, packed_inputs, padded_inputs
@@ -121,8 +121,6 @@ def forward_backward(
         raise ValueError("forward_backward needs a loss_fn unless forward_only=True")
     if top_k and not forward_only:
         raise ValueError("top_k is for forward-only passes (its outputs carry no gradient)")
-    if pack_sequences and top_k:
-        raise ValueError("top_k needs padded rows, not pack_sequences")
     # Sequence parallelism splits the sequence over the TP ranks: S must divide by tp.
     multiple = mesh.tp if getattr(get_model_config(models[0]), "sequence_parallel", False) else 1
     layout = packed_inputs if pack_sequences else padded_inputs
@@ -315,11 +313,20 @@ def _per_row_outputs(
         labels = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
     else:
         labels = packed.labels
-    if scored_ids is not None:  # one softmax for the next token and the scored ones
-        if packed is not None:
-            raise ValueError("scored_ids need padded rows, not pack_sequences")
-        labels = torch.cat([labels.unsqueeze(-1), scored_ids.to(labels.device)], dim=-1)
+    # Given ids (``scored_ids``) and the model's own likeliest (``request.top_k``) take their
+    # log-probs from the same softmax as the next token's: one pass over the logits.
     vocab_size = _unpadded_vocab_size(model)
+    ids_of: dict[str, torch.Tensor] = {}  # output name -> [mb, S, k] ids
+    if scored_ids is not None:
+        ids_of["scored_log_probs"] = scored_ids.to(labels.device)
+    if request.top_k:
+        ids_of["top_log_probs"] = vocab_parallel_top_ids(
+            logits, request.top_k, mesh.tp_group, vocab_size
+        )
+    if ids_of:
+        if packed is not None:
+            raise ValueError("scored_ids and top_k need padded rows, not pack_sequences")
+        labels = torch.cat([labels.unsqueeze(-1), *ids_of.values()], dim=-1)
     per_token = {}
     if request.entropy:
         log_probs, per_token["entropy"] = vocab_parallel_log_probs_and_entropy(
@@ -327,17 +334,12 @@ def _per_row_outputs(
         )
     else:
         log_probs = vocab_parallel_log_probs(logits, labels, mesh.tp_group, vocab_size)
-    if scored_ids is None:
-        per_token["log_probs"] = log_probs
-    else:
-        per_token["log_probs"], per_token["scored_log_probs"] = (
-            log_probs[..., 0],
-            log_probs[..., 1:],
-        )
+    per_token["log_probs"] = log_probs[..., 0] if ids_of else log_probs
+    if ids_of:
+        widths = [ids.shape[-1] for ids in ids_of.values()]
+        per_token.update(zip(ids_of, log_probs[..., 1:].split(widths, dim=-1), strict=True))
     if request.top_k:
-        per_token["top_log_probs"], per_token["top_ids"] = vocab_parallel_top_log_probs(
-            logits, request.top_k, mesh.tp_group, vocab_size
-        )
+        per_token["top_ids"] = ids_of["top_log_probs"]
     if packed is None:
         return ModelOutputs(**{name: value[:, :-1] for name, value in per_token.items()})
     return ModelOutputs(
