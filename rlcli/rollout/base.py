@@ -82,11 +82,11 @@ def copies(completion: Completion, n: int) -> list[Completion]:
 
 
 @dataclass
-class TopLogProbs:
-    """A scored sequence of ``n`` tokens (``RolloutEngine.sequence_top_log_probs``): the
-    log-prob of each token after the first (``log_probs [n-1]``) and, at each of those
-    positions, the ``k`` likeliest tokens' log-probs and ids (``top_log_probs`` /
-    ``top_ids [n-1, k]``, likeliest first), at temperature 1."""
+class SequenceLogProbs:
+    """A scored sequence of ``n`` tokens (``RolloutEngine.sequence_log_probs``): the log-prob of
+    each token after the first (``log_probs [n-1]``) and, at each of those positions, the
+    ``top_k`` likeliest tokens' log-probs and ids (``top_log_probs`` / ``top_ids [n-1, top_k]``,
+    likeliest first; ``top_k`` 0: empty), at temperature 1."""
 
     log_probs: list[float]
     top_log_probs: torch.Tensor
@@ -161,16 +161,15 @@ class RolloutEngine(ABC):
         replica calls it with the same requests (an empty list included)."""
 
     @abstractmethod
-    def sequence_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:
+    def sequence_log_probs(
+        self, sequences: list[list[int]], top_k: int = 0
+    ) -> list[SequenceLogProbs]:
         """Score given token ids instead of sampling: for each sequence, the log-prob of every
-        token after the first given the tokens before it (``len - 1`` values, at temperature 1).
-        Every rank of one TP replica calls it with the same sequences (an empty list included).
-        On-policy distillation's teacher on an engine (``distill.teacher_engine``) uses it."""
-
-    @abstractmethod
-    def sequence_top_log_probs(self, sequences: list[list[int]], k: int) -> list[TopLogProbs]:
-        """``sequence_log_probs`` plus every scored position's ``k`` likeliest tokens (the
-        teacher of a top-k distillation objective); called like it."""
+        token after the first given the tokens before it (``len - 1`` values, at temperature 1),
+        and at each of those positions the ``top_k`` likeliest tokens (a top-k distillation
+        objective). Every rank of one TP replica calls it with the same sequences (an empty
+        list included). On-policy distillation's teacher on an engine
+        (``distill.teacher_engine``) uses it."""
 
     @abstractmethod
     def sleep(self) -> None:

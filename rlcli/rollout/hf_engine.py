@@ -16,7 +16,7 @@ from rlcli.rollout.base import (
     GenerationRequest,
     RolloutEngine,
     SamplingConfig,
-    TopLogProbs,
+    SequenceLogProbs,
     copies,
     current_replica,
     model_eos_token_ids,
@@ -135,25 +135,18 @@ class HFEngine(RolloutEngine):
         return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     @torch.no_grad()
-    def sequence_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:
+    def sequence_log_probs(
+        self, sequences: list[list[int]], top_k: int = 0
+    ) -> list[SequenceLogProbs]:
         """One forward per sequence (no padding: the values equal the model's on each alone)."""
-        return [self._next_token_log_probs(ids)[1].tolist() for ids in sequences]
-
-    @torch.no_grad()
-    def sequence_top_log_probs(self, sequences: list[list[int]], k: int) -> list[TopLogProbs]:
         results = []
         for ids in sequences:
-            log_p, picked = self._next_token_log_probs(ids)
-            top = log_p.topk(k, dim=-1)
-            results.append(TopLogProbs(picked.tolist(), top.values.cpu(), top.indices.cpu()))
+            tokens = torch.tensor([ids], device=self.model.device)
+            log_p = torch.log_softmax(self.model(tokens).logits[0, :-1].float(), dim=-1)
+            picked = log_p.gather(-1, tokens[0, 1:, None])[:, 0]
+            top = log_p.topk(top_k, dim=-1)
+            results.append(SequenceLogProbs(picked.tolist(), top.values.cpu(), top.indices.cpu()))
         return results
-
-    def _next_token_log_probs(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``log_softmax`` of every position but the last ``[n-1, V]``, and each next token's
-        value ``[n-1]``."""
-        tokens = torch.tensor([ids], device=self.model.device)
-        log_p = torch.log_softmax(self.model(tokens).logits[0, :-1].float(), dim=-1)
-        return log_p, log_p.gather(-1, tokens[0, 1:, None])[:, 0]
 
     def sleep(self) -> None:
         pass  # HF keeps no KV cache between calls

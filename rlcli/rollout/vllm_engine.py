@@ -50,7 +50,7 @@ from rlcli.rollout.base import (
     Completion,
     GenerationRequest,
     RolloutEngine,
-    TopLogProbs,
+    SequenceLogProbs,
     copies,
     current_replica,
     model_eos_token_ids,
@@ -187,45 +187,36 @@ class VLLMEngine(RolloutEngine):
             results.append(copies(samples[0], request.n) if _greedy(request) else samples)
         return results
 
-    def sequence_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """vLLM's prompt log-probs (``prompt_logprobs=0``: the given token's), one token generated
-        and dropped; raw log-softmax of the logits, i.e. at temperature 1."""
-        self.calls.append("sequence_log_probs")
-        scored = self._prompt_log_probs(sequences, 0)
-        return [
-            [step[token].logprob for step, token in zip(steps, ids[1:], strict=True)]
-            for steps, ids in zip(scored, sequences, strict=True)
-        ]
-
-    def sequence_top_log_probs(self, sequences: list[list[int]], k: int) -> list[TopLogProbs]:
-        """``prompt_logprobs=k``: each position's ``k`` likeliest tokens (vLLM adds the given
-        token's entry when it is not among them; ranks order them). At most vLLM's
-        ``max_logprobs`` (20)."""
-        self.calls.append("sequence_top_log_probs")
-        results = []
-        for steps, ids in zip(self._prompt_log_probs(sequences, k), sequences, strict=True):
-            tops = [sorted(step.items(), key=lambda item: item[1].rank)[:k] for step in steps]
-            results.append(
-                TopLogProbs(
-                    [step[token].logprob for step, token in zip(steps, ids[1:], strict=True)],
-                    torch.tensor([[entry.logprob for _, entry in top] for top in tops]),
-                    torch.tensor([[token for token, _ in top] for top in tops]),
-                )
-            )
-        return results
-
-    def _prompt_log_probs(self, sequences: list[list[int]], k: int) -> list[list[dict]]:
-        """Each sequence's prompt log-probs past its first token: a dict per position of the
-        given token's and the ``k`` likeliest tokens' ``Logprob`` by id."""
+    def sequence_log_probs(
+        self, sequences: list[list[int]], top_k: int = 0
+    ) -> list[SequenceLogProbs]:
+        """vLLM's prompt log-probs (``prompt_logprobs=top_k``: the given token's and the ``top_k``
+        likeliest, ranks ordering them; at most vLLM's ``max_logprobs``, 20), one token
+        generated and dropped; raw log-softmax of the logits, i.e. at temperature 1."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        self.calls.append("sequence_log_probs")
         if not sequences and not self._joins_world:
             return []
-        params = SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=top_k, detokenize=False)
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in sequences]
-        outputs = self._llm.generate(prompts, params, use_tqdm=False)
-        return [list(out.prompt_logprobs[1:]) for out in outputs]
+        results = []
+        for out, ids in zip(
+            self._llm.generate(prompts, params, use_tqdm=False), sequences, strict=True
+        ):
+            steps = out.prompt_logprobs[1:]
+            tops = [sorted(step.items(), key=lambda item: item[1].rank)[:top_k] for step in steps]
+            results.append(
+                SequenceLogProbs(
+                    [step[token].logprob for step, token in zip(steps, ids[1:], strict=True)],
+                    torch.tensor(
+                        [[e.logprob for _, e in top] for top in tops], dtype=torch.float32
+                    ),
+                    torch.tensor([[token for token, _ in top] for top in tops], dtype=torch.long),
+                )
+            )
+        return results
 
     def _sampling_params(self, request: GenerationRequest, sampling_params_class):
         sampling = request.sampling

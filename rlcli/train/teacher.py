@@ -148,25 +148,20 @@ class TeacherEngine:
         """Fill every sample's ``teacher_log_probs`` (its response tokens') and, with ``top_k``,
         its ``teacher_top_log_probs`` / ``teacher_top_ids``, on every rank (collective: every
         rank calls it with the same samples)."""
-        engine = self.engine
-
-        def work(mine: list[int]) -> list:
-            sequences = [samples[i].prompt_ids + samples[i].response_ids for i in mine]
-            if self.top_k:
-                return engine.sequence_top_log_probs(sequences, self.top_k)
-            return engine.sequence_log_probs(sequences)
-
-        for sample, scored in zip(
-            samples, across_replicas(engine, len(samples), work), strict=True
-        ):
+        scored = across_replicas(
+            self.engine,
+            len(samples),
+            lambda mine: self.engine.sequence_log_probs(
+                [samples[i].prompt_ids + samples[i].response_ids for i in mine], self.top_k
+            ),
+        )
+        for sample, sequence in zip(samples, scored, strict=True):
             # position p of a sequence scores token p + 1: the response starts at the prompt's end
             first = len(sample.prompt_ids) - 1
-            if not self.top_k:
-                sample.teacher_log_probs = scored[first:]
-                continue
-            sample.teacher_log_probs = scored.log_probs[first:]
-            sample.teacher_top_log_probs = scored.top_log_probs[first:]
-            sample.teacher_top_ids = scored.top_ids[first:]
+            sample.teacher_log_probs = sequence.log_probs[first:]
+            if self.top_k:
+                sample.teacher_top_log_probs = sequence.top_log_probs[first:]
+                sample.teacher_top_ids = sequence.top_ids[first:]
 
     def close(self) -> None:
         self.engine.close()

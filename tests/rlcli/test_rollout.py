@@ -232,9 +232,9 @@ def test_vllm_scores_given_tokens_as_transformers_does(vllm_engine, model_dir):
     """Prompt log-probs, as a distillation teacher scores: every token's, and every position's
     top 5 (ids and log-probs), equal transformers' log-softmax (the HF engine) at temperature 1."""
     sequences = [prompt + [11, 12, 13] for prompt in PROMPTS]
-    plain = vllm_engine.sequence_log_probs(sequences)
-    top = vllm_engine.sequence_top_log_probs(sequences, 5)
-    reference = engine_for("hf", model_dir).sequence_top_log_probs(sequences, 5)
+    plain = [scored.log_probs for scored in vllm_engine.sequence_log_probs(sequences)]
+    top = vllm_engine.sequence_log_probs(sequences, 5)
+    reference = engine_for("hf", model_dir).sequence_log_probs(sequences, 5)
     for ids, own, mine, expected in zip(sequences, plain, top, reference, strict=True):
         assert len(own) == len(ids) - 1 and mine.top_ids.shape == (len(ids) - 1, 5)
         torch.testing.assert_close(
