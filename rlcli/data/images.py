@@ -66,13 +66,13 @@ def _load_image(entry: Any, location: RowLocation, key: str) -> Any:
     from PIL import Image, UnidentifiedImageError
 
     if isinstance(entry, dict):
-        source = next((entry[k] for k in ("bytes", "path", "image") if entry.get(k)), None)
-        if source is None:
+        if entry.get("bytes"):
+            return _open(_decoded_bytes(entry["bytes"], location, key), location, key)
+        source = entry.get("path") or entry.get("image")
+        if not source:
             raise UserError(
                 f"{location}: key {key} holds none of 'bytes', 'path', 'image': {entry!r:.100}"
             )
-        if "bytes" in entry and entry.get("bytes"):
-            return _open(_decoded_bytes(source, location, key), location, key)
         entry = source
     if isinstance(entry, bytes):
         return _open(entry, location, key)
