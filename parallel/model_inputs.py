@@ -131,15 +131,19 @@ def routing_tokens(mb: MicroBatch, inputs: ModelInputs) -> torch.Tensor:
     return routing.transpose(0, 1).reshape(length * rows, *routing.shape[2:])
 
 
-def row_images(mb: MicroBatch) -> ImageInputs:
+def row_images(mb: MicroBatch) -> ImageInputs | None:
     """``mb.pixel_values [mb, P, D]`` / ``image_grid_thw [mb, I, 3]`` as the vision tower takes
-    them: every row's own patches and grids, in row order, on ``device()``."""
+    them: every row's own patches and grids, in row order, on ``device()``; None when its rows
+    hold no image (text rows of a vision-language batch)."""
     patches, grids = [], []
     for pixels, grid in zip(mb.pixel_values, mb.image_grid_thw, strict=True):
         grid = grid[grid.prod(dim=-1) > 0]
         patches.append(pixels[: int(grid.prod(dim=-1).sum())])
         grids.append(grid)
-    return ImageInputs(torch.cat(patches), torch.cat(grids).long()).to(device())
+    if not sum(len(grid) for grid in grids):
+        return None
+    row_patches = tuple(len(row) for row in patches)
+    return ImageInputs(torch.cat(patches), torch.cat(grids).long(), row_patches).to(device())
 
 
 def model_positions(position_ids: torch.Tensor) -> torch.Tensor:

@@ -43,9 +43,13 @@ class ImageInputs:
 
     pixel_values: torch.Tensor
     grid_thw: torch.Tensor
+    # Each row's patches (its images' share of pixel_values), when the rows may hold the image
+    # token beyond their images' placeholders: a response the policy sampled can contain it,
+    # and the engines read such a token as text. None: every image token is a placeholder.
+    row_patches: tuple[int, ...] | None = None
 
     def to(self, device: torch.device) -> ImageInputs:
-        return ImageInputs(self.pixel_values.to(device), self.grid_thw.to(device))
+        return ImageInputs(self.pixel_values.to(device), self.grid_thw.to(device), self.row_patches)
 
 
 def build_vision_tower(multimodal_config: Any, trainable: bool) -> torch.nn.Module:
@@ -95,6 +99,11 @@ class VisionLanguageModel(GPTModel):
         features = self.visual(images.pixel_values.to(dtype), grid_thw=images.grid_thw)
         features = features.pooler_output  # the merger's output: one row per placeholder
         slots = input_ids == self.image_token_id
+        if images.row_patches is not None:
+            # a row's first placeholders are its prompt's; later image tokens are sampled text
+            placeholders = torch.tensor(images.row_patches, device=slots.device)
+            placeholders = placeholders // self.visual.spatial_merge_unit
+            slots &= slots.cumsum(dim=1) <= placeholders[:, None]
         if int(slots.sum()) != features.shape[0]:
             raise ValueError(
                 f"{int(slots.sum())} image placeholder tokens (id {self.image_token_id}) but "

@@ -63,6 +63,10 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
     "generation_config.json",
+    # a vision-language model's image / video processors (older and newer layouts)
+    "processor_config.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
 )
 
 

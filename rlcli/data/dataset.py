@@ -50,10 +50,14 @@ class PromptItem:
     prompt_text: str = ""
     origin: str = ""
     prompt_messages: list[dict[str, str]] = field(default_factory=list)
-    # A vision-language row's images (RGB PIL images, for the engine) and what the model's
-    # processor made of them (``rlcli.data.images.ProcessedPrompt``: pixel_values, grids).
-    images: list[Any] = field(default_factory=list)
+    # A vision-language row's images as loaded and as the model's processor made them
+    # (``rlcli.data.images.ProcessedPrompt``: PIL images, pixel_values, grids, positions).
     image_inputs: Any = None
+
+    @property
+    def images(self) -> list[Any]:
+        """The row's RGB PIL images (none for a text row)."""
+        return self.image_inputs.images if self.image_inputs is not None else []
 
 
 class PromptDataset(Sequence[PromptItem]):
@@ -160,11 +164,11 @@ def load_prompt_dataset(
     items: list[PromptItem] = []
     num_dropped = 0
     for position, (row, text) in enumerate(zip(parsed, texts, strict=True)):
-        images, image_inputs = [], None
+        image_inputs = None
         if row.images is None:
             ids = token_ids[position]
         else:
-            images, image_inputs = _row_images(row, processor, prompt_key)
+            image_inputs = _row_images(row, processor, prompt_key)
             ids, text = image_inputs.token_ids, image_inputs.text
         if max_prompt_length is not None and len(ids) > max_prompt_length:
             num_dropped += 1
@@ -179,7 +183,6 @@ def load_prompt_dataset(
                 prompt_text=text,
                 origin=str(row.location),
                 prompt_messages=row.messages,
-                images=images,
                 image_inputs=image_inputs,
             )
         )
@@ -233,7 +236,7 @@ def _parse_row(location: RowLocation, row: dict[str, Any], prompt_key: str) -> _
     )
 
 
-def _row_images(row: _ParsedRow, processor: Any, prompt_key: str) -> tuple[list[Any], Any]:
+def _row_images(row: _ParsedRow, processor: Any, prompt_key: str) -> Any:
     """A row's images and what the model's processor makes of them (``rlcli.data.images``)."""
     from rlcli.data.images import image_messages, load_row_images, process_prompt
 
@@ -245,7 +248,7 @@ def _row_images(row: _ParsedRow, processor: Any, prompt_key: str) -> tuple[list[
         )
     images = load_row_images(row.images, row.location)
     messages = image_messages(row.messages, len(images), row.location, prompt_key)
-    return images, process_prompt(processor, messages, images)
+    return process_prompt(processor, messages, images)
 
 
 def parse_messages(value: Any, location: RowLocation, prompt_key: str) -> list[dict[str, str]]:

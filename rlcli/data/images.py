@@ -43,9 +43,19 @@ class ProcessedPrompt:
     """A prompt with images as the model reads it (module docstring)."""
 
     text: str  # the rendered prompt, one placeholder token an image
-    token_ids: list[int]
+    token_ids: list[int]  # each image's placeholder token expanded to its merged patches
     pixel_values: torch.Tensor  # [patches, patch_dim] float32
     image_grid_thw: torch.Tensor  # [images, 3] int64: frames, rows, columns of patches
+    # [len(token_ids), 3] int64: each token's multimodal RoPE position (temporal, height,
+    # width; ``parallel.vision_language.mrope_position_ids``); the text after the prompt
+    # continues from ``next_position`` on all three axes.
+    positions: torch.Tensor
+    images: list[Any]  # the RGB PIL images (an engine that processes them itself takes these)
+    image_token_id: int  # the placeholder token (one per merged patch in ``token_ids``)
+
+    @property
+    def next_position(self) -> int:
+        return int(self.positions.max()) + 1
 
 
 def load_row_images(value: Any, location: RowLocation) -> list[Any]:
@@ -148,13 +158,22 @@ def process_prompt(
 ) -> ProcessedPrompt:
     """Token ids, ``pixel_values`` and ``image_grid_thw`` of ``messages`` (image parts already in
     place, ``image_messages``) and their images, by the model's processor."""
+    from parallel.vision_language import mrope_position_ids
+
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     out = processor(text=[text], images=images, return_tensors="pt")
+    grid = out["image_grid_thw"].long()
+    positions = mrope_position_ids(
+        out["input_ids"], grid, processor.image_token_id, processor.image_processor.merge_size
+    )
     return ProcessedPrompt(
         text=text,
         token_ids=out["input_ids"][0].tolist(),
         pixel_values=out["pixel_values"].float(),
-        image_grid_thw=out["image_grid_thw"].long(),
+        image_grid_thw=grid,
+        positions=positions[:, 0].T.contiguous(),
+        images=images,
+        image_token_id=processor.image_token_id,
     )
 
 

@@ -16,7 +16,7 @@ import json
 import os
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +24,7 @@ from typing import Literal
 
 import torch
 
+from rlcli.data.images import ProcessedPrompt
 from rlcli.errors import UserError
 
 
@@ -66,6 +67,9 @@ class GenerationRequest:
     sampling: SamplingConfig
     n: int = 1
     seed: int | None = None  # None: drawn from the engine's seeded stream
+    # A vision-language prompt's images (its placeholders already expanded in
+    # prompt_token_ids): the PIL images and what the model's processor made of them.
+    images: ProcessedPrompt | None = None
 
 
 def copies(completion: Completion, n: int) -> list[Completion]:
@@ -138,20 +142,30 @@ class RolloutEngine(ABC):
 
     # Whether `load_lora_adapter` works (vLLM started with room for adapters).
     takes_lora_adapters: bool = False
+    # Whether requests may carry images (a vision-language model, on an engine that feeds them).
+    takes_images: bool = False
 
     def __init__(self, seed: int, replica: ReplicaInfo) -> None:
         self.replica = replica
         self._seeds = random.Random(seed)
 
     def generate(
-        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingConfig
+        self,
+        prompt_token_ids: list[list[int]],
+        n: int,
+        sampling: SamplingConfig,
+        images: Sequence[ProcessedPrompt | None] | None = None,
     ) -> list[list[Completion]]:
         """Sample `n` completions for each prompt; returns [len(prompts)][n]. Each (replica,
-        prompt) gets its own block of `n` seeds (`request_seed`) from `sampling.seed`."""
+        prompt) gets its own block of `n` seeds (`request_seed`) from `sampling.seed`.
+        `images`: each prompt's images (None for a text prompt; only where `takes_images`)."""
         base_seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(31)
+        images = images or [None] * len(prompt_token_ids)
         requests = [
-            GenerationRequest(ids, sampling, n, request_seed(base_seed, self.replica.index, i, n))
-            for i, ids in enumerate(prompt_token_ids)
+            GenerationRequest(
+                ids, sampling, n, request_seed(base_seed, self.replica.index, i, n), prompt_images
+            )
+            for i, (ids, prompt_images) in enumerate(zip(prompt_token_ids, images, strict=True))
         ]
         return self.generate_requests(requests)
 

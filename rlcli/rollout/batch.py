@@ -153,6 +153,7 @@ def collate(samples: list[Sample], pad_id: int) -> RolloutBatch:
             s.engine_log_probs[:n_resp], dtype=torch.float32
         )
     return RolloutBatch(
+        **_images(samples, seq_len),
         routing=_engine_routing(samples, seq_len),
         teacher_log_probs=_teacher_log_probs(samples, resp_len),
         **_teacher_top(samples, seq_len),
@@ -179,6 +180,36 @@ def _trajectory_index(samples: list[Sample]) -> torch.Tensor:
         key = ("agent", agent.session) if agent is not None else row
         index.append(ids.setdefault(key, len(ids)))
     return torch.tensor(index, dtype=torch.long)
+
+
+def _images(samples: list[Sample], seq_len: int) -> dict[str, torch.Tensor]:
+    """A vision-language batch's ``pixel_values [B, P, D]``, ``image_grid_thw [B, I, 3]`` (each
+    row's own, zero-padded; ``MicroBatch``'s) and multimodal ``position_ids [B, S, 3]``: the
+    prompt's from its processor, the response continuing from the prompt's next position on all
+    three axes (as transformers' ``get_rope_index`` counts text after images); nothing when no
+    sample has images."""
+    prompts = [s.item.image_inputs if s.item is not None else None for s in samples]
+    shown = [p for p in prompts if p is not None]
+    if not shown:
+        return {}
+    patches = max(p.pixel_values.shape[0] for p in shown)
+    pixel_values = torch.zeros((len(samples), patches, shown[0].pixel_values.shape[1]))
+    grids = torch.zeros(
+        (len(samples), max(len(p.image_grid_thw) for p in shown), 3), dtype=torch.long
+    )
+    positions = torch.zeros((len(samples), seq_len, 3), dtype=torch.long)
+    for row, (s, prompt) in enumerate(zip(samples, prompts, strict=True)):
+        if prompt is None:
+            positions[row, : s.num_tokens] = torch.arange(s.num_tokens)[:, None]
+            continue
+        if len(prompt.positions) != len(s.prompt_ids):
+            raise ValueError(f"row {row}: its prompt ids are not the processor's")
+        positions[row, : len(s.prompt_ids)] = prompt.positions
+        after = torch.arange(len(s.response_ids))[:, None] + prompt.next_position
+        positions[row, len(s.prompt_ids) : s.num_tokens] = after
+        pixel_values[row, : len(prompt.pixel_values)] = prompt.pixel_values
+        grids[row, : len(prompt.image_grid_thw)] = prompt.image_grid_thw
+    return {"pixel_values": pixel_values, "image_grid_thw": grids, "position_ids": positions}
 
 
 def _engine_routing(samples: list[Sample], seq_len: int) -> torch.Tensor | None:

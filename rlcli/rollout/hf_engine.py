@@ -21,7 +21,9 @@ from rlcli.rollout.base import (
     current_replica,
     model_eos_token_ids,
     model_path_key,
+    read_hf_config,
 )
+from rlcli.rollout.engine_images import check_takes_images, hf_image_inputs
 
 MAX_SEQUENCES_PER_CALL = 64  # bounds the padded [batch, len, vocab] scores kept by generate
 
@@ -37,11 +39,15 @@ class HFEngine(RolloutEngine):
         key: str = "rollout",
     ) -> None:
         """``key``: the config section the engine is built from (errors name its model path)."""
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         super().__init__(seed, current_replica(1))
+        hf_config = read_hf_config(model_dir, key)
+        self.takes_images = "vision_config" in hf_config
+        self._image_token_id = hf_config.get("image_token_id")
+        model_class = AutoModelForImageTextToText if self.takes_images else AutoModelForCausalLM
         try:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
+            model = model_class.from_pretrained(model_dir, dtype=DTYPES[dtype])
         except OSError as error:
             raise UserError(
                 f"cannot load the model at {model_path_key(key)}={model_dir!r}: {error}"
@@ -58,6 +64,7 @@ class HFEngine(RolloutEngine):
         """Runs of requests with the same sampling and `n` go through `generate` together, up
         to MAX_SEQUENCES_PER_CALL sequences a call, seeded from the run's first request (so a
         rank's results do not depend on other ranks)."""
+        check_takes_images(requests, self.takes_images, "HF")
         results: list[list[Completion]] = []
         for (_, n), same in groupby(requests, key=lambda r: (_key(r.sampling), r.n)):
             run = list(same)
@@ -68,14 +75,13 @@ class HFEngine(RolloutEngine):
             for start in range(0, len(run), prompts_per_call):
                 chunk = run[start : start + prompts_per_call]
                 seed = chunk[0].seed if chunk[0].seed is not None else self._seeds.getrandbits(31)
-                prompts = [r.prompt_token_ids for r in chunk]
-                done = self._generate_chunk(prompts, per_call, chunk[0].sampling, stops, seed)
+                done = self._generate_chunk(chunk, per_call, chunk[0].sampling, stops, seed)
                 results += [copies(c[0], n) for c in done] if greedy else done
         return results
 
     def _generate_chunk(
         self,
-        prompts: list[list[int]],
+        requests: list[GenerationRequest],
         n: int,
         sampling: SamplingConfig,
         stops: list[int],
@@ -84,6 +90,7 @@ class HFEngine(RolloutEngine):
         from transformers import GenerationConfig
 
         device = self.model.device
+        prompts = [r.prompt_token_ids for r in requests]
         width = max(len(p) for p in prompts)
         pad_id = stops[0] if stops else 0
         # Left padding: every prompt ends at column `width`, where generation starts.
@@ -118,7 +125,10 @@ class HFEngine(RolloutEngine):
         ):
             torch.manual_seed(seed)
             out = self.model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, generation_config=config
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                generation_config=config,
+                **hf_image_inputs(requests, input_ids, self._image_token_id),
             )
         new_tokens = out.sequences[:, width:]  # [len(prompts) * n, steps]
         scores = torch.stack(out.scores, dim=1).float()  # [len(prompts) * n, steps, vocab]

@@ -97,7 +97,12 @@ class Sampler:
             return samples
         # Called even with no prompts: the ranks of a replica (and vLLM's groups) step together.
         with cpu_compat.suspended():  # the engine never calls megatron-core
-            outputs = self.engine.generate([item.prompt_token_ids for _, item in mine], n, sampling)
+            outputs = self.engine.generate(
+                [item.prompt_token_ids for _, item in mine],
+                n,
+                sampling,
+                images=[item.image_inputs for _, item in mine],
+            )
         local: list[Sample] = []
         for (position, item), completions in zip(mine, outputs, strict=True):
             for completion in completions:

@@ -57,6 +57,7 @@ from rlcli.rollout.base import (
     model_path_key,
     read_hf_config,
 )
+from rlcli.rollout.engine_images import check_takes_images, vllm_prompt
 from rlcli.rollout.vllm_cpu import (
     name_cpu_shm_after_this_job,
     refresh_cpu_embedding_gemm,
@@ -113,16 +114,26 @@ class VLLMEngine(RolloutEngine):
 
         options = replica_options(section.tp, self.replica.count, self._on_gpu)
         self._joins_world = "distributed_executor_backend" in options
+        hf_config = read_hf_config(model_dir, key)
+        self.takes_images = "vision_config" in hf_config
+        self._image_token_id = hf_config.get("image_token_id")
         options.update(
             model=model_dir,
             dtype=dtype,
             seed=seed,
             enforce_eager=section.enforce_eager,
             max_model_len=max_model_len,
-            skip_tokenizer_init=True,  # token ids in and out; no tokenizer files needed
+            # Token ids in and out, no tokenizer files needed; but vLLM's multimodal processor
+            # (which turns images into patches) requires the model's tokenizer.
+            skip_tokenizer_init=not self.takes_images,
             logprobs_mode="processed_logprobs",  # log_softmax(logits / T), not raw logits
             load_format=section.load_format,
         )
+        if self.takes_images:
+            # The image processor normalises pixels on the host, as transformers' does: vLLM's
+            # on-device normalisation keeps its mean / std as buffers that a dummy start fills
+            # with noise and no weight sync restores (they are not checkpoint tensors).
+            options.update(mm_device_do_normalize=False)
         self._lora_request = None  # the adapter generate samples with (load_lora_adapter)
         self.takes_lora_adapters = max_lora_rank > 0
         if max_lora_rank > 0:
@@ -141,7 +152,7 @@ class VLLMEngine(RolloutEngine):
             )
             # vLLM caches a linear-attention (DeltaNet) model's prefixes only in its mamba
             # cache's 'align' mode, which requires chunked prefill: no prefix cache for those.
-            layer_types = read_hf_config(model_dir, key).get("layer_types") or []
+            layer_types = hf_config.get("layer_types") or []
             if "linear_attention" in layer_types:
                 options.update(enable_prefix_caching=False)
         if self._joins_world and not self._on_gpu:
@@ -159,7 +170,6 @@ class VLLMEngine(RolloutEngine):
 
     def generate_requests(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
         self.calls.append("generate")
         if self._weights_stale:
@@ -175,8 +185,9 @@ class VLLMEngine(RolloutEngine):
                 "model.moe_routing_replay=r3 needs rollout.engine=hf: this vLLM engine does not "
                 "return the experts it routed to"
             )
+        check_takes_images(requests, self.takes_images, "vLLM")
         params = [self._sampling_params(request, SamplingParams) for request in requests]
-        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_token_ids)) for r in requests]
+        prompts = [vllm_prompt(r, self._image_token_id) for r in requests]
         outputs = self._llm.generate(
             prompts, params, use_tqdm=False, lora_request=self._lora_request
         )

@@ -140,11 +140,32 @@ def prepare_inputs(cfg: RLConfig) -> RunInputs:
     )
     if cfg.rollout.multi_turn.enable:
         kwargs["tools"] = multi_turn_prompt_tools(cfg, tokenizer)
+    kwargs["processor"] = image_processor(cfg, model_dir)
     train = load_prompt_dataset(cfg.data.train_files, **kwargs)
     val = load_prompt_dataset(cfg.data.val_files, **kwargs) if cfg.data.val_files else None
     return RunInputs(
         cfg, mesh, roles, output_dir, model_dir, tokenizer, train, val, sft_files, settings
     )
+
+
+def image_processor(cfg: RLConfig, model_dir: str) -> Any:
+    """A vision-language model's processor (transformers' ``AutoProcessor``: its tokenizer,
+    image processor and chat template), which renders the rows with images; None for a text
+    model."""
+    import json
+
+    from transformers import AutoProcessor
+
+    if "vision_config" not in json.loads(Path(model_dir, "config.json").read_text()):
+        return None
+    source = cfg.model.tokenizer_path or model_dir
+    try:
+        return AutoProcessor.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        raise UserError(
+            f"{tokenizer_setting(cfg)}: a vision-language model needs its processor "
+            f"(preprocessor_config.json beside the tokenizer) to read images: {error}"
+        ) from error
 
 
 def multi_turn_prompt_tools(cfg: RLConfig, tokenizer: PreTrainedTokenizerBase) -> list | None:

@@ -123,7 +123,7 @@ def validate_against_model(cfg: RLConfig, model_config: dict[str, Any]) -> None:
     from parallel.model_shapes import num_experts_of
 
     check_linear_attention(cfg, model_config)
-    check_vision_language(model_config)
+    check_vision_language(cfg, model_config)
     par, experts = cfg.parallel, num_experts_of(model_config)
     model = f"{model_config.get('model_type')!r} model"
     if not experts:
@@ -165,18 +165,29 @@ def validate_against_model(cfg: RLConfig, model_config: dict[str, Any]) -> None:
             )
 
 
-def check_vision_language(model_config: dict[str, Any]) -> None:
-    """A vision-language checkpoint (Qwen2.5-VL) converts and verifies with images
-    (`parallel.vision_language`); the step does not carry images yet, so training it is refused
-    rather than run as an untested text-only model."""
-    from parallel.convert.registry import supported_model_types
-
-    model_type = model_config.get("model_type")
-    if "vision_config" in model_config and model_type in supported_model_types():
+def check_vision_language(cfg: RLConfig, model_config: dict[str, Any]) -> None:
+    """A vision-language policy (Qwen2.5-VL) trains with GRPO-style algorithms, colocated,
+    single-turn, its tower frozen (docs/vision-language.md); what is not built for it yet is
+    refused rather than run as a silently text-only model."""
+    if "vision_config" not in model_config:
+        return
+    model = f"the vision-language model ({model_config.get('model_type')!r})"
+    unsupported = {
+        "algorithm.adv_estimator=gae": cfg.algorithm.uses_critic,
+        "rollout.multi_turn.enable": cfg.rollout.multi_turn.enable,
+        "rollout.agent": cfg.rollout.agent is not None,
+        "rollout.placement=separate": cfg.rollout.is_separate,
+        "distill.enable": cfg.distill.enable,
+        "actor.lora.enable": cfg.actor.lora.enable,
+        "actor.pack_sequences": cfg.actor.pack_sequences,
+        "parallel.sequence_parallel": cfg.parallel.sequence_parallel,
+    }
+    given = [key for key, on in unsupported.items() if on]
+    if given:
         raise UserError(
-            f"model.path: {model_type!r} is a vision-language model; rlcli converts it and checks "
-            f"it against transformers with images (`rlcli convert verify --model DIR`), but "
-            "training it (images in the data, the engines and the step) is not built yet"
+            f"{', '.join(given)}: not built for {model} yet (it trains as the policy with a "
+            "frozen vision tower, colocated, single-turn, padded micro-batches, no critic, "
+            "teacher or LoRA); change these settings, or train a text model"
         )
 
 
