@@ -11,8 +11,10 @@ from typing import Literal, Optional
 class ModelBuildConfig:
     """A small random model built locally when ``model.build`` is true (quickstart, tests)."""
 
-    # the HF model family built; qwen3_5: Qwen3.5's hybrid of Gated DeltaNet and attention
-    architecture: Literal["qwen2", "llama", "qwen3_5"] = "qwen2"
+    # the HF model family built; qwen3_5: Qwen3.5's hybrid of Gated DeltaNet and attention;
+    # qwen2_5_vl: Qwen2.5-VL, this language model behind a small vision tower, with its
+    # processor (rlcli/model/vision_builder.py; the tokenizer always gets ChatML)
+    architecture: Literal["qwen2", "llama", "qwen3_5", "qwen2_5_vl"] = "qwen2"
     hidden_size: int = 256  # width of the residual stream
     num_layers: int = 4  # transformer layers
     num_heads: int = 4  # attention heads (head size: hidden_size / num_heads)

@@ -36,9 +36,10 @@ class DataConfig:
     train_batch_size: int = 8  # prompts per step (each sampled rollout.n times)
     shuffle: bool = True  # reshuffle the training prompts every epoch
     apply_chat_template: Optional[bool] = None  # None: when the tokenizer has a chat template
-    # write a synthetic task under trainer.output_dir: "arith" (the quickstart) or
+    # write a synthetic task under trainer.output_dir: "arith" (the quickstart),
     # "tool_multiply" (3-digit products with the calculator tool: recipes/tool_quickstart.yaml)
-    synthetic: Optional[Literal["arith", "tool_multiply"]] = None
+    # or "count_squares" (pictures drawn at run time: recipes/vlm_quickstart.yaml)
+    synthetic: Optional[Literal["arith", "tool_multiply", "count_squares"]] = None
     # tool_multiply: the share of its SFT conversations that call the calculator; the others
     # answer at once (right, but a small model cannot learn to), so RL has the tool to discover
     synthetic_tool_share: float = 1.0

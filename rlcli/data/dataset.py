@@ -238,7 +238,7 @@ def _parse_row(location: RowLocation, row: dict[str, Any], prompt_key: str) -> _
 
 def _row_images(row: _ParsedRow, processor: Any, prompt_key: str) -> Any:
     """A row's images and what the model's processor makes of them (``rlcli.data.images``)."""
-    from rlcli.data.images import image_messages, load_row_images, process_prompt
+    from rlcli.data.images import prompt_with_images
 
     if processor is None:
         raise UserError(
@@ -246,9 +246,7 @@ def _row_images(row: _ParsedRow, processor: Any, prompt_key: str) -> Any:
             "text-only model): use a vision-language model (model.path), or drop the "
             "row's 'images'"
         )
-    images = load_row_images(row.images, row.location)
-    messages = image_messages(row.messages, len(images), row.location, prompt_key)
-    return process_prompt(processor, messages, images)
+    return prompt_with_images(processor, row.messages, row.images, row.location, prompt_key)
 
 
 def parse_messages(value: Any, location: RowLocation, prompt_key: str) -> list[dict[str, str]]:

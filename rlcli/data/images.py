@@ -177,6 +177,15 @@ def process_prompt(
     )
 
 
+def prompt_with_images(
+    processor: Any, messages: list[dict[str, str]], images: Any, location: RowLocation, key: str
+) -> ProcessedPrompt:
+    """A row's messages (``<image>`` placeholders in ``key``) and ``images`` value, loaded and
+    processed: what the model reads."""
+    loaded = load_row_images(images, location)
+    return process_prompt(processor, image_messages(messages, len(loaded), location, key), loaded)
+
+
 def image_question_rows(images_dir: str, questions: str, data_source: str) -> list[dict]:
     """Prompt rows from a folder of images and a file of questions about them (``.jsonl`` /
     ``.parquet``, rows ``{"image": NAME or "images": [NAMES], "question": ..., "answer": ...}``,

@@ -2,6 +2,10 @@
 
 ``{"prompt": str, "response": str}``: the loss is on the response (the trainer appends EOS).
 
+``{"prompt": [...] or str, "images": [...], "response": str}``: a prompt with images (a
+vision-language model's; verl's multimodal schema, ``rlcli.data.images``), rendered and processed
+by the model's processor; the loss is on the response.
+
 ``{"messages": [...]}``: chat messages (``role``, ``content``; a ``tool`` message may carry the
 tool's ``name``). The messages before the first assistant message are the prompt; from there on
 the loss is on the assistant messages only (their tokens and their end-of-turn token, exactly as
@@ -14,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from rlcli.data.rows import read_rows
+from rlcli.data.rows import RowLocation, read_rows
 from rlcli.errors import UserError
 
 
@@ -35,13 +39,26 @@ class SFTConversation:
         return next(i for i, m in enumerate(self.messages) if m["role"] == "assistant")
 
 
-SFTRow = tuple[str, str] | SFTConversation
+@dataclass(frozen=True)
+class SFTImagePrompt:
+    """A prompt with images and the response to learn (module docstring)."""
+
+    messages: list[dict[str, Any]]
+    images: Any  # the row's ``images`` value, as read (``rlcli.data.images`` loads it)
+    response: str
+    location: RowLocation
+
+
+SFTRow = tuple[str, str] | SFTConversation | SFTImagePrompt
 
 
 def read_sft_rows(path: str) -> list[SFTRow]:
     """The rows of an SFT file: ``(prompt, response)`` pairs and ``SFTConversation``s."""
     rows: list[SFTRow] = []
     for location, row in read_rows(path):
+        if "images" in row:
+            rows.append(_image_prompt(row, location))
+            continue
         if "messages" in row:
             conversation = _conversation(row["messages"], str(location))
             rows.append(replace(conversation, tools=_tools(row.get("tools"), str(location))))
@@ -56,6 +73,22 @@ def read_sft_rows(path: str) -> list[SFTRow]:
     if not rows:
         raise UserError(f"{path} has no SFT rows")
     return rows
+
+
+def _image_prompt(row: dict[str, Any], location: RowLocation) -> SFTImagePrompt:
+    prompt = row.get("prompt")
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt
+    ):
+        raise UserError(
+            f"{location}: an SFT row with 'images' needs 'prompt' (chat messages, or a string "
+            "with <image> placeholders) and a string 'response'"
+        )
+    if not isinstance(row.get("response"), str):
+        raise UserError(f"{location}: an SFT row with 'images' needs a string 'response'")
+    return SFTImagePrompt([dict(m) for m in prompt], row["images"], row["response"], location)
 
 
 def _tools(tools: Any, where: str) -> list[dict[str, Any]] | None:
@@ -92,7 +125,12 @@ def _conversation(messages: Any, where: str) -> SFTConversation:
 
 def sft_corpus(rows: list[SFTRow]) -> list[str]:
     """The text of the rows (to train a locally built tokenizer on)."""
-    return [
-        row[0] + row[1] if isinstance(row, tuple) else "\n".join(m["content"] for m in row.messages)
-        for row in rows
-    ]
+    texts = []
+    for row in rows:
+        if isinstance(row, tuple):
+            texts.append(row[0] + row[1])
+        else:
+            texts.append("\n".join(m["content"] for m in row.messages))
+            if isinstance(row, SFTImagePrompt):
+                texts[-1] += row.response
+    return texts

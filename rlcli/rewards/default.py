@@ -12,6 +12,7 @@ _BY_DATA_SOURCE = {
     "openai/gsm8k": gsm8k.compute_score,
     "gsm8k": gsm8k.compute_score,
     "arith": arith.compute_score,
+    "count_squares": arith.compute_score,  # the vision-language quickstart: " #### N" first
     "tool_multiply": gsm8k.compute_score,  # the tool quickstart: the number after the last ####
 }
 # verl's math sources ("lighteval/MATH", "HuggingFaceH4/MATH-500", "math_dapo", "aime2024",

@@ -54,7 +54,6 @@ from rlcli.rollout.base import (
     copies,
     current_replica,
     model_eos_token_ids,
-    model_path_key,
     read_hf_config,
 )
 from rlcli.rollout.engine_images import check_takes_images, vllm_prompt
@@ -63,6 +62,7 @@ from rlcli.rollout.vllm_cpu import (
     refresh_cpu_embedding_gemm,
     repack_cpu_experts,
 )
+from rlcli.rollout.vllm_errors import start_error
 
 if TYPE_CHECKING:
     from rlcli.config.schema import JudgeConfig, RolloutConfig
@@ -161,7 +161,7 @@ class VLLMEngine(RolloutEngine):
             with _preserved_global_rng():  # vLLM reseeds the process-wide RNGs it shares
                 self._llm = LLM(**options)
         except Exception as error:
-            raise _start_error(error, model_dir, self._on_gpu, key) from error
+            raise start_error(error, model_dir, self._on_gpu, key) from error
         _open_engines.append(self)
         # A sync bucket is a partial load by design, and vLLM's reload warns about every layer a
         # bucket did not carry: errors only, set once (setLevel clears every logger's level
@@ -287,6 +287,12 @@ class VLLMEngine(RolloutEngine):
         # Cached prefix KV blocks were computed with the old weights; RL prompts share prefixes
         # (and recur across steps), so stale blocks would silently skew samples and log-probs.
         self._llm.reset_prefix_cache()
+        if self.takes_images:
+            # The worker's reload drops its image caches (encoder outputs, processed inputs) but
+            # not the scheduler's / the front end's records of them, which then send a cached
+            # image by its hash alone ("Encoder cache miss"): reset both sides.
+            self._llm.llm_engine.reset_encoder_cache()
+            self._llm.reset_mm_cache()
         # A sync streams the whole model (every bucket); a partial load still leaves the rest
         # as it was, which the trainer never does after a dummy start or a level-2 sleep.
         self._weights_stale = False
@@ -371,37 +377,3 @@ def _completion(sample) -> Completion:
     )
     finish_reason = "stop" if sample.finish_reason == "stop" else "length"
     return Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=finish_reason)
-
-
-def _start_error(error: Exception, model_dir: str, on_gpu: bool, key: str) -> Exception:
-    """A UserError naming the setting to change (under `key`), or `error` itself when it is not a
-    known one."""
-    message = str(error)
-    memory_key = f"{key}.gpu_memory_utilization" if on_gpu else f"{key}.kv_cache_gb"
-    if "create shm" in message and "errno: 17" in message:
-        # (a file a killed job left with the same port: name_cpu_shm_after_this_job)
-        return UserError(
-            "vLLM could not create its tensor-parallel shared memory: a file of that name "
-            f"exists, most likely left by a killed run (or another {key}.tp > 1 job runs on "
-            "this machine). Remove /dev/shm/*cpushm* when no such job runs."
-        )
-    if "max_model_len" in message and "derived max_model_len" in message:
-        return UserError(
-            f"{key}.max_model_len is longer than the model supports ({model_dir}): "
-            f"lower {key}.max_model_len.\nvLLM: {message[:400]}"
-        )
-    if "cache blocks" in message or "KV cache is needed" in message:
-        return UserError(
-            f"the vLLM KV cache does not fit one sequence of {key}.max_model_len tokens: "
-            f"raise {memory_key} or lower {key}.max_model_len.\nvLLM: {message[:400]}"
-        )
-    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in message.lower():
-        return UserError(
-            f"vLLM ran out of memory starting the engine: lower {memory_key} (and "
-            f"{key}.max_model_len), or use fewer {key}.tp replicas.\n{message[:400]}"
-        )
-    if isinstance(error, OSError) or "safetensors" in message or "weights" in message.lower():
-        return UserError(
-            f"vLLM cannot load the model at {model_path_key(key)}={model_dir!r}: {message[:400]}"
-        )
-    return error

@@ -35,6 +35,7 @@ class RunInputs:
     output_dir: Path
     model_dir: str
     tokenizer: PreTrainedTokenizerBase
+    processor: Any  # a vision-language model's AutoProcessor (renders rows with images); None
     train_data: PromptDataset
     val_data: PromptDataset | None
     sft_files: list[str]  # SFT rows of the synthetic task (for the warm start)
@@ -100,6 +101,16 @@ def prepare_inputs(cfg: RLConfig) -> RunInputs:
         cfg.data.train_files = cfg.data.train_files or [str(data_dir / "train.jsonl")]
         cfg.data.val_files = cfg.data.val_files or [str(data_dir / "val.jsonl")]
         sft_files = [str(data_dir / "sft_train.jsonl")]
+    elif cfg.data.synthetic == "count_squares":
+        from rlcli.data.image_task import write_count_squares_dataset
+
+        data_dir = output_dir / "data"
+        if first_rank and not (data_dir / "val.jsonl").exists():
+            write_count_squares_dataset(str(data_dir), seed=cfg.trainer.seed)
+        barrier_all(roles, "data")
+        cfg.data.train_files = cfg.data.train_files or [str(data_dir / "train.jsonl")]
+        cfg.data.val_files = cfg.data.val_files or [str(data_dir / "val.jsonl")]
+        sft_files = [str(data_dir / "sft_train.jsonl")]
     elif cfg.data.synthetic == "tool_multiply":
         from rlcli.data.tool_task import write_tool_multiply_dataset
         from rlcli.tools.calculator import CalculatorTool
@@ -140,12 +151,13 @@ def prepare_inputs(cfg: RLConfig) -> RunInputs:
     )
     if cfg.rollout.multi_turn.enable:
         kwargs["tools"] = multi_turn_prompt_tools(cfg, tokenizer)
-    kwargs["processor"] = image_processor(cfg, model_dir)
+    processor = kwargs["processor"] = image_processor(cfg, model_dir)
     train = load_prompt_dataset(cfg.data.train_files, **kwargs)
     val = load_prompt_dataset(cfg.data.val_files, **kwargs) if cfg.data.val_files else None
     return RunInputs(
-        cfg, mesh, roles, output_dir, model_dir, tokenizer, train, val, sft_files, settings
-    )
+        cfg, mesh, roles, output_dir, model_dir, tokenizer, processor, train, val, sft_files,
+        settings,
+    )  # fmt: skip
 
 
 def image_processor(cfg: RLConfig, model_dir: str) -> Any:
@@ -182,14 +194,20 @@ def multi_turn_prompt_tools(cfg: RLConfig, tokenizer: PreTrainedTokenizerBase) -
 def _build_model(cfg: RLConfig, model_dir: str, sft_files: list[str]) -> None:
     from rlcli.data.sft_rows import read_sft_rows, sft_corpus
     from rlcli.model.builder import build_model_dir
+    from rlcli.model.vision_builder import build_vision_language_dir
 
     corpus = sft_corpus([row for f in sft_files for row in read_sft_rows(f)])
     if not corpus:
         raise UserError(
-            "model.build needs text to train its tokenizer: use data.synthetic=arith or "
-            "data.synthetic=tool_multiply"
+            "model.build needs text to train its tokenizer: use data.synthetic=arith, "
+            "tool_multiply or count_squares"
         )
-    build_model_dir(cfg.model.spec, model_dir, corpus, seed=cfg.trainer.seed)
+    build = (
+        build_vision_language_dir
+        if cfg.model.spec.architecture == "qwen2_5_vl"
+        else build_model_dir
+    )
+    build(cfg.model.spec, model_dir, corpus, seed=cfg.trainer.seed)
 
 
 def model_options(cfg: RLConfig, section: TrainedModelConfig | None = None) -> ModelBuildOptions:

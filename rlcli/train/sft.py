@@ -19,7 +19,7 @@ import numpy as np
 import torch.distributed as dist
 
 from parallel.step_types import LossReport, ModelOutputs
-from rlcli.data.sft_rows import SFTConversation, SFTRow, read_sft_rows
+from rlcli.data.sft_rows import SFTConversation, SFTImagePrompt, SFTRow, read_sft_rows
 from rlcli.errors import UserError
 from rlcli.model.trained_model import TrainedModel
 from rlcli.rollout.batch import RolloutBatch, Sample, collate, response_values, split_evenly
@@ -84,11 +84,41 @@ def tokenize_conversations(
     return samples
 
 
+def tokenize_image_prompts(rows: list[SFTImagePrompt], c: RunInputs) -> list[Sample]:
+    """Prompts with images, rendered and processed by the model's processor; the response
+    tokenized as a pair's is (EOS appended)."""
+    from rlcli.data import PromptItem
+    from rlcli.data.images import prompt_with_images
+
+    if c.processor is None:
+        raise UserError(
+            f"{rows[0].location}: an SFT row with images needs a vision-language model "
+            "(model.path) with its image processor"
+        )
+    eos = c.tokenizer.eos_token_id
+    samples = []
+    for number, row in enumerate(rows):
+        prompt = prompt_with_images(c.processor, row.messages, row.images, row.location, "prompt")
+        response = c.tokenizer(row.response, add_special_tokens=False)["input_ids"] + [eos]
+        item = PromptItem(number, prompt.token_ids, "sft", None, image_inputs=prompt)
+        samples.append(
+            Sample(number, prompt.token_ids, response, [0.0] * len(response), "stop", item)
+        )
+    return samples
+
+
 def tokenize_rows(rows: list[SFTRow], c: RunInputs) -> list[Sample]:
-    """Pairs first, then conversations (rendered with their own tools, else the run's)."""
+    """Pairs first, then prompts with images, then conversations (rendered with their own
+    tools, else the run's)."""
     pairs = [row for row in rows if isinstance(row, tuple)]
+    with_images = [row for row in rows if isinstance(row, SFTImagePrompt)]
     conversations = [row for row in rows if isinstance(row, SFTConversation)]
     samples = tokenize_pairs(pairs, c.tokenizer) if pairs else []
+    if with_images:
+        numbered = tokenize_image_prompts(with_images, c)
+        for sample in numbered:
+            sample.group += len(samples)
+        samples += numbered
     if conversations:
         from rlcli.tools.multi_turn import prompt_tools
 

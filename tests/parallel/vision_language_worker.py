@@ -6,7 +6,8 @@ A tiny Qwen2.5-VL through the training step's own path: two right-padded rows of
 lengths, one image each (4 x 4 and 4 x 6 patches), as a MicroBatch (patches padded per row,
 multimodal positions [b, S, 3]) cut into micro-batches of 1 and of 2 rows and run through
 parallel.schedule.forward_backward. Checks, against transformers on the same rows and images:
-the per-token log-probs of every real token; then one backward pass: gradients reach the
+the per-token log-probs of every real token, also of a response that holds the image token (read
+as text, as the engines read a sampled one); then one backward pass: gradients reach the
 language model, none the frozen vision tower. Prints "OK ..." on rank 0.
 """
 
@@ -53,6 +54,40 @@ def rows() -> tuple[MicroBatch, dict[str, torch.Tensor]]:
     return batch, hf
 
 
+def sampled_image_token(models, mesh, hf_model) -> float:
+    """A response the policy sampled may hold the image token; the engines read it as text (its
+    embedding, positions counting on from the prompt's). transformers as generate runs it: the
+    prompt with its image, then the response on the cache. Returns the largest difference."""
+    generator = torch.Generator().manual_seed(5)
+    prompt = [7, START, *[IMAGE] * 4, END, 9]
+    response = [11, IMAGE, 12, IMAGE, 13]
+    grid = torch.tensor([[1, 4, 4]])
+    pixels = torch.randn(16, PATCH, generator=generator)
+    prompt_ids = torch.tensor([prompt])
+    with torch.no_grad():
+        first = hf_model(
+            input_ids=prompt_ids, pixel_values=pixels, image_grid_thw=grid,
+            mm_token_type_ids=(prompt_ids == IMAGE).int(), use_cache=True,
+        )  # fmt: skip
+        rest = hf_model(input_ids=torch.tensor([response]), past_key_values=first.past_key_values)
+    logits = torch.cat([first.logits[0, -1:], rest.logits[0, :-1]])
+    want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+    ids = torch.tensor([prompt + response])
+    positions = mrope_position_ids(torch.tensor([prompt]), grid, IMAGE, 2)[:, 0].T
+    after = (torch.arange(len(response))[:, None] + positions.max() + 1).expand(-1, 3)
+    batch = MicroBatch(
+        input_ids=ids, attention_mask=torch.ones_like(ids),
+        position_ids=torch.cat([positions, after])[None], row_index=torch.arange(1),
+        pixel_values=pixels[None], image_grid_thw=grid[None],
+    )  # fmt: skip
+    [result] = forward_backward(models, mesh, [batch], None, forward_only=True)
+    got = result.outputs.log_probs.cpu()[0, len(prompt) - 1 :]
+    worst = (got - want).abs().max().item()
+    assert worst < 1e-5, worst
+    return worst
+
+
 def main(hf_dir: str) -> None:
     from transformers import AutoModelForImageTextToText
 
@@ -81,6 +116,8 @@ def main(hf_dir: str) -> None:
             LossReport()
         )
 
+    stray = sampled_image_token(models, mesh, hf_model)
+
     forward_backward(models, mesh, micro_batches(batch, 1), loss, forward_only=False)
     chunk = models[0]
     language = [p for n, p in chunk.named_parameters() if not n.startswith("visual.")]
@@ -89,7 +126,8 @@ def main(hf_dir: str) -> None:
     assert all(not p.requires_grad and p.grad is None for p in tower), "the frozen tower moved"
     if mesh.rank == 0:
         print(
-            f"OK tp={mesh.tp} max |log-prob diff| {worst:.2e}; gradients on "
+            f"OK tp={mesh.tp} max |log-prob diff| {worst:.2e} ({stray:.2e} with a sampled image "
+            f"token); gradients on "
             f"{len(language)} language-model tensors, none on {len(tower)} tower tensors"
         )
 
