@@ -140,13 +140,17 @@ def check_model_dir(cfg: RLConfig) -> None:
     """model.path must be an HF folder rlcli can load (or a Hugging Face Hub id, resolved to its
     local snapshot: ``rlcli.model.hub``), and the settings that depend on the model must fit its
     config.json. With model.build the builder writes it (and under torchrun rank 0
-    may be writing it right now): it is a dense model of model.spec."""
+    may be writing it right now): it is a dense model of model.spec (with a vision tower for
+    qwen2_5_vl)."""
     import json
 
     from rlcli.validation.model import validate_against_model
 
     if cfg.model.build:
-        validate_against_model(cfg, {"model_type": cfg.model.spec.architecture})
+        built = {"model_type": cfg.model.spec.architecture}
+        if cfg.model.spec.architecture == "qwen2_5_vl":
+            built["vision_config"] = {}
+        validate_against_model(cfg, built)
         return
     from rlcli.model.hub import resolve_model_path
 
