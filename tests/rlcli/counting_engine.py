@@ -18,9 +18,9 @@ class CountingEngine:
         self.calls.append("sleep")
         self.engine.sleep()
 
-    def generate(self, prompts, n, sampling):  # single-turn rollouts
+    def generate(self, prompts, n, sampling, images=None):  # single-turn rollouts
         self.calls.append(f"generate({len(prompts)})")
-        return self.engine.generate(prompts, n, sampling)
+        return self.engine.generate(prompts, n, sampling, images)
 
     def generate_requests(self, requests):  # a multi-turn turn
         self.calls.append(f"generate({len(requests)})")

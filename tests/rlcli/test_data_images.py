@@ -115,6 +115,48 @@ def test_rows_equal_the_processor_on_hand_written_messages(tmp_path, processor):
     assert data[0].image_inputs.image_grid_thw.tolist() == [[1, 2, 4], [1, 2, 2]]
 
 
+def test_a_batch_of_rows_with_images_has_transformers_positions(tmp_path, processor):
+    # The batch's multimodal positions (prompt from the processor, the response counting on)
+    # against transformers' get_rope_index over each whole row; a text row beside them.
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    from rlcli.rollout.batch import Sample, collate
+
+    blue = base64.b64encode(png_bytes(picture((56, 28), (0, 0, 255)))).decode()
+    red = base64.b64encode(png_bytes(picture((28, 28), (255, 0, 0)))).decode()
+    plain = {"data_source": "digits", "prompt": "count", "reward_model": {"ground_truth": "1"}}
+    rows = [row("<image>and<image>sum?", [{"bytes": blue}, {"bytes": red}]), plain,
+            row("count<image>", [{"bytes": red}])]  # fmt: skip
+    data = load_prompt_dataset(write(tmp_path / "b.jsonl", rows), processor.tokenizer,
+                               processor=processor)  # fmt: skip
+    responses = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    batch = collate(
+        [Sample(i, list(item.prompt_token_ids), response, [0.0] * len(response), "stop", item)
+         for i, (item, response) in enumerate(zip(data, responses, strict=True))],
+        pad_id=0,
+    )  # fmt: skip
+    tokenizer = processor.tokenizer
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen2_5_VLConfig(
+        text_config={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                     "num_key_value_heads": 1, "vocab_size": len(tokenizer)},
+        vision_config={"depth": 1, "hidden_size": 16, "num_heads": 1, "out_hidden_size": 32},
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+    )  # fmt: skip
+    model = Qwen2_5_VLModel(config)
+    grids = torch.cat([item.image_inputs.image_grid_thw for item in data if item.images])
+    want, _ = model.get_rope_index(
+        batch.input_ids, (batch.input_ids == config.image_token_id).int(),
+        image_grid_thw=grids, attention_mask=batch.attention_mask,
+    )  # fmt: skip
+    real = batch.attention_mask.bool()
+    assert torch.equal(batch.position_ids.permute(2, 0, 1)[:, real], want[:, real])
+    assert batch.image_grid_thw[1].abs().sum() == 0 and batch.pixel_values[1].abs().sum() == 0
+    assert batch.image_grid_thw[0].tolist() == [[1, 2, 4], [1, 2, 2]]
+
+
 def test_text_rows_beside_image_rows_keep_the_tokenizer_path(tmp_path, processor):
     plain = {
         "data_source": "digits",
