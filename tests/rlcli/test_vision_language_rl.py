@@ -10,14 +10,12 @@ vs transformers with images, TP1 / TP2): tests/parallel/test_vision_language.py.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from tests.rlcli.test_train_e2e import REPO
+from tests.rlcli.test_train_hybrid import rlcli
 
 pytest.importorskip("torchvision", reason="Qwen2.5-VL's processor needs torchvision's transforms")
 
@@ -26,14 +24,6 @@ SHORT = [
     "sft.steps=40", "sft.batch_size=8", "data.train_batch_size=4", "rollout.n=8",
     "trainer.val_freq=0", "checkpoint.save_freq=1",
 ]  # fmt: skip
-
-
-def rlcli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rlcli.cli", *args],
-        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-        timeout=timeout,
-    )  # fmt: skip
 
 
 @pytest.mark.vllm
