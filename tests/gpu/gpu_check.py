@@ -33,6 +33,7 @@ from tests.gpu.checks_hybrid import check_hybrid_layers  # noqa: E402
 from tests.gpu.checks_model import check_actor, check_parity  # noqa: E402
 from tests.gpu.checks_moe import check_moe_routing_replay  # noqa: E402
 from tests.gpu.checks_perf import check_cli_train_resume, check_throughput  # noqa: E402
+from tests.gpu.checks_vision import check_vision_language  # noqa: E402
 from tests.gpu.common import Context  # noqa: E402
 
 CHECKS = [
@@ -54,6 +55,10 @@ CHECKS = [
     (
         "hybrid layers (Qwen3.5 Gated DeltaNet + gated attention): fp32 / bf16 logits vs HF, grads",
         check_hybrid_layers,
+    ),
+    (
+        "vision-language (Qwen2.5-VL): fp32 / bf16 logits vs HF with images, grads, HF engine",
+        check_vision_language,
     ),
 ]
 
