@@ -363,7 +363,7 @@ def build_model(
         model_class, extra = (CriticGPTModel if critic else GPTModel), {}
         if multimodal is not None:
             model_class = VisionLanguageModel
-            extra = vision_language_kwargs(multimodal, pre_process)
+            extra = vision_language_kwargs(multimodal, pre_process, options.train_vision_tower)
             extra["position_embedding_type"] = "mrope"
         chunk = model_class(
             config=config,

@@ -80,3 +80,5 @@ class ModelBuildOptions:
     recompute: Recompute = field(default_factory=Recompute)
     moe: MoeOptions = field(default_factory=MoeOptions)
     pack_sequences: bool = False
+    # a vision-language model's tower takes gradients (frozen otherwise)
+    train_vision_tower: bool = False

@@ -65,10 +65,16 @@ def build_vision_tower(multimodal_config: Any, trainable: bool) -> torch.nn.Modu
     return tower
 
 
-def vision_language_kwargs(multimodal_config: Any, pre_process: bool) -> dict[str, Any]:
+def vision_language_kwargs(
+    multimodal_config: Any, pre_process: bool, train_tower: bool = False
+) -> dict[str, Any]:
     """VisionLanguageModel's own constructor arguments for one chunk (the tower on the first
-    stage only)."""
-    tower = build_vision_tower(multimodal_config, trainable=False) if pre_process else None
+    stage only; frozen unless `train_tower`). A trained tower is whole on every TP rank and
+    sees the same input there; its gradient is the same on each too (the language model's
+    column-parallel layers all-reduce the gradient of their input), so data parallelism alone
+    reduces it, and megatron counts it once in the gradient norm (no `tensor_model_parallel`
+    attribute: a TP duplicate)."""
+    tower = build_vision_tower(multimodal_config, train_tower) if pre_process else None
     return {"vision_tower": tower, "image_token_id": multimodal_config.image_token_id}
 
 

@@ -45,6 +45,10 @@ class ModelConfig:
     # [b, heads, s, s] score matrix; kept for comparison).
     attention_backend: Literal["auto", "te", "sdpa", "local"] = "auto"
     spec: ModelBuildConfig = field(default_factory=ModelBuildConfig)
+    # A vision-language model's vision tower and merger: frozen (the default, as peers train
+    # these models), or trained with the language model when false (the policy only; its
+    # weights then reach the engine at every sync)
+    freeze_vision_tower: bool = True
     # MoE models only (the experts, top-k and routing come from config.json). The router's
     # load-balancing loss: aux_loss (Switch-style, per micro-batch), seq_aux_loss (per
     # sequence) or none; null: aux_loss.

@@ -231,4 +231,5 @@ def model_options(cfg: RLConfig, section: TrainedModelConfig | None = None) -> M
             # only the actor replays (its update); the reference and critic route freely
             routing_replay=section is cfg.actor and m.moe_routing_replay is not None,
         ),
+        train_vision_tower=section is cfg.actor and not m.freeze_vision_tower,
     )

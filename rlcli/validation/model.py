@@ -167,9 +167,14 @@ def validate_against_model(cfg: RLConfig, model_config: dict[str, Any]) -> None:
 
 def check_vision_language(cfg: RLConfig, model_config: dict[str, Any]) -> None:
     """A vision-language policy (Qwen2.5-VL) trains with GRPO-style algorithms, colocated,
-    single-turn, its tower frozen (docs/vision-language.md); what is not built for it yet is
-    refused rather than run as a silently text-only model."""
+    single-turn, its tower frozen or trained (docs/vision-language.md); what is not built for it
+    yet is refused rather than run as a silently text-only model."""
     if "vision_config" not in model_config:
+        if not cfg.model.freeze_vision_tower:
+            raise UserError(
+                f"model.freeze_vision_tower=false: the {model_config.get('model_type')!r} model "
+                "has no vision tower to train; remove the setting"
+            )
         return
     model = f"the vision-language model ({model_config.get('model_type')!r})"
     unsupported = {
@@ -182,12 +187,15 @@ def check_vision_language(cfg: RLConfig, model_config: dict[str, Any]) -> None:
         "actor.pack_sequences": cfg.actor.pack_sequences,
         "parallel.sequence_parallel": cfg.parallel.sequence_parallel,
     }
+    if not cfg.model.freeze_vision_tower:
+        unsupported["model.freeze_vision_tower=false with parallel.pp > 1"] = cfg.parallel.pp > 1
     given = [key for key, on in unsupported.items() if on]
     if given:
         raise UserError(
-            f"{', '.join(given)}: not built for {model} yet (it trains as the policy with a "
-            "frozen vision tower, colocated, single-turn, padded micro-batches, no critic, "
-            "teacher or LoRA); change these settings, or train a text model"
+            f"{', '.join(given)}: not built for {model} yet (it trains as the policy, "
+            "colocated, single-turn, in padded micro-batches, without a critic, teacher or "
+            "LoRA; a trained tower without pipeline stages); change these settings, or train a "
+            "text model"
         )
 
 

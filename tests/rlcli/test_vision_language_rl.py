@@ -1,8 +1,9 @@
 """Vision-language RL end to end (recipes/vlm_quickstart.yaml, shortened): a tiny Qwen2.5-VL built
 with its processor, pictures drawn at run time, an SFT warm start on rows with images, GRPO with
 rollouts on vLLM (colocated). Checks: the trainer's and the engine's log-probs of every sampled
-token agree, also after a resume in a second process; the checkpoint exports as a Qwen2.5-VL
-folder that transformers loads (language model trained, tower as it was) and that `rlcli eval`
+token agree, also after a resume in a second process, with the vision tower trained too; the
+checkpoint exports as a Qwen2.5-VL folder that transformers loads (language model and tower
+trained) and that `rlcli eval`
 scores exactly as the run scored its final weights; the settings not built for a
 vision-language policy are refused naming their keys. The numerics of the model itself (logits
 vs transformers with images, TP1 / TP2): tests/parallel/test_vision_language.py."""
@@ -23,6 +24,9 @@ RECIPE = str(REPO / "recipes" / "vlm_quickstart.yaml")
 SHORT = [
     "sft.steps=40", "sft.batch_size=8", "data.train_batch_size=4", "rollout.n=8",
     "trainer.val_freq=0", "checkpoint.save_freq=1",
+    # the tower trains too: its weights must reach the engine at every sync (and its image
+    # caches be dropped), and the checkpoint must carry it and its optimizer state
+    "model.freeze_vision_tower=false",
 ]  # fmt: skip
 
 
@@ -51,7 +55,8 @@ def test_grpo_with_images_on_vllm_agrees_resumes_and_exports(tmp_path):
     after = load_file(exported / "model.safetensors")
     assert set(after) == set(start)
     moved = {name for name in start if not torch.equal(after[name], start[name])}
-    assert all(not name.startswith("visual.") for name in moved), sorted(moved)  # frozen
+    assert any(name.startswith("visual.blocks.") for name in moved), sorted(moved)
+    assert any(name.startswith("visual.merger.") for name in moved), sorted(moved)
     assert any(".self_attn." in name for name in moved) and any(".mlp." in name for name in moved)
     model = AutoModelForImageTextToText.from_pretrained(exported)
     assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
@@ -70,6 +75,7 @@ def test_grpo_with_images_on_vllm_agrees_resumes_and_exports(tmp_path):
         ("algorithm.adv_estimator=gae", "algorithm.adv_estimator=gae"),
         ("rollout.multi_turn.enable=true", "rollout.multi_turn.enable"),
         ("parallel.sequence_parallel=true", "parallel.sequence_parallel"),
+        ("model.freeze_vision_tower=false parallel.pp=2", "model.freeze_vision_tower=false"),
         ("actor.lora.enable=true", "actor.lora.enable"),
         ("actor.pack_sequences=true", "actor.pack_sequences"),
     ],
@@ -78,7 +84,17 @@ def test_what_is_not_built_for_a_vision_language_policy_is_refused(tmp_path, ove
     needed = {  # what the setting needs besides, so that the check reached is this one
         "rollout.multi_turn.enable": "rollout.multi_turn.tool_config=recipes/tools/calculator.yaml",
     }.get(key, "trainer.total_steps=1")
-    proc = rlcli("config", "validate", RECIPE, override, needed, f"trainer.output_dir={tmp_path}")
+    proc = rlcli(
+        "config", "validate", RECIPE, *override.split(), needed, f"trainer.output_dir={tmp_path}"
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert key in proc.stderr and "vision-language" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_tower_to_train_on_a_text_model_is_refused(tmp_path):
+    recipe = str(REPO / "recipes" / "quickstart.yaml")
+    proc = rlcli("config", "validate", recipe, "model.freeze_vision_tower=false",
+                 f"trainer.output_dir={tmp_path}")  # fmt: skip
+    assert proc.returncode == 2 and "no vision tower" in proc.stderr, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
