@@ -80,6 +80,7 @@ class TrainedModel:
     etp: int | None = None  # MoE: the experts' tensor parallel size (None: tp)
     # LoRA (parallel.lora): rank 0 is full fine-tuning. With adapters the base is frozen: only
     # the adapters have gradients and optimizer state.
+    train_vision_tower: bool = False  # a vision-language model's tower takes gradients
     lora_rank: int = 0
     lora_target_modules: tuple[str, ...] = LORA_TARGET_MODULES
 
@@ -137,10 +138,18 @@ class TrainedModel:
             target_modules=self.lora_target_modules,
         )
 
+    def frozen_params(self, pp_rank: int) -> int:
+        """A frozen vision tower's parameters on stage `pp_rank` (no gradient, no optimizer)."""
+        vision = self.shape.vision
+        return vision.params if vision and pp_rank == 0 and not self.train_vision_tower else 0
+
     @property
     def trainable_params(self) -> int:
-        """Parameters with gradients and optimizer state: the adapters with LoRA, else all."""
-        return self.lora_params if self.lora_rank > 0 else self.params
+        """Parameters with gradients and optimizer state on the busiest stage: the adapters with
+        LoRA, else all but a frozen vision tower."""
+        if self.lora_rank > 0:
+            return self.lora_params
+        return max(self._split(r)[0] - self.frozen_params(r) for r in range(self.pp))
 
 
 def weight_bytes(model: TrainedModel) -> int:
@@ -181,7 +190,8 @@ def optimizer_bytes(model: TrainedModel, *, distributed: bool | None = None) -> 
     per_stage = []
     for pp_rank in range(model.pp):
         total, experts = model._split(pp_rank)
-        per_stage.append(numel(total - experts, model.dp) + numel(experts, model.expert_dp))
+        dense = total - experts - model.frozen_params(pp_rank)
+        per_stage.append(numel(dense, model.dp) + numel(experts, model.expert_dp))
     return 4 * max(per_stage)
 
 

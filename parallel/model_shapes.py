@@ -12,8 +12,11 @@ Qwen2-MoE, a shared expert (split over TP) with its sigmoid gate (1 x h, replica
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
+
+from parallel.vision_shape import VisionShape
 
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_5_moe_text", "qwen3_next")
 # Qwen3.5 and Qwen3-Next: Qwen3's QK-norm, a gate per query head, Gated DeltaNet layers
@@ -84,6 +87,7 @@ class ModelShape:
     moe_layers: tuple[int, ...] | None = None  # 1 = MoE layer, 0 = dense MLP; None: all MoE
     attention_gate: bool = False  # Qwen3.5: a sigmoid output gate per query head
     linear: LinearAttentionShape | None = None  # Qwen3.5's Gated DeltaNet layers, if any
+    vision: VisionShape | None = None  # a vision-language model's tower (on the first stage)
 
     @property
     def is_moe(self) -> bool:
@@ -170,6 +174,12 @@ KNOWN_SHAPES: dict[str, ModelShape] = {
     "qwen2.5-7b": _qwen(3584, 28, 28, 4, 18944, 152064, False),
     "qwen2.5-14b": _qwen(5120, 48, 40, 8, 13824, 152064, False),
     "qwen2.5-32b": _qwen(5120, 64, 40, 8, 27648, 152064, False),
+    "qwen2.5-vl-7b": dataclasses.replace(
+        _qwen(3584, 28, 28, 4, 18944, 152064, False),
+        vision=VisionShape(
+            depth=32, hidden=1280, ffn=3420, out_hidden=3584, patch_dim=1176, merge=2
+        ),
+    ),
     "llama-3-8b": ModelShape(4096, 32, 32, 8, 128, 14336, 128256, False, False),
     "meta-llama-3-8b": ModelShape(4096, 32, 32, 8, 128, 14336, 128256, False, False),
     "qwen3-0.6b": _qwen3(1024, 28, 16, 8, 3072, True),
@@ -270,6 +280,8 @@ def stage_params(
     embedding = padded_vocab(shape.vocab, tp) // tp * shape.hidden
     if first:
         count += embedding
+        if shape.vision is not None:  # whole on every TP rank
+            count += shape.vision.params
     if last:
         count += shape.hidden  # final norm
         if critic:

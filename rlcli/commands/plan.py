@@ -144,6 +144,13 @@ def plan_command(
         f"model: {source}: {actor.params / 1e9:.3f} B params on the busiest rank, "
         f"{shape.layers} layers, hidden {shape.hidden}, {shape.heads}/{shape.kv_heads} heads"
     )
+    if shape.vision is not None:
+        trained = "trained" if actor.train_vision_tower else "frozen: no gradient, no optimizer"
+        echo(
+            f"vision tower: {shape.vision.params / 1e9:.3f} B params ({shape.vision.depth} "
+            f"blocks, width {shape.vision.hidden}), whole on the first stage of every TP rank, "
+            f"{trained}; image tokens are prompt tokens (data.max_prompt_length)"
+        )
     if shape.is_moe:
         echo(
             f"experts: {shape.experts} per MoE layer, top-{shape.topk}, ep={actor.ep} "

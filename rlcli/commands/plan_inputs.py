@@ -24,11 +24,27 @@ def shape_of_config(file: Path):
     if language_model_type(config) is not None:
         config = text_settings(config)
     elif "vision_config" in config:
-        raise UserError(
-            f"{file}: a vision-language model ({config.get('model_type')}); rlcli plan does not "
-            "count its vision tower and image tokens yet"
-        )
+        return vision_language_shape(config)
     return ModelShape.from_hf_config(config)
+
+
+def vision_language_shape(config: dict):
+    """A Qwen2.5-VL config.json's shape: its language model (``text_config``, or the top level
+    as the released checkpoints write it) and its vision tower (``parallel.vision_shape``)."""
+    import dataclasses
+
+    from parallel.model_shapes import ModelShape
+    from parallel.vision_shape import VisionShape
+
+    if config.get("model_type") != "qwen2_5_vl":
+        raise UserError(
+            f"a vision-language model of type {config.get('model_type')!r}: rlcli plan counts "
+            "Qwen2.5-VL's vision tower only"
+        )
+    text = {**config, **(config.get("text_config") or {}), "model_type": "qwen2"}
+    shape = ModelShape.from_hf_config(text)
+    vision = VisionShape.from_vision_config(config["vision_config"], shape.hidden)
+    return dataclasses.replace(shape, vision=vision)
 
 
 def model_shape(cfg, model_config: Optional[Path]):
@@ -52,7 +68,9 @@ def model_shape(cfg, model_config: Optional[Path]):
         from rlcli.model.builder import hybrid_layers
 
         spec = cfg.model.spec
-        model_type = {"qwen3_5": "qwen3_5_text"}.get(spec.architecture, spec.architecture)
+        model_type = {"qwen3_5": "qwen3_5_text", "qwen2_5_vl": "qwen2"}.get(
+            spec.architecture, spec.architecture
+        )
         config = {
             "model_type": model_type,
             "hidden_size": spec.hidden_size,
@@ -64,7 +82,12 @@ def model_shape(cfg, model_config: Optional[Path]):
             "tie_word_embeddings": spec.tie_word_embeddings,
             **hybrid_layers(spec),  # Qwen3.5's Gated DeltaNet layers, as the builder lays them
         }
-        return ModelShape.from_hf_config(config), "model.spec (built locally)"
+        shape = ModelShape.from_hf_config(config)
+        if spec.architecture == "qwen2_5_vl":
+            from rlcli.model.vision_builder import vision_shape
+
+            shape = dataclasses.replace(shape, vision=vision_shape(spec))
+        return shape, "model.spec (built locally)"
     shape = known_shape(cfg.model.path)
     if shape is None:
         raise UserError(
@@ -132,8 +155,10 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float):
     validate(cfg, world_size=world_size)
     par = cfg.parallel
     dp = derive_dp(par, trainer_ranks(cfg, world_size))
-    experts = {"num_experts": shape.experts, "moe_intermediate_size": shape.moe_ffn}
-    validate_against_model(cfg, {"model_type": Path(cfg.model.path).name, **experts})
+    known = {"num_experts": shape.experts, "moe_intermediate_size": shape.moe_ffn}
+    if shape.vision is not None:
+        known["vision_config"] = dataclasses.asdict(shape.vision)
+    validate_against_model(cfg, {"model_type": Path(cfg.model.path).name, **known})
     if shape.kv_heads % par.tp:
         raise UserError(
             f"parallel.tp={par.tp} must divide the model's {shape.kv_heads} key/value heads"
@@ -181,6 +206,7 @@ def build_plan_inputs(cfg, shape, *, world_size: int, gpu_memory_gb: float):
             offload_grads=section.offload_grads,
             offload_optimizer=section.offload_optimizer,
             critic=critic,
+            train_vision_tower=not critic and not cfg.model.freeze_vision_tower,
             ep=par.ep,
             etp=par.expert_tp,
             lora_rank=adapters.rank if adapters is not None else 0,

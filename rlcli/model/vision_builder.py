@@ -67,6 +67,20 @@ def build_processor(corpus: list[str], vocab_size: int):
     )
 
 
+def _vision_settings(spec: ModelBuildConfig) -> dict:
+    return dict(
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+        out_hidden_size=spec.hidden_size, fullatt_block_indexes=[1],
+    )  # fmt: skip
+
+
+def vision_shape(spec: ModelBuildConfig):
+    """What ``rlcli plan`` counts of the tower this builder makes."""
+    from parallel.vision_shape import VisionShape
+
+    return VisionShape.from_vision_config(_vision_settings(spec), spec.hidden_size)
+
+
 def build_random_vision_language_model(spec: ModelBuildConfig, tokenizer, seed: int):
     """A random ``Qwen2_5_VLForConditionalGeneration``: the language model of ``spec``'s sizes
     (multimodal RoPE sections in the ratio of Qwen2.5-VL's [16, 24, 24]), a 2-block vision tower
@@ -97,10 +111,7 @@ def build_random_vision_language_model(spec: ModelBuildConfig, tokenizer, seed: 
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=spec.tie_word_embeddings,
     )
-    vision = dict(
-        depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
-        out_hidden_size=spec.hidden_size, fullatt_block_indexes=[1],
-    )  # fmt: skip
+    vision = _vision_settings(spec)
     ids = tokenizer.convert_tokens_to_ids
     config = Qwen2_5_VLConfig(
         text_config=text,
