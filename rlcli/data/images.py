@@ -51,7 +51,6 @@ class ProcessedPrompt:
     # continues from ``next_position`` on all three axes.
     positions: torch.Tensor
     images: list[Any]  # the RGB PIL images (an engine that processes them itself takes these)
-    image_token_id: int  # the placeholder token (one per merged patch in ``token_ids``)
 
     @property
     def next_position(self) -> int:
@@ -173,7 +172,6 @@ def process_prompt(
         image_grid_thw=grid,
         positions=positions[:, 0].T.contiguous(),
         images=images,
-        image_token_id=processor.image_token_id,
     )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from rlcli.data.dataset import parse_messages
 from rlcli.data.rows import RowLocation, read_rows
 from rlcli.errors import UserError
 
@@ -76,19 +77,10 @@ def read_sft_rows(path: str) -> list[SFTRow]:
 
 
 def _image_prompt(row: dict[str, Any], location: RowLocation) -> SFTImagePrompt:
-    prompt = row.get("prompt")
-    if isinstance(prompt, str):
-        prompt = [{"role": "user", "content": prompt}]
-    if not isinstance(prompt, list) or not all(
-        isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt
-    ):
-        raise UserError(
-            f"{location}: an SFT row with 'images' needs 'prompt' (chat messages, or a string "
-            "with <image> placeholders) and a string 'response'"
-        )
+    messages = parse_messages(row.get("prompt"), location, "prompt")
     if not isinstance(row.get("response"), str):
         raise UserError(f"{location}: an SFT row with 'images' needs a string 'response'")
-    return SFTImagePrompt([dict(m) for m in prompt], row["images"], row["response"], location)
+    return SFTImagePrompt(messages, row["images"], row["response"], location)
 
 
 def _tools(tools: Any, where: str) -> list[dict[str, Any]] | None:

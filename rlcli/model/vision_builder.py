@@ -67,6 +67,15 @@ def build_processor(corpus: list[str], vocab_size: int):
     )
 
 
+def mrope_section(head_dim: int) -> list[int]:
+    """Multimodal RoPE sections (temporal, height, width) over half of ``head_dim``, in the
+    ratio of Qwen2.5-VL's [16, 24, 24] for its 128."""
+    half = head_dim // 2
+    temporal = half // 4
+    height = (half - temporal) // 2
+    return [temporal, height, half - temporal - height]
+
+
 def _vision_settings(spec: ModelBuildConfig) -> dict:
     return dict(
         depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
@@ -83,13 +92,10 @@ def vision_shape(spec: ModelBuildConfig):
 
 def build_random_vision_language_model(spec: ModelBuildConfig, tokenizer, seed: int):
     """A random ``Qwen2_5_VLForConditionalGeneration``: the language model of ``spec``'s sizes
-    (multimodal RoPE sections in the ratio of Qwen2.5-VL's [16, 24, 24]), a 2-block vision tower
+    (multimodal RoPE sections: ``mrope_section``), a 2-block vision tower
     of width 32 merged into it."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    head_dim = spec.hidden_size // spec.num_heads
-    half = head_dim // 2
-    temporal = half // 4
     text = dict(
         hidden_size=spec.hidden_size,
         num_hidden_layers=spec.num_layers,
@@ -101,11 +107,7 @@ def build_random_vision_language_model(spec: ModelBuildConfig, tokenizer, seed: 
         rope_parameters={
             "rope_type": "default",
             "rope_theta": 1000000.0,
-            "mrope_section": [
-                temporal,
-                (half - temporal) // 2,
-                half - temporal - (half - temporal) // 2,
-            ],
+            "mrope_section": mrope_section(spec.hidden_size // spec.num_heads),
         },
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

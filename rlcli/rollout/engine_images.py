@@ -22,6 +22,12 @@ if TYPE_CHECKING:
     from rlcli.rollout.base import GenerationRequest
 
 
+def image_token_of(hf_config: dict[str, Any]) -> int | None:
+    """The image placeholder token of a vision-language model's config.json; None for a text
+    model (whose engine takes no images)."""
+    return hf_config.get("image_token_id") if "vision_config" in hf_config else None
+
+
 def collapsed_placeholders(token_ids: list[int], image_token_id: int) -> list[int]:
     """``token_ids`` with every run of the image token cut to one token."""
     return [

@@ -23,7 +23,7 @@ from rlcli.rollout.base import (
     model_path_key,
     read_hf_config,
 )
-from rlcli.rollout.engine_images import check_takes_images, hf_image_inputs
+from rlcli.rollout.engine_images import check_takes_images, hf_image_inputs, image_token_of
 
 MAX_SEQUENCES_PER_CALL = 64  # bounds the padded [batch, len, vocab] scores kept by generate
 
@@ -43,8 +43,8 @@ class HFEngine(RolloutEngine):
 
         super().__init__(seed, current_replica(1))
         hf_config = read_hf_config(model_dir, key)
-        self.takes_images = "vision_config" in hf_config
-        self._image_token_id = hf_config.get("image_token_id")
+        self._image_token_id = image_token_of(hf_config)
+        self.takes_images = self._image_token_id is not None
         model_class = AutoModelForImageTextToText if self.takes_images else AutoModelForCausalLM
         try:
             model = model_class.from_pretrained(model_dir, dtype=DTYPES[dtype])

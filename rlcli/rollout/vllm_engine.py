@@ -56,7 +56,7 @@ from rlcli.rollout.base import (
     model_eos_token_ids,
     read_hf_config,
 )
-from rlcli.rollout.engine_images import check_takes_images, vllm_prompt
+from rlcli.rollout.engine_images import check_takes_images, image_token_of, vllm_prompt
 from rlcli.rollout.vllm_cpu import (
     name_cpu_shm_after_this_job,
     refresh_cpu_embedding_gemm,
@@ -115,8 +115,8 @@ class VLLMEngine(RolloutEngine):
         options = replica_options(section.tp, self.replica.count, self._on_gpu)
         self._joins_world = "distributed_executor_backend" in options
         hf_config = read_hf_config(model_dir, key)
-        self.takes_images = "vision_config" in hf_config
-        self._image_token_id = hf_config.get("image_token_id")
+        self._image_token_id = image_token_of(hf_config)
+        self.takes_images = self._image_token_id is not None
         options.update(
             model=model_dir,
             dtype=dtype,

@@ -164,11 +164,11 @@ def image_processor(cfg: RLConfig, model_dir: str) -> Any:
     """A vision-language model's processor (transformers' ``AutoProcessor``: its tokenizer,
     image processor and chat template), which renders the rows with images; None for a text
     model."""
-    import json
-
     from transformers import AutoProcessor
 
-    if "vision_config" not in json.loads(Path(model_dir, "config.json").read_text()):
+    from rlcli.rollout.base import read_hf_config
+
+    if "vision_config" not in read_hf_config(model_dir, "rollout"):
         return None
     source = cfg.model.tokenizer_path or model_dir
     try:

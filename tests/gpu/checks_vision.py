@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from rlcli.model.vision_builder import mrope_section
 from tests.gpu.common import BF16, Context
 
 TEXT_GPU = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
@@ -29,9 +30,7 @@ def make_vision_language_model(out_dir: Path, text: dict, seed: int) -> Path:
     if (out_dir / "config.json").exists():
         return out_dir
     head_dim = text["hidden_size"] // text["num_attention_heads"]
-    quarter = head_dim // 8
-    rope = {"rope_type": "default", "rope_theta": 1e6,
-            "mrope_section": [quarter, 3 * quarter // 2, head_dim // 2 - quarter - 3 * quarter // 2]}  # fmt: skip
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": mrope_section(head_dim)}
     vocab = text["vocab_size"]
     config = Qwen2_5_VLConfig(
         text_config={**text, "max_position_embeddings": 1024, "rope_parameters": rope},
@@ -59,7 +58,7 @@ def check_vision_language(ctx: Context) -> tuple[bool, str]:
     )
     hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     hf = hf.to(ctx.device).eval()
-    vocab, hf_image_token = hf.config.text_config.vocab_size, hf.config.image_token_id
+    vocab = hf.config.text_config.vocab_size
     batch = verify_batch(hf.config, vocab, batch=2, length=24 if ctx.cpu else 256)
     inputs = {k: v.to(ctx.device) for k, v in batch.hf_inputs(hf.config.image_token_id).items()}
     with torch.no_grad():
@@ -99,7 +98,7 @@ def check_vision_language(ctx: Context) -> tuple[bool, str]:
     prompt = ProcessedPrompt(
         text="", token_ids=batch.tokens[0].tolist(),
         pixel_values=batch.images.pixel_values[:patches], image_grid_thw=batch.images.grid_thw[:1],
-        positions=batch.positions[:, 0].T, images=[], image_token_id=hf_image_token,
+        positions=batch.positions[:, 0].T, images=[],
     )  # fmt: skip
     request = GenerationRequest(
         prompt.token_ids, SamplingConfig(temperature=0, max_tokens=2), 1, 0, prompt
