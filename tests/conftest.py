@@ -98,6 +98,7 @@ SLOW = tuple(
         "rlcli/test_train_errors.py",
         "rlcli/test_train_hybrid.py",
         "rlcli/test_train_moe.py",
+        "rlcli/test_vision_language_rl.py",
     )
 )
 

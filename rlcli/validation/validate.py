@@ -59,7 +59,6 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
     check_moe_settings(cfg)
     if cfg.trainer.resume not in ("auto", "none") and not cfg.trainer.resume:
         raise UserError("trainer.resume is empty: use 'auto', 'none' or a checkpoint directory")
-    _check_algorithm_names(cfg)
     _check_trained_model("actor", cfg.actor, cfg)
     if cfg.algorithm.uses_critic:  # other runs ignore the critic section
         _check_trained_model("critic", cfg.critic, cfg)
@@ -110,6 +109,8 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
         raise UserError("model.path is empty: give a HuggingFace model directory (model.path=DIR)")
     if world_size is not None:
         _check_world(cfg, world_size)
+    # Last: the registries import torch (about 2 s), which a mistake found above never waits for.
+    _check_algorithm_names(cfg)
 
 
 def _check_world(cfg: RLConfig, world_size: int) -> None:
@@ -136,9 +137,8 @@ def _check_world(cfg: RLConfig, world_size: int) -> None:
 
 
 def _check_trained_model(key: str, section: TrainedModelConfig, cfg: RLConfig) -> None:
-    """The keys every trained model (``actor``, ``critic``) shares."""
-    import algorithms
-
+    """The keys every trained model (``actor``, ``critic``) shares (its ``loss_agg_mode``: in
+    `_check_algorithm_names`)."""
     for name in ("micro_batch_size", "ppo_epochs", "recompute_num_layers"):
         if getattr(section, name) < 1:
             raise UserError(f"{key}.{name} must be >= 1, got {getattr(section, name)}")
@@ -168,11 +168,6 @@ def _check_trained_model(key: str, section: TrainedModelConfig, cfg: RLConfig) -
         raise UserError(
             f"{key}.lr_warmup_steps={section.lr_warmup_steps} must be smaller than "
             f"trainer.total_steps={total} (the warmup is part of the run)"
-        )
-    if section.loss_agg_mode not in algorithms.LOSS_AGG_MODES:
-        raise UserError(
-            f"{key}.loss_agg_mode={section.loss_agg_mode!r} is not valid; choose one of: "
-            f"{', '.join(algorithms.LOSS_AGG_MODES)}"
         )
 
 
@@ -301,9 +296,19 @@ def _check_logging(cfg: RLConfig) -> None:
 
 
 def _check_algorithm_names(cfg: RLConfig) -> None:
-    """Names the ``algorithms`` registries declare (estimators, policy losses, KL kinds)."""
+    """Names the ``algorithms`` registries declare (estimators, policy losses, KL kinds, loss
+    aggregations)."""
     import algorithms
 
+    trained = [("actor", cfg.actor)] + (
+        [("critic", cfg.critic)] if cfg.algorithm.uses_critic else []
+    )
+    for key, section in trained:
+        if section.loss_agg_mode not in algorithms.LOSS_AGG_MODES:
+            raise UserError(
+                f"{key}.loss_agg_mode={section.loss_agg_mode!r} is not valid; choose one of: "
+                f"{', '.join(algorithms.LOSS_AGG_MODES)}"
+            )
     checks = [
         (
             "algorithm.adv_estimator",
