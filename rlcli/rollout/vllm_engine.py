@@ -34,6 +34,7 @@ never wait for each other.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
@@ -61,6 +62,7 @@ from rlcli.rollout.vllm_cpu import (
     name_cpu_shm_after_this_job,
     refresh_cpu_embedding_gemm,
     repack_cpu_experts,
+    sampler_ops_eager,
 )
 from rlcli.rollout.vllm_errors import start_error
 
@@ -157,6 +159,14 @@ class VLLMEngine(RolloutEngine):
                 options.update(enable_prefix_caching=False)
         if self._joins_world and not self._on_gpu:
             name_cpu_shm_after_this_job()
+        # vLLM's start collects the whole heap six times (model load, KV-cache profiling), then
+        # freezes it (its EngineCore's freeze_gc_heap). In a trainer's process that heap holds
+        # torch, transformers, megatron-core and the Megatron model: about 0.3 s a collection on
+        # a CPU core, 2 s of every engine start (and of every recovery from a lost rank).
+        # Collected once and frozen first, as vLLM leaves it anyway, its collections scan only
+        # what it creates.
+        gc.collect()
+        gc.freeze()
         try:
             with _preserved_global_rng():  # vLLM reseeds the process-wide RNGs it shares
                 self._llm = LLM(**options)
@@ -188,9 +198,10 @@ class VLLMEngine(RolloutEngine):
         check_takes_images(requests, self.takes_images, "vLLM")
         params = [self._sampling_params(request, SamplingParams) for request in requests]
         prompts = [vllm_prompt(r, self._image_token_id) for r in requests]
-        outputs = self._llm.generate(
-            prompts, params, use_tqdm=False, lora_request=self._lora_request
-        )
+        with sampler_ops_eager(not self._on_gpu):
+            outputs = self._llm.generate(
+                prompts, params, use_tqdm=False, lora_request=self._lora_request
+            )
         results = []
         for request, output in zip(requests, outputs, strict=True):
             samples = [_completion(sample) for sample in output.outputs]
@@ -212,10 +223,10 @@ class VLLMEngine(RolloutEngine):
             return []
         params = SamplingParams(max_tokens=1, prompt_logprobs=top_k, detokenize=False)
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in sequences]
+        with sampler_ops_eager(not self._on_gpu):
+            outputs = self._llm.generate(prompts, params, use_tqdm=False)
         results = []
-        for out, ids in zip(
-            self._llm.generate(prompts, params, use_tqdm=False), sequences, strict=True
-        ):
+        for out, ids in zip(outputs, sequences, strict=True):
             steps = out.prompt_logprobs[1:]
             tops = [sorted(step.items(), key=lambda item: item[1].rank)[:top_k] for step in steps]
             results.append(

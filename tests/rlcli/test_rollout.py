@@ -225,6 +225,22 @@ def vllm_engine(model_dir):
     engine.close()
 
 
+@needs_vllm
+@pytest.mark.vllm
+def test_vllm_on_cpu_compiles_nothing_when_it_samples_or_scores(vllm_engine):
+    """vLLM compiles its log-prob ranking op with inductor on first use (1.8 s a process on CPU):
+    the engine runs it eager on CPU. The results equal the compiled op's (the scoring and
+    sampling tests below compare them with transformers)."""
+    from torch._dynamo.utils import counters
+
+    before = counters["frames"]["total"]
+    sampled = SamplingConfig(temperature=1.0, max_tokens=4, seed=3)
+    for completion in vllm_engine.generate(PROMPTS, 2, sampled)[0]:
+        assert len(completion.logprobs) == len(completion.token_ids) > 0
+    vllm_engine.sequence_log_probs([PROMPTS[0] + [11]], 2)
+    assert counters["frames"]["total"] == before  # no frame went through torch.compile
+
+
 # Before the reload test below: it needs the folder's weights in the shared engine.
 @needs_vllm
 @pytest.mark.vllm
