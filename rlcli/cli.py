@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import NoReturn
 
 import typer
 
@@ -31,7 +32,11 @@ from rlcli.commands import (
 )
 from rlcli.commands.relaunch import report_user_error_to_parent, stop_agent_restarts, under_torchrun
 from rlcli.errors import USER_ERROR_EXIT_CODE, UserError
-from rlcli.process_lifetime import tie_rank_to_agent, tie_spawned_helper_to_parent
+from rlcli.process_lifetime import (
+    exit_skipping_teardown,
+    tie_rank_to_agent,
+    tie_spawned_helper_to_parent,
+)
 
 # multiprocessing's spawn children (megatron-core's checkpoint-writer Manager among them) import
 # this module before running their target: tie each to the rank that started it.
@@ -135,5 +140,17 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(USER_ERROR_EXIT_CODE)
 
 
+def run() -> NoReturn:
+    """The ``rlcli`` program (its console script and ``python -m rlcli.cli``): :func:`main`, then
+    an exit without the interpreter's teardown (``exit_skipping_teardown``: 2 s a process). An
+    unexpected exception still ends the usual way, with its traceback. (Tests call :func:`main`
+    in their own process, which must end as pytest decides.)"""
+    try:
+        main()
+    except SystemExit as stop:
+        exit_skipping_teardown(stop.code)
+    exit_skipping_teardown(0)
+
+
 if __name__ == "__main__":
-    main()
+    run()

@@ -29,6 +29,8 @@ What runs beside a rank, and what ends it:
 
 These are Linux guarantees (``prctl``); elsewhere the helpers end at a normal exit only.
 
+A finished ``rlcli`` process skips the interpreter's teardown (:func:`exit_skipping_teardown`).
+
 And a run asked to end (SIGTERM / SIGUSR1 from Slurm or ``scancel``, or a stop file) ends after
 its current step with a checkpoint: :class:`StopRequest`, which the trainer and the rollout ranks
 both hold.
@@ -36,6 +38,7 @@ both hold.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import multiprocessing
 import multiprocessing.util
@@ -43,7 +46,7 @@ import os
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     import torch
@@ -205,3 +208,30 @@ class StopRequest:
     def uninstall(self) -> None:
         for number, handler in self._previous.items():
             signal.signal(number, handler)
+
+
+def exit_skipping_teardown(code: object = 0) -> NoReturn:
+    """End the process as Python's own exit does up to its last hook, then stop: non-daemon
+    threads joined, every ``atexit`` hook run (multiprocessing's, which shuts the checkpoint
+    writer's Manager down; logging's; W&B's), a ``sys.exit`` message printed, the output flushed.
+    What is skipped is the interpreter's teardown after those hooks: freeing every module and
+    object one by one, about 2 s of CPU in a process that imported torch, transformers,
+    megatron-core and vLLM (measured on a 2-core AMD EPYC: 2.0 s from the last line to the exit,
+    0.07 s without the teardown), paid by every rank of every run and every CLI call. Nothing
+    that teardown would do is needed once the hooks ran: files the run writes are closed (the
+    metrics logger, checkpoints) or flushed as written."""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    if code is None or isinstance(code, int):
+        status = code or 0
+    else:  # sys.exit("message"): printed, status 1, as the interpreter does
+        print(code, file=sys.stderr)
+        status = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing left to flush into
+            pass
+    os._exit(status)

@@ -204,3 +204,40 @@ def test_a_collective_whose_peer_is_gone_is_told_apart():
     assert peer_lost(dist.DistBackendError("NCCL communicator was aborted on rank 3"))
     assert not peer_lost(RuntimeError("CUDA out of memory"))
     assert not peer_lost(ValueError(gloo))  # not a collective's error
+
+
+EXITING = """
+import atexit, multiprocessing, sys, threading, time
+from pathlib import Path
+from rlcli.process_lifetime import exit_skipping_teardown
+
+out = Path(sys.argv[1])
+atexit.register(lambda: (out / "hook").write_text("ran"))
+threading.Thread(target=lambda: (time.sleep(0.5), (out / "thread").write_text("joined"))).start()
+helper = multiprocessing.Process(target=time.sleep, args=(600,), daemon=True)
+helper.start()
+(out / "helper").write_text(str(helper.pid))
+print("buffered, not flushed", end="")
+exit_skipping_teardown(sys.argv[2] if sys.argv[2] == "a message" else int(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize(("code", "status"), [("0", 0), ("3", 3), ("a message", 1)])
+def test_an_exit_without_teardown_still_does_what_pythons_exit_does(tmp_path, code, status):
+    """`rlcli` ends its processes without the interpreter's teardown (2 s a rank): the exit status,
+    a joined non-daemon thread, the atexit hooks (multiprocessing's ends a daemon helper, as at a
+    usual exit), a sys.exit message and unflushed output must all be as Python leaves them."""
+    proc = subprocess.run(
+        [sys.executable, "-c", EXITING, str(tmp_path), code],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == status, proc.stderr
+    assert proc.stdout == "buffered, not flushed"
+    assert (proc.stderr.strip() == "a message") == (code == "a message"), proc.stderr
+    assert (tmp_path / "hook").read_text() == "ran"
+    assert (tmp_path / "thread").read_text() == "joined"
+    assert not psutil.pid_exists(int((tmp_path / "helper").read_text()))
