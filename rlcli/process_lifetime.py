@@ -220,9 +220,9 @@ def exit_skipping_teardown(code: object = 0) -> NoReturn:
     0.07 s without the teardown), paid by every rank of every run and every CLI call. Nothing
     that teardown would do is needed once the hooks ran: files the run writes are closed (the
     metrics logger, checkpoints) or flushed as written."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # What the interpreter's exit runs first, in its order: threading's exit callbacks (which tell
+    # concurrent.futures' pools to stop) and the join of every non-daemon thread; then the hooks.
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     if code is None or isinstance(code, int):
         status = code or 0

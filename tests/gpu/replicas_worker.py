@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from rlcli.config.schema import RolloutConfig
+from rlcli.process_lifetime import exit_skipping_teardown
 from rlcli.rollout import SamplingConfig, make_engine
 
 
@@ -36,3 +37,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_skipping_teardown()  # (2 s of interpreter teardown a rank)

@@ -15,6 +15,7 @@ from parallel.logprobs import (
     vocab_parallel_log_probs_and_entropy,
     vocab_parallel_top_ids,
 )
+from rlcli.process_lifetime import exit_skipping_teardown
 from tests.parallel.test_logprobs import reference_log_probs_and_entropy
 
 
@@ -136,3 +137,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_skipping_teardown()  # (2 s of interpreter teardown a rank)

@@ -27,6 +27,7 @@ from parallel.lora_io import load_peft_adapter, sync_lora_adapter
 from parallel.mesh import destroy_parallel, init_parallel
 from parallel.reshard import sync_weights
 from rlcli.config.schema import RolloutConfig
+from rlcli.process_lifetime import exit_skipping_teardown
 from rlcli.rollout import SamplingConfig
 from rlcli.rollout.vllm_engine import VLLMEngine
 
@@ -92,3 +93,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_skipping_teardown()  # (2 s of interpreter teardown a rank)

@@ -60,6 +60,7 @@ from parallel.optim import (
 from parallel.parity import megatron_logits, round_trip_equal
 from parallel.reshard import iter_adapter_buckets, iter_inference_buckets
 from parallel.step_types import LossReport, MicroBatch, ModelOutputs
+from rlcli.process_lifetime import exit_skipping_teardown
 
 SPEC = LoraSpec(rank=4, alpha=8.0, target_modules=("all",))
 ROWS, SEQ = 4, 10
@@ -402,3 +403,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_skipping_teardown()  # (2 s of interpreter teardown a rank)

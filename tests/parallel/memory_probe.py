@@ -34,6 +34,7 @@ from parallel.model_shapes import KNOWN_SHAPES, ModelShape
 from parallel.offload import Offloader
 from parallel.optim import OptimizerSettings, build_optimizer, train_step, wrap_for_training
 from parallel.step_types import LossReport, MicroBatch, ModelOutputs
+from rlcli.process_lifetime import exit_skipping_teardown
 
 MICRO_BATCH = int(os.environ.get("PROBE_MICRO_BATCH", 4))
 SEQ = int(os.environ.get("PROBE_SEQ", 1024))
@@ -180,3 +181,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_skipping_teardown()  # (2 s of interpreter teardown a rank)

@@ -34,6 +34,7 @@ from parallel.optim import (
     wrap_for_training,
 )
 from parallel.step_types import LossReport, MicroBatch, ModelOutputs
+from rlcli.process_lifetime import exit_skipping_teardown
 
 LAYOUTS = [(2, 1, None), (1, 2, None), (1, 2, 2), (1, 1, None)]  # (tp, pp, vpp); 1x1 is DP2
 ROWS, SEQ = 8, 10
@@ -225,3 +226,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_skipping_teardown()  # (2 s of interpreter teardown a rank)

@@ -48,6 +48,7 @@ from parallel.model_options import ModelBuildOptions, MoeOptions
 from parallel.model_shapes import ModelShape, stage_expert_params, stage_params
 from parallel.moe import is_moe
 from parallel.parity import round_trip_equal
+from rlcli.process_lifetime import exit_skipping_teardown
 from tests.parallel.moe_checks import (
     hf_router_choices,
     megatron_router_choices_equal,
@@ -280,3 +281,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_skipping_teardown()  # (2 s of interpreter teardown a rank)

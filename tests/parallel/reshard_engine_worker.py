@@ -33,6 +33,7 @@ from parallel.mesh import destroy_parallel, init_parallel
 from parallel.model import build_model
 from parallel.reshard import iter_inference_buckets, sync_weights
 from rlcli.config.schema import RolloutConfig
+from rlcli.process_lifetime import exit_skipping_teardown
 from rlcli.rollout import SamplingConfig, make_engine
 
 TEMPERATURE = 0.8
@@ -177,3 +178,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_skipping_teardown()  # (2 s of interpreter teardown a rank)

@@ -47,6 +47,7 @@ from parallel.optim import OptimizerSettings, build_optimizer, train_step, wrap_
 from parallel.preference_pairs import TokenizedPairs, pad_sequences
 from parallel.reward_model import load_reward_model, score_sequences
 from parallel.reward_training import bradley_terry_step, pairwise_accuracy
+from rlcli.process_lifetime import exit_skipping_teardown
 
 LAYOUTS = [(2, 1), (1, 2), (1, 1)]  # (tp, pp); 1 x 1 on two processes is DP2
 PAD = 0
@@ -263,3 +264,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_skipping_teardown()  # (2 s of interpreter teardown a rank)

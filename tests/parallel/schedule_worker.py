@@ -30,6 +30,7 @@ from parallel.mesh import Mesh, init_parallel
 from parallel.model import build_model
 from parallel.schedule import forward_backward
 from parallel.step_types import LossReport, MicroBatch, ModelOutputs
+from rlcli.process_lifetime import exit_skipping_teardown
 
 TEMPERATURE = 0.7
 TOP_K = 5
@@ -234,3 +235,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_skipping_teardown()  # (2 s of interpreter teardown a rank)

@@ -23,6 +23,7 @@ from parallel.micro_batches import micro_batches
 from parallel.schedule import forward_backward
 from parallel.step_types import LossReport, MicroBatch
 from parallel.vision_language import mrope_position_ids
+from rlcli.process_lifetime import exit_skipping_teardown
 
 IMAGE, START, END = 250, 248, 249
 PATCH = 3 * 2 * 14 * 14  # channels x temporal patch x patch x patch
@@ -157,3 +158,4 @@ def main(hf_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_skipping_teardown()  # (2 s of interpreter teardown a rank)

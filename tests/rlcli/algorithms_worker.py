@@ -11,6 +11,7 @@ import json
 import sys
 
 from rlcli.data import PromptLoader
+from rlcli.process_lifetime import exit_skipping_teardown
 from rlcli.rollout.hf_engine import HFEngine
 from rlcli.train.build import build_kl_controller, build_trainer, needs_reference
 from rlcli.train.teacher import TeacherEngine
@@ -138,3 +139,4 @@ def main(recipe: str, out_json: str, *base: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], *sys.argv[3:])
+    exit_skipping_teardown()  # (2 s of interpreter teardown a rank)

@@ -26,6 +26,7 @@ from parallel.forward_passes import forward_log_probs, forward_log_probs_and_rou
 from parallel.hf_model import load_hf_model
 from parallel.mesh import init_parallel
 from parallel.model_options import ModelBuildOptions, MoeOptions
+from rlcli.process_lifetime import exit_skipping_teardown
 from rlcli.rollout.base import SamplingConfig
 from rlcli.rollout.batch import Sample, collate, response_values
 from rlcli.rollout.hf_engine import HFEngine
@@ -126,3 +127,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_skipping_teardown()  # (2 s of interpreter teardown a rank)

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from rlcli.model.residency import StepPhases
+from rlcli.process_lifetime import exit_skipping_teardown
 from rlcli.rollout.dynamic_sampling import keep_informative_groups
 from rlcli.run.state import TRAINER_STATE_FILE
 from rlcli.train.build import build_trainer
@@ -167,3 +168,4 @@ def main(recipe: str, out_json: str, *overrides: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], *sys.argv[3:])
+    exit_skipping_teardown()  # (2 s of interpreter teardown a rank)

@@ -27,6 +27,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from parallel.model_options import ModelBuildOptions
+from rlcli.process_lifetime import exit_skipping_teardown
 from tests.rlcli.token_budget_worker import AGG_MODES, config, make_batch, random_samples
 
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}
@@ -240,3 +241,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_skipping_teardown()  # (2 s of interpreter teardown a rank)

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from rlcli.model.residency import KINDS
+from rlcli.process_lifetime import exit_skipping_teardown
 from rlcli.train.build import build_rewards, build_trainer
 from rlcli.train.trainer import rl_step
 from rlcli.validation.loader import load_config
@@ -124,3 +125,4 @@ def main(recipe: str, out_json: str, *base: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], *sys.argv[3:])
+    exit_skipping_teardown()  # (2 s of interpreter teardown a rank)

@@ -25,6 +25,7 @@ from parallel.mesh import init_parallel
 from parallel.roles import init_role_world
 from rlcli.config.schema import RolloutConfig
 from rlcli.model.trained_model import MicroBatching, TrainedModel
+from rlcli.process_lifetime import exit_skipping_teardown
 from rlcli.rollout import SamplingConfig, make_engine
 from rlcli.rollout.batch import Sample, collate
 from rlcli.rollout.channel import Notice, RolloutChannel, StreamedBatch
@@ -107,3 +108,4 @@ def main(model_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_skipping_teardown()  # (2 s of interpreter teardown a rank)

@@ -207,13 +207,15 @@ def test_a_collective_whose_peer_is_gone_is_told_apart():
 
 
 EXITING = """
-import atexit, multiprocessing, sys, threading, time
+import atexit, concurrent.futures, multiprocessing, sys, threading, time
 from pathlib import Path
 from rlcli.process_lifetime import exit_skipping_teardown
 
 out = Path(sys.argv[1])
 atexit.register(lambda: (out / "hook").write_text("ran"))
 threading.Thread(target=lambda: (time.sleep(0.5), (out / "thread").write_text("joined"))).start()
+pool = concurrent.futures.ThreadPoolExecutor(1)  # its idle worker waits until told to stop
+pool.submit(lambda: (out / "pool").write_text("ran"))
 helper = multiprocessing.Process(target=time.sleep, args=(600,), daemon=True)
 helper.start()
 (out / "helper").write_text(str(helper.pid))
@@ -225,7 +227,7 @@ exit_skipping_teardown(sys.argv[2] if sys.argv[2] == "a message" else int(sys.ar
 @pytest.mark.parametrize(("code", "status"), [("0", 0), ("3", 3), ("a message", 1)])
 def test_an_exit_without_teardown_still_does_what_pythons_exit_does(tmp_path, code, status):
     """`rlcli` ends its processes without the interpreter's teardown (2 s a rank): the exit status,
-    a joined non-daemon thread, the atexit hooks (multiprocessing's ends a daemon helper, as at a
+    a joined non-daemon thread, a thread pool told to stop, the atexit hooks (multiprocessing's ends a daemon helper, as at a
     usual exit), a sys.exit message and unflushed output must all be as Python leaves them."""
     proc = subprocess.run(
         [sys.executable, "-c", EXITING, str(tmp_path), code],
@@ -240,4 +242,5 @@ def test_an_exit_without_teardown_still_does_what_pythons_exit_does(tmp_path, co
     assert (proc.stderr.strip() == "a message") == (code == "a message"), proc.stderr
     assert (tmp_path / "hook").read_text() == "ran"
     assert (tmp_path / "thread").read_text() == "joined"
+    assert (tmp_path / "pool").read_text() == "ran"
     assert not psutil.pid_exists(int((tmp_path / "helper").read_text()))

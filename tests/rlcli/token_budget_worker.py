@@ -22,6 +22,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from rlcli.process_lifetime import exit_skipping_teardown
+
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -173,3 +175,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_skipping_teardown()  # (2 s of interpreter teardown a rank)
