@@ -1,7 +1,7 @@
 """vLLM-CPU's workarounds, each for a gap of vLLM 0.32's CPU backend that has no setting: the
-shared-memory name of a TP group, the prepacked weights (the LM head's embedding, MoE
-experts) that a weight update does not repack, and a sampler op compiled on first use. ``rlcli.rollout.vllm_engine`` calls them; each
-says what it measured without the fix."""
+shared-memory name of a TP group, the prepacked weights (the LM head's embedding, MoE experts)
+that a weight update does not repack, and a sampler op compiled on first use.
+``rlcli.rollout.vllm_engine`` calls them; each says what it measured without the fix."""
 
 from __future__ import annotations
 

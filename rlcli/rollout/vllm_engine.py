@@ -162,9 +162,9 @@ class VLLMEngine(RolloutEngine):
         # vLLM's start collects the whole heap six times (model load, KV-cache profiling), then
         # freezes it (its EngineCore's freeze_gc_heap). In a trainer's process that heap holds
         # torch, transformers, megatron-core and the Megatron model: about 0.3 s a collection on
-        # a CPU core, 2 s of every engine start (and of every recovery from a lost rank).
-        # Collected once and frozen first, as vLLM leaves it anyway, its collections scan only
-        # what it creates.
+        # a CPU core. Collected once and frozen first, as vLLM leaves it anyway, its collections
+        # scan only what it creates (measured on a 2-core AMD EPYC: LLM() 2.5 s -> 1.1-1.4 s,
+        # plus 0.36 s for the one collection here; every engine start, every recovery).
         gc.collect()
         gc.freeze()
         try:
