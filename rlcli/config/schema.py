@@ -307,6 +307,13 @@ class RLConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @property
+    def trained_models(self) -> list[tuple[str, TrainedModelConfig]]:
+        """The sections of the models this run trains, by key: the actor, and the critic when
+        the algorithm has one (other runs ignore the critic section)."""
+        critic = [("critic", self.critic)] if self.algorithm.uses_critic else []
+        return [("actor", self.actor), *critic]
+
+    @property
     def old_log_prob_plan(self) -> OldLogProbPlan:
         """Where the PPO ratio's old log-probs come from, decided once per run (see
         ``OldLogProbPlan``). The agreement with the engine is measured on the actor pass when

@@ -56,9 +56,9 @@ def check_ranges(cfg: RLConfig) -> None:
         raise UserError(f"trainer.total_steps must be >= 1 (or null: epochs), got {total}")
     if cfg.trainer.total_epochs < 1:
         raise UserError(f"trainer.total_epochs must be >= 1, got {cfg.trainer.total_epochs}")
-    checked = _trained_model_ranges("actor", cfg.actor)
-    if cfg.algorithm.uses_critic:
-        checked += _trained_model_ranges("critic", cfg.critic)
+    checked = []
+    for key, section in cfg.trained_models:
+        checked += _trained_model_ranges(key, section)
     if cfg.sft.steps:
         checked.append(("sft.lr", cfg.sft.lr, LEARNING_RATE))
     a = cfg.actor

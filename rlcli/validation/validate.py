@@ -59,11 +59,10 @@ def validate(cfg: RLConfig, world_size: int | None = None) -> None:
     check_moe_settings(cfg)
     if cfg.trainer.resume not in ("auto", "none") and not cfg.trainer.resume:
         raise UserError("trainer.resume is empty: use 'auto', 'none' or a checkpoint directory")
-    _check_trained_model("actor", cfg.actor, cfg)
-    if cfg.algorithm.uses_critic:  # other runs ignore the critic section
-        _check_trained_model("critic", cfg.critic, cfg)
-        if cfg.critic.cliprange_value <= 0:
-            raise UserError(f"critic.cliprange_value must be > 0, got {cfg.critic.cliprange_value}")
+    for key, section in cfg.trained_models:
+        _check_trained_model(key, section, cfg)
+    if cfg.algorithm.uses_critic and cfg.critic.cliprange_value <= 0:
+        raise UserError(f"critic.cliprange_value must be > 0, got {cfg.critic.cliprange_value}")
     if cfg.trainer.critic_warmup < 0:
         raise UserError(f"trainer.critic_warmup must be >= 0, got {cfg.trainer.critic_warmup}")
     if cfg.trainer.critic_warmup and not cfg.algorithm.uses_critic:
@@ -300,10 +299,7 @@ def _check_algorithm_names(cfg: RLConfig) -> None:
     aggregations)."""
     import algorithms
 
-    trained = [("actor", cfg.actor)] + (
-        [("critic", cfg.critic)] if cfg.algorithm.uses_critic else []
-    )
-    for key, section in trained:
+    for key, section in cfg.trained_models:
         if section.loss_agg_mode not in algorithms.LOSS_AGG_MODES:
             raise UserError(
                 f"{key}.loss_agg_mode={section.loss_agg_mode!r} is not valid; choose one of: "

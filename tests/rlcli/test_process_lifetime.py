@@ -227,8 +227,9 @@ exit_skipping_teardown(sys.argv[2] if sys.argv[2] == "a message" else int(sys.ar
 @pytest.mark.parametrize(("code", "status"), [("0", 0), ("3", 3), ("a message", 1)])
 def test_an_exit_without_teardown_still_does_what_pythons_exit_does(tmp_path, code, status):
     """`rlcli` ends its processes without the interpreter's teardown (2 s a rank): the exit status,
-    a joined non-daemon thread, a thread pool told to stop, the atexit hooks (multiprocessing's ends a daemon helper, as at a
-    usual exit), a sys.exit message and unflushed output must all be as Python leaves them."""
+    a joined non-daemon thread, a thread pool told to stop, the atexit hooks (multiprocessing's
+    ends a daemon helper, as at a usual exit), a sys.exit message and unflushed output must all be
+    as Python leaves them."""
     proc = subprocess.run(
         [sys.executable, "-c", EXITING, str(tmp_path), code],
         cwd=REPO,
