@@ -92,7 +92,9 @@ class PromptDataset(Sequence[PromptItem]):
 
 
 @dataclass
-class _ParsedRow:
+class PromptRow:
+    """One row of a prompt file, checked and not yet tokenized."""
+
     location: RowLocation
     messages: list[dict[str, str]]
     data_source: str
@@ -130,8 +132,7 @@ def load_prompt_dataset(
     no prompt is left.
     """
     paths = [files] if isinstance(files, str) else list(files)
-    if not paths:
-        raise UserError("no data files given: set at least one prompt file (.jsonl or .parquet)")
+    parsed = read_prompt_rows(paths, prompt_key)
     has_template = getattr(tokenizer, "chat_template", None) is not None
     if apply_chat_template is None:
         use_template = has_template
@@ -142,12 +143,6 @@ def load_prompt_dataset(
         )
     else:
         use_template = bool(apply_chat_template)
-
-    parsed = [
-        _parse_row(location, row, prompt_key) for path in paths for location, row in read_rows(path)
-    ]
-    if not parsed:
-        raise UserError(f"no prompts in {', '.join(paths)}: the data files are empty")
 
     # Rows with images are rendered by the model's processor instead (below).
     texts = [
@@ -202,7 +197,21 @@ def load_prompt_dataset(
     return PromptDataset(items, paths, num_dropped, use_template)
 
 
-def _parse_row(location: RowLocation, row: dict[str, Any], prompt_key: str) -> _ParsedRow:
+def read_prompt_rows(paths: list[str], prompt_key: str = "prompt") -> list[PromptRow]:
+    """Every row of the prompt files, checked without a tokenizer (so a launch can check them
+    before it imports the training stack): ``UserError`` naming the file, the row and the key
+    for a bad row, and when the files hold no row at all."""
+    if not paths:
+        raise UserError("no data files given: set at least one prompt file (.jsonl or .parquet)")
+    parsed = [
+        _parse_row(location, row, prompt_key) for path in paths for location, row in read_rows(path)
+    ]
+    if not parsed:
+        raise UserError(f"no prompts in {', '.join(paths)}: the data files are empty")
+    return parsed
+
+
+def _parse_row(location: RowLocation, row: dict[str, Any], prompt_key: str) -> PromptRow:
     if prompt_key not in row or row[prompt_key] is None:
         raise UserError(
             f"{location}: missing key {prompt_key!r} (the chat messages "
@@ -231,12 +240,12 @@ def _parse_row(location: RowLocation, row: dict[str, Any], prompt_key: str) -> _
         raise UserError(
             f"{location}: key 'extra_info' must be an object, got {type(extra_info).__name__}"
         )
-    return _ParsedRow(
+    return PromptRow(
         location, messages, data_source, reward_model["ground_truth"], extra_info, row.get("images")
     )
 
 
-def _row_images(row: _ParsedRow, processor: Any, prompt_key: str) -> Any:
+def _row_images(row: PromptRow, processor: Any, prompt_key: str) -> Any:
     """A row's images and what the model's processor makes of them (``rlcli.data.images``)."""
     from rlcli.data.images import prompt_with_images
 
@@ -275,7 +284,7 @@ def parse_messages(value: Any, location: RowLocation, prompt_key: str) -> list[d
 
 
 def _render_prompt(
-    row: _ParsedRow, tokenizer: Any, use_template: bool, tools: list[dict[str, Any]] | None
+    row: PromptRow, tokenizer: Any, use_template: bool, tools: list[dict[str, Any]] | None
 ) -> str:
     if not use_template:
         return "\n".join(message["content"] for message in row.messages)

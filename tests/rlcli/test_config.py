@@ -182,10 +182,18 @@ def test_gsm8k_data_lands_where_the_gsm8k_recipes_read_it(tmp_path):
     made = run_cli("data", "gsm8k", "--input", str(test), "--output", "data/gsm8k", cwd=tmp_path)
     assert made.returncode == 0 and "data/gsm8k/test.jsonl" in made.stdout
     recipe = REPO / "recipes" / "grpo_qwen7b.yaml"
+    # (a built model in place of the 7B one: it trains its tokenizer on a synthetic task's text)
     ok = run_cli(
-        "config", "validate", str(recipe), "model.build=true", "--world-size", "16", cwd=tmp_path
-    )
+        "config", "validate", str(recipe), "model.build=true", "data.synthetic=arith",
+        "--world-size", "16", cwd=tmp_path,
+    )  # fmt: skip
     assert ok.returncode == 0, ok.stderr
+    (tmp_path / "data" / "gsm8k" / "train.jsonl").unlink()
+    missing = run_cli(
+        "config", "validate", str(recipe), "model.build=true", "data.synthetic=arith",
+        "--world-size", "16", cwd=tmp_path,
+    )  # fmt: skip
+    assert missing.returncode == 2 and "data/gsm8k/train.jsonl" in missing.stderr, missing.stderr
 
 
 @pytest.mark.parametrize(

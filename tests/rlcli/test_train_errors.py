@@ -164,15 +164,51 @@ def test_jsonl_that_is_not_utf8(tmp_path, model_dir):
     assert_user_error(proc, str(path), "line 6", "not UTF-8")
 
 
+def test_bad_rows_are_refused_before_the_training_stack_is_imported(tmp_path, model_dir):
+    """The launch reads the rows itself (no tokenizer needed): a bad one exits 2 in about two
+    seconds, before transformers or megatron-core is imported (torch is: the algorithm
+    registries that validation looks names up in are torch modules)."""
+    path = write_latin1_rows(tmp_path / "train.jsonl")
+    launch = (
+        "import sys\nfrom rlcli.cli import main\ntry:\n    main(sys.argv[1:])\n"
+        "except SystemExit as stop:\n"
+        "    heavy = [m for m in ('transformers', 'megatron') if m in sys.modules]\n"
+        "    print('exit', stop.code, 'imported', heavy)\n"
+    )
+    args = [
+        "train", str(REPO / "recipes" / "quickstart.yaml"), "data.synthetic=null",
+        "model.build=false", f"model.path={model_dir}", f"data.train_files=[{path}]",
+    ]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", launch, *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert "line 6" in proc.stderr and "not UTF-8" in proc.stderr, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "exit 2 imported []", (proc.stdout, proc.stderr[-3000:])
+
+
+def test_model_build_without_a_task_to_train_its_tokenizer_is_refused(tmp_path):
+    rows = write_rows(tmp_path / "train.jsonl", [good_row(i) for i in range(8)])
+    proc = train(tmp_path, tmp_path / "to_build", f"data.train_files=[{rows}]", "model.build=true")
+    assert_user_error(proc, "model.build needs text", "data.synthetic=arith")
+    assert not (tmp_path / "to_build").exists()
+
+
 @pytest.mark.dist
 def test_user_error_in_the_ranks_of_nproc_2(tmp_path, model_dir):
-    """Under --nproc 2 the data is read by the ranks: the parent prints their message once and
-    exits 2, with no torchrun ChildFailedError report."""
-    path = write_latin1_rows(tmp_path / "train.jsonl")
-    proc = train(tmp_path, model_dir, f"data.train_files=[{path}]", "--nproc", "2")
-    assert_user_error(proc, str(path), "line 6", "not UTF-8")
+    """Under --nproc 2 the ranks load the data (prompt lengths need the tokenizer): the parent
+    prints their message once and exits 2, with no torchrun ChildFailedError report."""
+    rows = write_rows(tmp_path / "train.jsonl", [good_row(i) for i in range(8)])
+    proc = train(
+        tmp_path,
+        model_dir,
+        f"data.train_files=[{rows}]",
+        "data.max_prompt_length=2",
+        "--nproc",
+        "2",
+    )
+    assert_user_error(proc, str(rows), "longer than max_prompt_length=2")
     assert "ChildFailedError" not in proc.stderr + proc.stdout
-    assert proc.stderr.count("not UTF-8") == 1, proc.stderr[-3000:]
+    assert proc.stderr.count("error: all 8 prompts") == 1, proc.stderr[-3000:]
 
 
 def write_tool_config(tmp_path: Path) -> Path:
