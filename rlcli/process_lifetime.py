@@ -25,7 +25,10 @@ What runs beside a rank, and what ends it:
 * vLLM runs in the rank's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): no process.
 * A rank started by torchrun is in its own session, so the terminal's signals do not reach it,
   and when torchrun's agent dies it would go on alone: :func:`tie_rank_to_agent` kills it with
-  its agent (the agent itself kills each live rank's process group when it stops a group).
+  its agent (the agent itself kills each live rank's process group when it stops a group). The
+  ranks ``rlcli --nproc`` starts are forked by torchrun's forkserver
+  (``rlcli.commands.relaunch``), which ends when the agent does: they die with it, and it with
+  the agent.
 
 These are Linux guarantees (``prctl``); elsewhere the helpers end at a normal exit only.
 
@@ -52,6 +55,7 @@ if TYPE_CHECKING:
     import torch
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 # A file whose appearance asks the run to stop after the current step with a checkpoint (the
 # sbatch script creates it when Slurm warns of preemption or the time limit).
 STOP_FILE_ENV = "RLCLI_STOP_FILE"
@@ -97,8 +101,22 @@ def _die_with_forking_parent(_: object) -> None:
 def tie_rank_to_agent() -> None:
     """Call in a rank that torchrun started: die with the agent. SIGKILL, not SIGTERM: without
     its agent the group can neither be restarted nor report, and the newest committed
-    checkpoint is safe whenever the rank dies."""
+    checkpoint is safe whenever the rank dies. A rank torchrun forked (`forked_by_torchrun`)
+    also leaves the agent's session, as one it starts as a new process does: a terminal's Ctrl-C
+    reaches the agent alone, which asks the ranks to stop after their step."""
+    if forked_by_torchrun():
+        os.setsid()
+        _name_process(f"rlcli-rank{os.environ.get('LOCAL_RANK', '')}")
     die_with_parent()
+
+
+def _name_process(name: str) -> None:
+    """The name ``ps``, ``top`` and psutil show for this process (15 characters at most): a rank
+    forked by torchrun has its forkserver's command line, which says nothing of the rank."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux
+        pass
 
 
 # What torch.distributed's backends say when a collective's peer process is gone (gloo's TCP
@@ -210,6 +228,26 @@ class StopRequest:
             signal.signal(number, handler)
 
 
+def forked_by_torchrun() -> bool:
+    """True in a rank that torchrun forked from its forkserver (``rlcli.commands.relaunch``
+    starts ``rlcli`` ranks so) rather than started as a new interpreter: such a rank ends by
+    returning to torchrun's wrapper, which hands torchrun its result, and not by ``os._exit``."""
+    return multiprocessing.parent_process() is not None and "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def run_exit_hooks() -> None:
+    """What the interpreter's exit runs before its teardown (see `exit_skipping_teardown`)."""
+    # What the interpreter's exit runs first, in its order: threading's exit callbacks (which tell
+    # concurrent.futures' pools to stop) and the join of every non-daemon thread; then the hooks.
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing left to flush into
+            pass
+
+
 def exit_skipping_teardown(code: object = 0) -> NoReturn:
     """End the process as Python's own exit does up to its last hook, then stop: non-daemon
     threads joined, every ``atexit`` hook run (multiprocessing's, which shuts the checkpoint
@@ -220,18 +258,10 @@ def exit_skipping_teardown(code: object = 0) -> NoReturn:
     0.07 s without the teardown), paid by every rank of every run and every CLI call. Nothing
     that teardown would do is needed once the hooks ran: files the run writes are closed (the
     metrics logger, checkpoints) or flushed as written."""
-    # What the interpreter's exit runs first, in its order: threading's exit callbacks (which tell
-    # concurrent.futures' pools to stop) and the join of every non-daemon thread; then the hooks.
-    threading._shutdown()  # type: ignore[attr-defined]
-    atexit._run_exitfuncs()
     if code is None or isinstance(code, int):
         status = code or 0
     else:  # sys.exit("message"): printed, status 1, as the interpreter does
         print(code, file=sys.stderr)
         status = 1
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe or stream: nothing left to flush into
-            pass
+    run_exit_hooks()
     os._exit(status)

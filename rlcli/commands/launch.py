@@ -167,11 +167,12 @@ def launch_local(
     recipe = _checked_recipe(recipe)
     if nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {nproc}.")
-    _checked_config(recipe, overrides or [], nproc)
+    cfg = _checked_config(recipe, overrides or [], nproc)
     command = local_torchrun_command(
         nproc, train_program_args(recipe, list(overrides or [])), max_restarts
     )
     if dry_run:
         typer.echo(shlex.join(command))
         return
-    raise typer.Exit(run_torchrun(command, stop_after_step=True))
+    with_vllm = cfg.rollout.engine == "vllm"
+    raise typer.Exit(run_torchrun(command, stop_after_step=True, with_vllm=with_vllm))

@@ -7,6 +7,15 @@ parent names (``RLCLI_USER_ERROR_DIR``) and exits 2; the parent prints each dist
 and exits 2, instead of torchrun's ChildFailedError traceback. Any other rank failure ends the
 parent with exit code 1 and a line naming the ranks (their own tracebacks are printed above it).
 
+The ranks come from a forkserver that imported the training stack once (torchrun's own
+``--run-path`` with ``--start-method forkserver``; ``rlcli.cli`` is the script): every rank, and
+every rank of a restarted group, starts with torch, transformers, megatron-core (and vLLM when the
+run uses it) already imported, instead of importing them itself (5-11 s of CPU a rank, and the
+largest share of a restart: ``python -m benchmarks --section recovery``). On a machine with a
+GPU (NVIDIA or AMD) the ranks are still started as new processes: a module that queried the
+device as it was imported would leave the GPU driver initialised in the forkserver, which no
+forked rank could then use, and this path has not been run on a GPU yet.
+
 Restarts (``--max-restarts N``, ``trainer.max_restarts``): torchrun restarts the whole group when a
 rank dies, and the trainer resumes from its newest checkpoint. A user error is not worth
 retrying: the rank that meets one asks its torchrun agent (its parent process) to stop with
@@ -20,7 +29,7 @@ import os
 import signal
 import tempfile
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import typer
 
@@ -29,6 +38,13 @@ from rlcli.process_lifetime import STOP_FILE_ENV, StopRequest
 from rlcli.run.launch import local_torchrun_command, torchrun_prefix
 
 USER_ERROR_DIR_ENV = "RLCLI_USER_ERROR_DIR"
+# The agent's pid, for `stop_agent_restarts`: a forked rank's parent is the forkserver.
+AGENT_PID_ENV = "RLCLI_TORCHRUN_AGENT_PID"
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd")  # an NVIDIA GPU's driver, an AMD GPU's (ROCm)
+CLI_SCRIPT = str(Path(__file__).resolve().parents[1] / "cli.py")
+# What the forkserver imports before it forks the ranks (vLLM too when the run uses it).
+STACK_MODULES = ("rlcli.commands.rank_preload",)
+VLLM_MODULES = ("vllm", "rlcli.rollout.vllm_engine")
 
 
 def under_torchrun() -> bool:
@@ -37,16 +53,34 @@ def under_torchrun() -> bool:
 
 
 def relaunch_under_torchrun(
-    nproc: int, cli_args: list[str], max_restarts: int = 0, stop_after_step: bool = False
+    nproc: int,
+    cli_args: list[str],
+    max_restarts: int = 0,
+    stop_after_step: bool = False,
+    with_vllm: bool = False,
 ) -> NoReturn:
     """Run ``rlcli CLI_ARGS`` on `nproc` local processes under torchrun (restarting the group up
     to `max_restarts` times after a rank dies), then exit with the code `run_torchrun` gives.
-    `cli_args` must not contain ``--nproc`` (see `without_nproc`)."""
+    `cli_args` must not contain ``--nproc`` (see `without_nproc`); `with_vllm`: the ranks start
+    vLLM engines (the forkserver imports vLLM too)."""
     command = local_torchrun_command(nproc, ["-m", "rlcli.cli", *cli_args], max_restarts)
-    raise SystemExit(run_torchrun(command, stop_after_step))
+    raise SystemExit(run_torchrun(command, stop_after_step, with_vllm))
 
 
-def run_torchrun(command: list[str], stop_after_step: bool = False) -> int:
+def _forked_ranks(args: Any, with_vllm: bool) -> None:
+    """torchrun's parsed arguments for ``-m rlcli.cli ...`` on this machine, changed to fork the
+    ranks from a forkserver that has the training stack imported (the module doc)."""
+    import multiprocessing
+
+    args.module, args.run_path, args.training_script = False, True, CLI_SCRIPT
+    args.start_method = "forkserver"
+    multiprocessing.set_forkserver_preload([*STACK_MODULES, *(VLLM_MODULES if with_vllm else ())])
+    # `python -u` for the ranks, as torchrun gives a rank it starts as a new process
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    os.environ[AGENT_PID_ENV] = str(os.getpid())
+
+
+def run_torchrun(command: list[str], stop_after_step: bool = False, with_vllm: bool = False) -> int:
     """Run a torchrun command line (``rlcli.run.launch`` builds them) in this process; the exit code:
     0, 2 after printing the ranks' user errors, or 1 after naming the ranks that failed.
 
@@ -75,8 +109,12 @@ def run_torchrun(command: list[str], stop_after_step: bool = False) -> int:
             _forward_stop_signals(os.environ.setdefault(STOP_FILE_ENV, f"{error_dir}/stop"))
             # torchrun's agent would end the group on these itself; it keeps SIGHUP and SIGQUIT.
             torchrun_args = ["--signals-to-handle=SIGHUP,SIGQUIT", *torchrun_args]
+        args = parse_args(torchrun_args)
+        ours = args.standalone and args.module and args.training_script == "rlcli.cli"
+        if ours and not any(map(os.path.exists, GPU_DEVICE_FILES)):  # (module doc)
+            _forked_ranks(args, with_vllm)
         try:
-            run(parse_args(torchrun_args))
+            run(args)
         except ChildFailedError as failed:
             messages = _user_errors(Path(error_dir))
             codes = {rank: failure.exitcode for rank, failure in failed.failures.items()}
@@ -141,7 +179,7 @@ def stop_agent_restarts() -> None:
     """Under torchrun with restarts, ask the agent to end the group (see the module doc)."""
     if not under_torchrun() or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) == 0:
         return
-    parent = os.getppid()
+    parent = int(os.environ.get(AGENT_PID_ENV, os.getppid()))
     try:
         with open(f"/proc/{parent}/cmdline", "rb") as handle:
             command = handle.read().replace(b"\0", b" ")

@@ -96,7 +96,9 @@ def _load_for_run(
         if restarts < 0:
             raise UserError(f"--max-restarts must be >= 0, got {restarts}")
         # (`rlcli train`'s ranks stop after a step when asked: `resumes` is true for it alone)
-        relaunch_under_torchrun(nproc, without_nproc(sys.argv[1:]), restarts, resumes)
+        # (vLLM preloaded for the ranks' engines: only what the ranks import sooner or later)
+        with_vllm = cfg.rollout.engine == "vllm"
+        relaunch_under_torchrun(nproc, without_nproc(sys.argv[1:]), restarts, resumes, with_vllm)
     return cfg
 
 

@@ -51,6 +51,7 @@ def test_rank_killed_mid_run_restarts_and_finishes(tmp_path):
     before_kill: dict[int, str] = {}
     seen: dict[int, str] = {}
     helpers: set[int] = set()
+    names: set[str] = set()
     next_sample = 0.0
     deadline = time.monotonic() + 600
     while proc.poll() is None and time.monotonic() < deadline:
@@ -61,6 +62,7 @@ def test_rank_killed_mid_run_restarts_and_finishes(tmp_path):
             sample = processes_of_run(tag)
             seen.update(sample)
             helpers |= forked_or_spawned_helpers(sample)
+            names |= process_names(sample)
             before_kill = sample if killed_at is None else before_kill
             next_sample = now + 1.0
         if (
@@ -75,6 +77,9 @@ def test_rank_killed_mid_run_restarts_and_finishes(tmp_path):
     assert marker.exists(), "rank 1 was never killed"
     assert [r["step"] for r in rows(out)] == [1, 2, 3, 4]
     assert "resumed from step 2" in output
+    # The ranks were forked from torchrun's forkserver with the training stack imported (no
+    # NVIDIA GPU here: rlcli.commands.relaunch), and named themselves.
+    assert {"rlcli-rank0", "rlcli-rank1"} <= names, names
     managers = [pid for pid in seen if pid in helpers]
     # Two ranks saved before the kill, two restarted ranks after: the count can see them.
     assert len(managers) >= 3, seen
@@ -128,6 +133,17 @@ def test_a_user_error_under_torchrun_by_hand_is_printed_and_not_retried(tmp_path
     assert "nonsense_section" in output, output[-3000:]
     # Two ranks, one attempt: at most one line each (a restart would print more).
     assert output.count("nonsense_section") <= 2, output[-3000:]
+
+
+def process_names(sample: dict[int, str]) -> set[str]:
+    """What ps shows as the name of each process of a sample."""
+    names = set()
+    for pid in sample:
+        try:
+            names.add(psutil.Process(pid).name())
+        except psutil.NoSuchProcess:
+            continue
+    return names
 
 
 def forked_or_spawned_helpers(sample: dict[int, str]) -> set[int]:
