@@ -117,20 +117,20 @@ def run() -> None:
     forked (``rlcli.commands.relaunch``) returns when it succeeds: torchrun's wrapper collects
     its result. (Tests call :func:`main` in their own process, which must end as pytest
     decides.)"""
+    forked = forked_by_torchrun()
     try:
         main()
     except SystemExit as stop:
-        if stop.code not in (None, 0) or not forked_by_torchrun():
+        if stop.code not in (None, 0) or not forked:
             exit_skipping_teardown(stop.code)
     except BaseException:  # a rank torchrun forked: its traceback, as a process would print it
-        if not forked_by_torchrun():
+        if not forked:
             raise
         traceback.print_exc()
         exit_skipping_teardown(1)
-    if forked_by_torchrun():  # torchrun's wrapper hands the agent the rank's result, then exits
-        run_exit_hooks()
-        return
-    exit_skipping_teardown(0)
+    if not forked:
+        exit_skipping_teardown(0)
+    run_exit_hooks()  # torchrun's wrapper hands the agent the rank's result, then exits
 
 
 if __name__ == "__main__":

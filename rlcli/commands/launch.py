@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from rlcli.commands.relaunch import run_torchrun
+from rlcli.commands.relaunch import ranks_use_vllm, run_torchrun
 from rlcli.config.schema import RLConfig
 from rlcli.errors import UserError
 from rlcli.run.launch import (
@@ -174,5 +174,4 @@ def launch_local(
     if dry_run:
         typer.echo(shlex.join(command))
         return
-    with_vllm = cfg.rollout.engine == "vllm"
-    raise typer.Exit(run_torchrun(command, stop_after_step=True, with_vllm=with_vllm))
+    raise typer.Exit(run_torchrun(command, stop_after_step=True, with_vllm=ranks_use_vllm(cfg)))

@@ -9,5 +9,4 @@ quiet_third_party_noise()
 import transformers.models.auto.modeling_auto  # noqa: E402, F401
 import transformers.models.auto.tokenization_auto  # noqa: E402, F401
 
-import rlcli.train.build  # noqa: E402, F401
-import rlcli.train.inputs  # noqa: E402, F401
+import rlcli.train.build  # noqa: E402, F401  (and with it the run's inputs, models, engines' base)

@@ -29,13 +29,16 @@ import os
 import signal
 import tempfile
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
 from rlcli.errors import USER_ERROR_EXIT_CODE
 from rlcli.process_lifetime import STOP_FILE_ENV, StopRequest
 from rlcli.run.launch import local_torchrun_command, torchrun_prefix
+
+if TYPE_CHECKING:
+    from rlcli.config.schema import RLConfig
 
 USER_ERROR_DIR_ENV = "RLCLI_USER_ERROR_DIR"
 # The agent's pid, for `stop_agent_restarts`: a forked rank's parent is the forkserver.
@@ -50,6 +53,12 @@ VLLM_MODULES = ("vllm", "rlcli.rollout.vllm_engine")
 def under_torchrun() -> bool:
     """True in a process that torchrun (or torch.distributed.run) started."""
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def ranks_use_vllm(cfg: RLConfig) -> bool:
+    """Whether the ranks of this config start vLLM engines: the forkserver then imports vLLM too
+    (only what the ranks would import sooner or later)."""
+    return cfg.rollout.engine == "vllm"
 
 
 def relaunch_under_torchrun(

@@ -15,7 +15,12 @@ from typing import Optional
 
 import typer
 
-from rlcli.commands.relaunch import relaunch_under_torchrun, under_torchrun, without_nproc
+from rlcli.commands.relaunch import (
+    ranks_use_vllm,
+    relaunch_under_torchrun,
+    under_torchrun,
+    without_nproc,
+)
 from rlcli.config.schema import RLConfig
 from rlcli.errors import UserError
 from rlcli.machine import make_repeatable
@@ -96,9 +101,9 @@ def _load_for_run(
         if restarts < 0:
             raise UserError(f"--max-restarts must be >= 0, got {restarts}")
         # (`rlcli train`'s ranks stop after a step when asked: `resumes` is true for it alone)
-        # (vLLM preloaded for the ranks' engines: only what the ranks import sooner or later)
-        with_vllm = cfg.rollout.engine == "vllm"
-        relaunch_under_torchrun(nproc, without_nproc(sys.argv[1:]), restarts, resumes, with_vllm)
+        relaunch_under_torchrun(
+            nproc, without_nproc(sys.argv[1:]), restarts, resumes, ranks_use_vllm(cfg)
+        )
     return cfg
 
 
